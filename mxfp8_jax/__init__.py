@@ -1,0 +1,34 @@
+"""mxfp8_jax: MXFP8 (OCP microscaling FP8) for JAX.
+
+Exact MXFP8 numerics (one rule set for the pure-JAX reference and the CPU/CUDA/ROCm kernels),
+sharded FSDP buffers of MXFP8 planes, and a fused all-gather + RMSNorm + MXFP8 quantize.
+"""
+
+from mxfp8_jax._src._ffi import ExtensionMissingError, available_backends
+from mxfp8_jax._src.format import BLOCK, ScaleRule, e8m0_to_float32, e8m0_view
+from mxfp8_jax._src.quantize import dequantize, quantize
+from mxfp8_jax._src.tensor import (
+    MXFP8Tensor,
+    pad_columnwise_scale,
+    pad_rowwise_scale,
+    swizzle_scale,
+    update_mxfp8_tensor,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "BLOCK",
+    "ExtensionMissingError",
+    "MXFP8Tensor",
+    "ScaleRule",
+    "available_backends",
+    "dequantize",
+    "e8m0_to_float32",
+    "e8m0_view",
+    "pad_columnwise_scale",
+    "pad_rowwise_scale",
+    "quantize",
+    "swizzle_scale",
+    "update_mxfp8_tensor",
+]

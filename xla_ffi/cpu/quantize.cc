@@ -1,0 +1,57 @@
+// mxfp8_quantize (CPU): rowwise and/or columnwise planes of an [M, K] input in one pass.
+//
+// Operands: x [..., K] (f32 / bf16 / f16; leading axes are rows).
+// Results:  rowwise_data [M, K] u8, rowwise_scale [M, K/32] u8,
+//           columnwise_data [M, K] u8, columnwise_scale [M/32, K] u8.
+// An unrequested plane is passed as a zero-size result and left alone.
+#include "cpu/ffi_util.h"
+#include "cpu/parallel.h"
+
+namespace mxfp8::cpu {
+
+static ffi::Error Quantize(ffi::ThreadPool pool, ffi::AnyBuffer x,
+                           ffi::Result<ffi::AnyBuffer> row_q, ffi::Result<ffi::AnyBuffer> row_s,
+                           ffi::Result<ffi::AnyBuffer> col_q, ffi::Result<ffi::AnyBuffer> col_s,
+                           int32_t scale_rule, bool rowwise, bool columnwise) {
+  InType t;
+  if (!input_type(x.element_type(), &t))
+    return invalid("mxfp8_quantize: input must be f32, bf16 or f16");
+  const auto dims = x.dimensions();
+  if (dims.size() < 2) return invalid("mxfp8_quantize: input must have rank >= 2");
+  const int64_t K = dims.back();
+  const int64_t M = static_cast<int64_t>(x.element_count()) / (K ? K : 1);
+  if (K % kBlock) return invalid("mxfp8_quantize: K must be a multiple of 32");
+  if (columnwise && M % kBlock) return invalid("mxfp8_quantize: M must be a multiple of 32");
+  const size_t n = static_cast<size_t>(M * K);
+  if ((rowwise && (row_q->size_bytes() != n || row_s->size_bytes() != n / kBlock)) ||
+      (columnwise && (col_q->size_bytes() != n || col_s->size_bytes() != n / kBlock)))
+    return invalid("mxfp8_quantize: result sizes do not match the input");
+  Planes p;
+  if (rowwise) p.row_q = bytes(row_q), p.row_s = bytes(row_s);
+  if (columnwise) p.col_q = bytes(col_q), p.col_s = bytes(col_s);
+  const ScaleRule rule = static_cast<ScaleRule>(scale_rule);
+  const int64_t bands = (M + kBlock - 1) / kBlock;
+  // About 64 KiB of input per item keeps scheduling overhead small.
+  const int64_t min_bands = std::max<int64_t>(1, (1 << 16) / std::max<int64_t>(1, kBlock * K * 2));
+  dispatch(t, [&]<InType T>() {
+    const auto* xp = static_cast<const typename Input<T>::Elem*>(x.untyped_data());
+    parallel_for(pool, bands, min_bands, [&](int64_t b) {
+      quantize_rows<T>(xp, b * kBlock, std::min<int64_t>(M, (b + 1) * kBlock), K, p, rule);
+    });
+  });
+  return ffi::Error::Success();
+}
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(QuantizeHandler, Quantize,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Attr<int32_t>("scale_rule")
+                                  .Attr<bool>("rowwise")
+                                  .Attr<bool>("columnwise"));
+
+}  // namespace mxfp8::cpu
