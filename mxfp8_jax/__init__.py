@@ -15,9 +15,29 @@ from mxfp8_jax._src.tensor import (
     update_mxfp8_tensor,
 )
 
+from mxfp8_jax._src.layout import GlobalLayout, ShardLayout
+from mxfp8_jax._src.placement import (
+    BlockAtomic,
+    Partial,
+    Replicate,
+    RowAtomic,
+    partition_spec,
+    segments_of_shard,
+)
+from mxfp8_jax._src.dbuffer import DBuffer
+
 __version__ = "0.1.0"
 
 __all__ = [
+    "BlockAtomic",
+    "DBuffer",
+    "GlobalLayout",
+    "Partial",
+    "Replicate",
+    "RowAtomic",
+    "ShardLayout",
+    "partition_spec",
+    "segments_of_shard",
     "BLOCK",
     "ExtensionMissingError",
     "MXFP8Tensor",

@@ -1,0 +1,455 @@
+"""DBuffer: N tensors packed into one flat sharded ``jax.Array`` (SPEC §3).
+
+The one array leaf ``data`` is ``[layout.physical_size]`` with
+``NamedSharding(mesh, partition_spec(mesh, placements))``; mesh, placements and layout are
+static. Every collective is a single ``lax`` collective over each device's whole local buffer,
+inside a ``jax.shard_map`` over the mesh, so the same call works eagerly and under ``jit``.
+
+Where the data lives (``layout.dp_size == mesh.size``): with ``num_shards`` shards, the device at
+mesh position ``pos`` holds shard ``s = shard_index(mesh, placements, pos)``, whose local buffer is
+the layout segments ``segments_of_shard(mesh, placements, s)`` back to back, each
+``layout.segment_capacity`` elements (logical elements first, then padding). Partial axes are
+replicated as far as the sharding says; their devices hold different addends.
+
+Meshes: axes of type ``Auto`` or ``Explicit`` (``jax.make_mesh(..., axis_types=...)`` or
+``jax.sharding.Mesh(devices, names)``); all data movement goes through ``shard_map``, which
+treats both alike.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.sharding import Mesh, NamedSharding
+
+from mxfp8_jax._src import placement as pl
+from mxfp8_jax._src.layout import GlobalLayout, ShardLayout
+
+
+def _shard_map(fn, mesh: Mesh, in_placements, out_placements):
+    return jax.shard_map(
+        fn,
+        mesh=mesh,
+        in_specs=pl.partition_spec(mesh, in_placements),
+        out_specs=pl.partition_spec(mesh, out_placements),
+        check_vma=False,  # Partial axes hold different values under a replicated spec
+    )
+
+
+def _axis_group(names: Sequence[str]):
+    """A collective's axis_name: names innermost first, the order the shard index uses."""
+    names = tuple(reversed(names))
+    return names[0] if len(names) == 1 else names
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class DBuffer:
+    """A flat sharded buffer of packed tensors.
+
+    Invariants (checked on construction): ``placements`` valid for ``mesh`` (one per axis, Shard
+    placements a suffix); ``layout.dp_size == mesh.size``; every ``BlockAtomic(n)`` has
+    ``layout.block_size % n == 0``; ``data`` is 1-D of length ``layout.physical_size`` and, once
+    concrete, sharded as ``NamedSharding(mesh, partition_spec(mesh, placements))``.
+    """
+
+    data: jax.Array
+    mesh: Mesh = dataclasses.field(metadata=dict(static=True))
+    placements: tuple[pl.Placement, ...] = dataclasses.field(metadata=dict(static=True))
+    layout: GlobalLayout = dataclasses.field(metadata=dict(static=True))
+
+    def __post_init__(self):
+        object.__setattr__(self, "placements", pl.validate_placements(self.mesh, self.placements))
+        _check_static(self.mesh, self.placements, self.layout)
+        data = self.data
+        if not isinstance(data, jax.Array):  # placeholders from pytree utilities
+            return
+        if data.ndim != 1 or data.shape[0] != self.layout.physical_size:
+            raise ValueError(
+                f"data has shape {tuple(data.shape)}; a DBuffer holds a flat "
+                f"[{self.layout.physical_size}] array (layout.physical_size)"
+            )
+        if not isinstance(data, jax.core.Tracer) and data.is_fully_addressable:
+            if not data.sharding.is_equivalent_to(self.sharding, 1):
+                raise ValueError(
+                    f"data is sharded as {data.sharding}, but placements {self.placements} need "
+                    f"{self.sharding}; jax.device_put it there first"
+                )
+
+    # -- construction --------------------------------------------------------------------------
+
+    @classmethod
+    def zeros(cls, mesh: Mesh, placements, layout: GlobalLayout, dtype) -> DBuffer:
+        """A zero-filled buffer with an existing layout."""
+        placements = pl.validate_placements(mesh, placements)
+        _check_static(mesh, placements, layout)
+        sharding = NamedSharding(mesh, pl.partition_spec(mesh, placements))
+        data = jax.device_put(jnp.zeros((layout.physical_size,), dtype), sharding)
+        return cls(data, mesh, placements, layout)
+
+    @classmethod
+    def empty(
+        cls,
+        mesh: Mesh,
+        placements,
+        tensor_shapes: Iterable[Sequence[int]],
+        dtype,
+        *,
+        shard_layout: ShardLayout = ShardLayout.PADDED,
+        block_size: int = 1,
+    ) -> DBuffer:
+        """A buffer for ``tensor_shapes`` (zero-filled), its layout built for ``mesh.size`` segments.
+
+        The layout's block is ``lcm(block_size, n)`` over the placements' ``BlockAtomic(n)``.
+        """
+        layout = _build_layout(mesh, placements, tensor_shapes, shard_layout, block_size)
+        return cls.zeros(mesh, placements, layout, dtype)
+
+    @classmethod
+    def distribute_tensors(
+        cls,
+        tensors: Sequence[jax.Array],
+        mesh: Mesh,
+        placements,
+        *,
+        dtype=None,
+        shard_layout: ShardLayout = ShardLayout.PADDED,
+        block_size: int = 1,
+        layout: GlobalLayout | None = None,
+    ) -> DBuffer:
+        """Packs ``tensors`` (cast to ``dtype``, default their common type) and places them.
+
+        The buffer's value is the tensors: under ``Partial("sum")`` the first device along each
+        Partial axis holds them and the others zeros; under ``Partial("avg")`` every device does.
+        ``layout`` (built with ``dp_size = mesh.size``) overrides ``shard_layout``/``block_size``.
+        """
+        tensors = list(tensors)
+        shapes = [tuple(getattr(t, "shape", ())) for t in tensors]
+        if layout is None:
+            layout = _build_layout(mesh, placements, shapes, shard_layout, block_size)
+        elif tuple(shapes) != layout.tensor_shapes:
+            raise ValueError(f"tensor shapes {shapes} differ from layout.tensor_shapes {layout.tensor_shapes}")
+        placements = pl.validate_placements(mesh, placements)
+        _check_static(mesh, placements, layout)
+        if dtype is None:
+            dtype = jnp.result_type(*tensors) if tensors else jnp.float32
+        flat = _pack(layout, [jnp.asarray(t).astype(dtype) for t in tensors], jnp.dtype(dtype))
+        base = tuple(pl.Replicate() if pl.is_partial(p) else p for p in placements)
+        flat = jax.device_put(flat, NamedSharding(mesh, pl.partition_spec(mesh, base)))
+        return cls(flat, mesh, base, layout).redistribute(placements)
+
+    # -- geometry ------------------------------------------------------------------------------
+
+    @property
+    def sharding(self) -> NamedSharding:
+        return NamedSharding(self.mesh, pl.partition_spec(self.mesh, self.placements))
+
+    @property
+    def dtype(self):
+        return self.data.dtype
+
+    @property
+    def num_shards(self) -> int:
+        return pl.num_shards(self.mesh, self.placements)
+
+    @property
+    def local_size(self) -> int:
+        """Elements of each device's local buffer."""
+        return self.layout.physical_size // self.num_shards
+
+    def segments_of(self, device) -> range:
+        """Layout segments held by ``device``, in local-buffer order."""
+        pos = pl.device_position(self.mesh, device)
+        return pl.segments_of_shard(self.mesh, self.placements, pl.shard_index(self.mesh, self.placements, pos))
+
+    # -- reading -------------------------------------------------------------------------------
+
+    def get_tensor(self, i: int) -> jax.Array:
+        """Tensor ``i`` as a logical array: static slices of a replicated buffer.
+
+        A sharded buffer is first all-gathered (one all-gather of the whole buffer); a buffer with
+        Partial axes must be reduced first (``redistribute``).
+        """
+        self._check_index(i)
+        if any(pl.is_partial(p) for p in self.placements):
+            raise ValueError(
+                f"get_tensor needs a buffer without Partial placements, got {self.placements}; "
+                f"redistribute to Replicate (or Shard) first"
+            )
+        full = self if self.num_shards == 1 else self.allgather()
+        lay = full.layout
+        start, end = lay.tensor_range(i)
+        parts = []
+        for k, (s, e) in enumerate(lay.rank_segments):
+            a, b = max(start, s), min(end, e)
+            if a < b:
+                p = lay.physical_offset(a, k)
+                parts.append(full.data[p : p + b - a])
+        flat = parts[0] if len(parts) == 1 else jnp.concatenate(parts)
+        return flat.reshape(lay.tensor_shapes[i])
+
+    def get_tensors(self) -> list[jax.Array]:
+        """Every tensor, as ``get_tensor`` gives it (one gather for all of them)."""
+        full = self if self.num_shards == 1 or self._has_partial() else self.allgather()
+        return [full.get_tensor(i) for i in range(self.layout.num_tensors)]
+
+    def local_tensor(self, i: int, device) -> np.ndarray:
+        """Host copy of the rows of tensor ``i`` held by ``device``: ``[n_rows, *shape[1:]]``.
+
+        The rows are ``layout.rows_in_segments(i, segs.start, segs.stop)`` for
+        ``segs = self.segments_of(device)``; under Partial axes they are that device's addends.
+        """
+        self._check_index(i)
+        if isinstance(self.data, jax.core.Tracer):
+            raise TypeError("local_tensor inspects concrete device buffers; call it outside jit")
+        segs = self.segments_of(device)
+        local = next((s.data for s in self.data.addressable_shards if s.device == device), None)
+        if local is None:
+            raise ValueError(f"device {device} holds no addressable shard of this buffer")
+        local = np.asarray(local)
+        lay = self.layout
+        start, end = lay.tensor_range(i)
+        parts = []
+        for j, k in enumerate(segs):
+            s, e = lay.rank_segments[k]
+            a, b = max(start, s), min(end, e)
+            if a < b:
+                p = j * lay.segment_capacity + a - s
+                parts.append(local[p : p + b - a])
+        shape = lay.tensor_shapes[i]
+        flat = np.concatenate(parts) if parts else np.zeros((0,), local.dtype)
+        return flat.reshape((-1, *shape[1:]))
+
+    # -- movement ------------------------------------------------------------------------------
+
+    def allgather(self, mesh_axes: str | int | Iterable[str | int] | None = None) -> DBuffer:
+        """Gathers the given Shard axes (names or indices; default all): one all-gather.
+
+        Only the outermost Shard axes can be gathered (the result must keep the suffix rule);
+        they become ``Replicate``.
+        """
+        names = self._axis_names(mesh_axes)
+        for n in names:
+            p = self.placements[self.mesh.axis_names.index(n)]
+            if not pl.is_shard(p):
+                raise ValueError(f"allgather: mesh axis {n!r} has placement {p}, not a Shard placement")
+        new = tuple(
+            pl.Replicate() if n in names else p for n, p in zip(self.mesh.axis_names, self.placements)
+        )
+        try:
+            pl.validate_placements(self.mesh, new)
+        except ValueError:
+            raise ValueError(
+                f"allgather({list(names)}) on placements {self.placements} would leave {new}; only "
+                f"the outermost Shard axes can be gathered (Shard placements must stay a suffix)"
+            ) from None
+        return self.redistribute(new)
+
+    def redistribute(self, placements) -> DBuffer:
+        """The same value under ``placements``; per mesh axis:
+
+        Shard -> Replicate: all-gather; Partial -> Replicate: psum (pmean for avg);
+        Partial -> Shard: psum_scatter; Replicate -> Shard: local slice;
+        Replicate -> Partial: local (sum keeps the first device's copy, avg keeps all);
+        Shard kinds (RowAtomic/BlockAtomic) change freely. Each kind of collective needed is one
+        collective over all its axes and the whole local buffer.
+        """
+        new = pl.validate_placements(self.mesh, placements)
+        _check_static(self.mesh, new, self.layout)
+        if new == self.placements:
+            return self
+        plan = _plan(self.mesh, self.placements, new)
+        if plan.is_metadata_only:
+            return dataclasses.replace(self, placements=new)
+        return DBuffer(_transition(plan)(self.data), self.mesh, new, self.layout)
+
+    def view(self, placements) -> DBuffer:
+        """The same value under ``placements`` without any communication.
+
+        Allowed per axis: unchanged; one Shard kind to another (same split); Replicate -> Shard
+        (each device keeps its slice). Anything else raises; use ``redistribute``.
+        """
+        new = pl.validate_placements(self.mesh, placements)
+        for name, old, p in zip(self.mesh.axis_names, self.placements, new):
+            if not (old == p or (pl.is_shard(old) and pl.is_shard(p)) or
+                    (isinstance(old, pl.Replicate) and pl.is_shard(p))):
+                raise ValueError(
+                    f"view cannot change mesh axis {name!r} from {old} to {p}: that needs "
+                    f"communication; use redistribute"
+                )
+        return self.redistribute(new)
+
+    def cast(self, dtype) -> DBuffer:
+        """The buffer converted elementwise to ``dtype`` on every device (no communication)."""
+        if jnp.dtype(dtype) == self.dtype:
+            return self
+        fn = _cast(self.mesh, self.placements, jnp.dtype(dtype))
+        return DBuffer(fn(self.data), self.mesh, self.placements, self.layout)
+
+    # -- helpers -------------------------------------------------------------------------------
+
+    def _has_partial(self) -> bool:
+        return any(pl.is_partial(p) for p in self.placements)
+
+    def _check_index(self, i: int) -> None:
+        n = self.layout.num_tensors
+        if not isinstance(i, (int, np.integer)) or not 0 <= i < n:
+            raise ValueError(f"tensor index {i!r} must be an int in [0, {n})")
+
+    def _axis_names(self, mesh_axes) -> tuple[str, ...]:
+        names = tuple(self.mesh.axis_names)
+        if mesh_axes is None:
+            return pl.shard_axes(self.mesh, self.placements)
+        if isinstance(mesh_axes, (str, int)):
+            mesh_axes = (mesh_axes,)
+        out = []
+        for a in mesh_axes:
+            if isinstance(a, (int, np.integer)) and not isinstance(a, bool) and 0 <= a < len(names):
+                out.append(names[a])
+            elif isinstance(a, str) and a in names:
+                out.append(a)
+            else:
+                raise ValueError(f"mesh_axes entry {a!r} is neither an axis name nor an index of {names}")
+        return tuple(n for n in names if n in out)  # mesh order
+
+
+def _check_static(mesh: Mesh, placements, layout: GlobalLayout) -> None:
+    if not isinstance(layout, GlobalLayout):
+        raise TypeError(f"layout must be a GlobalLayout, got {type(layout).__name__}")
+    if layout.dp_size != mesh.size:
+        raise ValueError(
+            f"layout.dp_size={layout.dp_size} must equal mesh.size={mesh.size}: DBuffer layouts "
+            f"have one segment per device"
+        )
+    pl.check_layout_fits(placements, layout.block_size)
+
+
+@functools.lru_cache(maxsize=None)
+def _transition(plan: _Plan):
+    """The compiled per-device transition (cached: plans are hashable static values)."""
+    return jax.jit(_shard_map(plan.local_fn, plan.mesh, plan.old, plan.new))
+
+
+@functools.lru_cache(maxsize=None)
+def _cast(mesh: Mesh, placements, dtype):
+    return jax.jit(_shard_map(lambda x: x.astype(dtype), mesh, placements, placements))
+
+
+def _build_layout(mesh, placements, tensor_shapes, shard_layout, block_size) -> GlobalLayout:
+    placements = pl.validate_placements(mesh, placements)
+    if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size < 1:
+        raise ValueError(f"block_size={block_size!r} must be a positive int")
+    block = math.lcm(block_size, *(p.n for p in placements if isinstance(p, pl.BlockAtomic)))
+    return GlobalLayout.build(tensor_shapes, mesh.size, block_size=block, shard_layout=shard_layout)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 2))
+def _pack(layout: GlobalLayout, tensors: list[jax.Array], dtype) -> jax.Array:
+    """The physical flat array: each segment's pieces in place, zeros elsewhere."""
+    flats = [t.reshape(-1) for t in tensors]
+    parts, cap = [], layout.segment_capacity
+    for k in range(layout.dp_size):
+        at = 0
+        for i, row, n_rows, off in layout.pieces(k):
+            if off > at:
+                parts.append(jnp.zeros((off - at,), dtype))
+            rs = layout.row_size(i)
+            parts.append(flats[i][row * rs : (row + n_rows) * rs])
+            at = off + n_rows * rs
+        if cap > at:
+            parts.append(jnp.zeros((cap - at,), dtype))
+    return jnp.concatenate(parts) if parts else jnp.zeros((0,), dtype)
+
+
+# ------------------------------------------------------------------------------------------------
+# Planning a transition between placements
+
+
+@dataclasses.dataclass(frozen=True)
+class _Plan:
+    """What each device does to move from old to new placements (axes in mesh order)."""
+
+    mesh: Mesh
+    old: tuple[pl.Placement, ...]
+    new: tuple[pl.Placement, ...]
+    split: tuple[str, ...]  # new Shard axes that were not Shard: local buffer splits over them
+    reduce_scatter: tuple[tuple[str, str], ...]  # (axis, op) among ``split`` from Partial
+    reduce: tuple[tuple[str, str], ...]  # Partial -> Replicate
+    gather: tuple[str, ...]  # Shard -> Replicate
+    keep_first: tuple[str, ...]  # Replicate -> Partial("sum")
+
+    @property
+    def is_metadata_only(self) -> bool:
+        return not (self.split or self.reduce or self.gather or self.keep_first)
+
+    def local_fn(self, x):
+        mesh = self.mesh
+        if self.split:
+            # Shard index digits over the split axes, innermost axis most significant.
+            dims = [mesh.shape[n] for n in reversed(self.split)]  # innermost first
+            chunk = x.shape[0] // math.prod(dims)
+            x = x.reshape(*dims, chunk)
+            scattered = dict(self.reduce_scatter)
+            digits = tuple(reversed(self.split))
+            for d in reversed(range(len(digits))):  # keep this device's Replicate -> Shard digits
+                if digits[d] not in scattered:
+                    idx = lax.axis_index(digits[d])
+                    x = lax.dynamic_index_in_dim(x, idx, axis=d, keepdims=False)
+            x = x.reshape(-1)
+            if scattered:
+                names = [n for n in self.split if n in scattered]
+                x = lax.psum_scatter(x, _axis_group(names), scatter_dimension=0, tiled=True)
+                x = _avg(x, [n for n in names if scattered[n] == "avg"], mesh)
+        if self.reduce:
+            names = [n for n, _ in self.reduce]
+            x = lax.psum(x, _axis_group(names))
+            x = _avg(x, [n for n, op in self.reduce if op == "avg"], mesh)
+        if self.gather:
+            x = lax.all_gather(x, _axis_group(self.gather), axis=0, tiled=True)
+        if self.keep_first:
+            first = functools.reduce(
+                jnp.logical_and, [lax.axis_index(n) == 0 for n in self.keep_first]
+            )
+            x = jnp.where(first, x, jnp.zeros_like(x))
+        return x
+
+
+def _avg(x, names: list[str], mesh: Mesh):
+    if not names:
+        return x
+    n = math.prod(mesh.shape[a] for a in names)
+    return lax.div(x, jnp.asarray(n, x.dtype))
+
+
+def _plan(mesh: Mesh, old, new) -> _Plan:
+    split, rs, reduce, gather, keep_first = [], [], [], [], []
+    for name, o, p in zip(mesh.axis_names, old, new):
+        if o == p or (pl.is_shard(o) and pl.is_shard(p)):
+            continue
+        if pl.is_shard(o) and isinstance(p, pl.Replicate):
+            gather.append(name)
+        elif pl.is_partial(o) and isinstance(p, pl.Replicate):
+            reduce.append((name, o.reduce_op))
+        elif pl.is_partial(o) and pl.is_shard(p):
+            split.append(name)
+            rs.append((name, o.reduce_op))
+        elif isinstance(o, pl.Replicate) and pl.is_shard(p):
+            split.append(name)
+        elif isinstance(o, pl.Replicate) and pl.is_partial(p):
+            if p.reduce_op == "sum":
+                keep_first.append(name)
+        else:
+            raise ValueError(
+                f"redistribute cannot change mesh axis {name!r} from {o} to {p} (supported: "
+                f"Shard->Replicate, Partial->Replicate, Partial->Shard, Replicate->Shard, "
+                f"Replicate->Partial, Shard kind changes)"
+            )
+    return _Plan(mesh, tuple(old), tuple(new), tuple(split), tuple(rs), tuple(reduce), tuple(gather), tuple(keep_first))
