@@ -114,3 +114,32 @@ def platform_dispatch(target: str, kernel, reference, *args):
     if not branches:
         return reference(*args)
     return jax.lax.platform_dependent(*args, default=reference, **branches)
+
+
+def quantize_segments(
+    x: jax.Array, desc: jax.Array, *, scale_rule: int, rowwise: bool, columnwise: bool
+):
+    """``mxfp8_quantize_segments``: the planes of one packed flat segment ``x [S]``.
+
+    ``desc [P, 3]`` rows ``(offset, rows, row_len)`` say where each tensor piece sits (int64, or
+    int32 when jax runs without x64).
+    Returns ``(row_q [S], row_s [S/32]), (col_q [S], col_s [S/32])`` as uint8; unrequested
+    planes are None.
+    """
+    (s,) = x.shape
+    u8 = jnp.uint8
+    data, scale = jax.ShapeDtypeStruct((s,), u8), jax.ShapeDtypeStruct((s // 32,), u8)
+    shapes = (
+        data if rowwise else _EMPTY,
+        scale if rowwise else _EMPTY,
+        data if columnwise else _EMPTY,
+        scale if columnwise else _EMPTY,
+    )
+    rq, rs, cq, cs = jax.ffi.ffi_call("mxfp8_quantize_segments", shapes)(
+        x,
+        desc,
+        scale_rule=np.int32(scale_rule),
+        rowwise=np.bool_(rowwise),
+        columnwise=np.bool_(columnwise),
+    )
+    return (rq, rs) if rowwise else (None, None), (cq, cs) if columnwise else (None, None)

@@ -7,6 +7,7 @@ namespace nb = nanobind;
 
 namespace mxfp8::cpu {
 extern "C" XLA_FFI_Error* QuantizeHandler(XLA_FFI_CallFrame*);
+extern "C" XLA_FFI_Error* QuantizeSegmentsHandler(XLA_FFI_CallFrame*);
 }  // namespace mxfp8::cpu
 
 template <typename T>
@@ -19,6 +20,7 @@ NB_MODULE(_mxfp8_cpu, m) {
   m.def("registrations", []() {
     nb::dict d;
     d["mxfp8_quantize"] = capsule(mxfp8::cpu::QuantizeHandler);
+    d["mxfp8_quantize_segments"] = capsule(mxfp8::cpu::QuantizeSegmentsHandler);
     return d;
   });
 }

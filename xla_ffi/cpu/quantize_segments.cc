@@ -1,0 +1,145 @@
+// mxfp8_quantize_segments (CPU): the MXFP8 planes of one device's packed flat segment, in one call.
+//
+// A segment holds pieces of several tensors back to back (a QuantizedDBuffer shard). The same
+// SPMD program runs on every device, so which piece sits where is data, not code: a descriptor
+// table with one row (offset, rows, row_len) per piece, chosen per device by the caller.
+//
+// Operands: x [S] (f32 / bf16 / f16), desc [P, 3] i64 (or i32: jax without x64 has no i64
+//           arrays); a row with rows == 0 is unused.
+// Results:  row_q [S], row_s [S/32], col_q [S], col_s [S/32] (u8). The piece at `offset` is an
+//           [rows, row_len] matrix; its rowwise scales [rows, row_len/32] and columnwise scales
+//           [rows/32, row_len] both start at offset/32. Bytes no piece covers are written as 0.
+// An unrequested plane is passed as a zero-size result and left alone.
+#include <algorithm>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "cpu/ffi_util.h"
+#include "cpu/parallel.h"
+
+namespace mxfp8::cpu {
+
+namespace {
+
+// One unit of parallel work: rows [r0, r1) of the piece at element `offset` with rows of
+// `row_len`; row_len == 0 means "write zeros to elements [offset, offset + r1)".
+struct Task {
+  int64_t offset;
+  int64_t row_len;
+  int64_t r0;
+  int64_t r1;
+};
+
+struct Piece {
+  int64_t offset, rows, row_len;
+};
+
+std::string piece_error(int64_t i, const Piece& p, const char* rule) {
+  return "mxfp8_quantize_segments: desc row " + std::to_string(i) + " (offset " +
+         std::to_string(p.offset) + ", rows " + std::to_string(p.rows) + ", row_len " +
+         std::to_string(p.row_len) + ") " + rule;
+}
+
+}  // namespace
+
+static ffi::Error QuantizeSegments(ffi::ThreadPool pool, ffi::AnyBuffer x,
+                                   ffi::AnyBuffer desc, ffi::Result<ffi::AnyBuffer> row_q,
+                                   ffi::Result<ffi::AnyBuffer> row_s,
+                                   ffi::Result<ffi::AnyBuffer> col_q,
+                                   ffi::Result<ffi::AnyBuffer> col_s, int32_t scale_rule,
+                                   bool rowwise, bool columnwise) {
+  InType t;
+  if (!input_type(x.element_type(), &t))
+    return invalid("mxfp8_quantize_segments: input must be f32, bf16 or f16");
+  const int64_t S = static_cast<int64_t>(x.element_count());
+  if (x.dimensions().size() != 1) return invalid("mxfp8_quantize_segments: x must be 1-D");
+  if (S % kBlock) return invalid("mxfp8_quantize_segments: segment length must be a multiple of 32");
+  const auto ddims = desc.dimensions();
+  if (ddims.size() != 2 || ddims[1] != 3)
+    return invalid("mxfp8_quantize_segments: desc must have shape [P, 3]");
+  const bool desc64 = desc.element_type() == ffi::DataType::S64;
+  if (!desc64 && desc.element_type() != ffi::DataType::S32)
+    return invalid("mxfp8_quantize_segments: desc must be int64 or int32");
+  auto entry = [&](int64_t j) -> int64_t {
+    return desc64 ? static_cast<const int64_t*>(desc.untyped_data())[j]
+                  : static_cast<const int32_t*>(desc.untyped_data())[j];
+  };
+  const size_t n = static_cast<size_t>(S);
+  if ((rowwise && (row_q->size_bytes() != n || row_s->size_bytes() != n / kBlock)) ||
+      (columnwise && (col_q->size_bytes() != n || col_s->size_bytes() != n / kBlock)))
+    return invalid("mxfp8_quantize_segments: result sizes do not match the segment");
+
+  // The descriptors are checked here only so that a wrong table cannot write out of bounds.
+  std::vector<Piece> pieces;
+  for (int64_t i = 0; i < ddims[0]; ++i) {
+    const Piece p{entry(3 * i), entry(3 * i + 1), entry(3 * i + 2)};
+    if (p.rows == 0) continue;
+    if (p.rows < 0 || p.row_len <= 0 || p.row_len % kBlock || p.rows % kBlock)
+      return invalid(piece_error(i, p, "needs rows and row_len positive multiples of 32"));
+    if (p.offset < 0 || p.offset % (kBlock * p.row_len) || p.rows > (S - p.offset) / p.row_len)
+      return invalid(piece_error(i, p, "must start at a multiple of 32 * row_len inside the segment"));
+    pieces.push_back(p);
+  }
+  std::sort(pieces.begin(), pieces.end(),
+            [](const Piece& a, const Piece& b) { return a.offset < b.offset; });
+
+  // ~64 KiB of input per task; gaps (padding) become zero-fill tasks.
+  const int64_t elem = t == InType::kF32 ? 4 : 2;
+  std::vector<Task> tasks;
+  int64_t covered = 0;
+  auto zero_fill = [&](int64_t b, int64_t e) {
+    if (e > b) tasks.push_back({b, 0, 0, e - b});
+  };
+  for (const Piece& p : pieces) {
+    if (p.offset < covered) return invalid("mxfp8_quantize_segments: desc pieces overlap");
+    zero_fill(covered, p.offset);
+    const int64_t band_bytes = kBlock * p.row_len * elem;
+    const int64_t rows_per_task = kBlock * std::max<int64_t>(1, (1 << 16) / band_bytes);
+    for (int64_t r = 0; r < p.rows; r += rows_per_task)
+      tasks.push_back({p.offset, p.row_len, r, std::min(p.rows, r + rows_per_task)});
+    covered = p.offset + p.rows * p.row_len;
+  }
+  zero_fill(covered, S);
+
+  uint8_t* rq = rowwise ? bytes(row_q) : nullptr;
+  uint8_t* rs = rowwise ? bytes(row_s) : nullptr;
+  uint8_t* cq = columnwise ? bytes(col_q) : nullptr;
+  uint8_t* cs = columnwise ? bytes(col_s) : nullptr;
+  const ScaleRule rule = static_cast<ScaleRule>(scale_rule);
+  dispatch(t, [&]<InType T>() {
+    const auto* xp = static_cast<const typename Input<T>::Elem*>(x.untyped_data());
+    parallel_for(pool, static_cast<int64_t>(tasks.size()), 1, [&](int64_t i) {
+      const Task& k = tasks[i];
+      if (k.row_len == 0) {  // zero-fill [offset, offset + r1) and its scale bytes
+        const int64_t b = k.offset, len = k.r1;
+        for (uint8_t* q : {rq, cq})
+          if (q) std::memset(q + b, 0, len);
+        for (uint8_t* s : {rs, cs})
+          if (s) std::memset(s + b / kBlock, 0, len / kBlock);
+        return;
+      }
+      Planes p;
+      const int64_t o = k.offset, os = k.offset / kBlock;
+      if (rq) p.row_q = rq + o, p.row_s = rs + os;
+      if (cq) p.col_q = cq + o, p.col_s = cs + os;
+      quantize_rows<T>(xp + o, k.r0, k.r1, k.row_len, p, rule);
+    });
+  });
+  return ffi::Error::Success();
+}
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(QuantizeSegmentsHandler, QuantizeSegments,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Attr<int32_t>("scale_rule")
+                                  .Attr<bool>("rowwise")
+                                  .Attr<bool>("columnwise"));
+
+}  // namespace mxfp8::cpu
