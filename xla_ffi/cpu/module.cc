@@ -8,6 +8,8 @@ namespace nb = nanobind;
 namespace mxfp8::cpu {
 extern "C" XLA_FFI_Error* QuantizeHandler(XLA_FFI_CallFrame*);
 extern "C" XLA_FFI_Error* QuantizeSegmentsHandler(XLA_FFI_CallFrame*);
+extern "C" XLA_FFI_Error* RmsnormQuantizeHandler(XLA_FFI_CallFrame*);
+extern "C" XLA_FFI_Error* AllgatherRmsnormQuantizeHandler(XLA_FFI_CallFrame*);
 }  // namespace mxfp8::cpu
 
 template <typename T>
@@ -21,6 +23,8 @@ NB_MODULE(_mxfp8_cpu, m) {
     nb::dict d;
     d["mxfp8_quantize"] = capsule(mxfp8::cpu::QuantizeHandler);
     d["mxfp8_quantize_segments"] = capsule(mxfp8::cpu::QuantizeSegmentsHandler);
+    d["mxfp8_rmsnorm_quantize"] = capsule(mxfp8::cpu::RmsnormQuantizeHandler);
+    d["mxfp8_allgather_rmsnorm_quantize"] = capsule(mxfp8::cpu::AllgatherRmsnormQuantizeHandler);
     return d;
   });
 }

@@ -1,0 +1,93 @@
+// mxfp8_rmsnorm_quantize (CPU): RMSNorm of each row, then MXFP8 of the result, in one pass.
+//
+// Operands: x [R, H] bf16, gamma [H] bf16.
+// Results:  normed [R, H] bf16, row_q [R, H] u8, row_s [R, H/32] u8,
+//           col_q [R, H] u8, col_s [R/32, H] u8 (zero-size uint8[0] unless columnwise).
+// Attributes: eps f32, weight_offset f32, quantize_from_fp32 bool, columnwise bool,
+//             scale_rule i32 (0 rceil, 1 floor).
+// normed = bf16_rne((x * inv) * (gamma + weight_offset)) in the order pinned in numerics.h;
+// the quantized planes are those of normed (or of the unrounded fp32 value).
+#include <vector>
+
+#include "cpu/ffi_util.h"
+#include "cpu/fp_env.h"
+#include "cpu/parallel.h"
+#include "cpu/rmsnorm_cpu.h"
+
+namespace mxfp8::cpu {
+
+static ffi::Error RmsnormQuantize(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> x,
+                                  ffi::Buffer<ffi::BF16> gamma,
+                                  ffi::Result<ffi::Buffer<ffi::BF16>> normed,
+                                  ffi::Result<ffi::AnyBuffer> row_q,
+                                  ffi::Result<ffi::AnyBuffer> row_s,
+                                  ffi::Result<ffi::AnyBuffer> col_q,
+                                  ffi::Result<ffi::AnyBuffer> col_s, float eps,
+                                  float weight_offset, bool quantize_from_fp32, bool columnwise,
+                                  int32_t scale_rule) {
+  const auto dims = x.dimensions();
+  if (dims.size() != 2) return invalid("mxfp8_rmsnorm_quantize: x must be [R, H]");
+  const int64_t R = dims[0], H = dims[1];
+  if (H % kBlock) return invalid("mxfp8_rmsnorm_quantize: H must be a multiple of 32");
+  if (gamma.element_count() != static_cast<size_t>(H))
+    return invalid("mxfp8_rmsnorm_quantize: gamma must be [H]");
+  if (columnwise && R % kBlock)
+    return invalid("mxfp8_rmsnorm_quantize: R must be a multiple of 32 for columnwise output");
+  const size_t n = static_cast<size_t>(R * H);
+  if (normed->element_count() != n || row_q->size_bytes() != n ||
+      row_s->size_bytes() != n / kBlock ||
+      (columnwise && (col_q->size_bytes() != n || col_s->size_bytes() != n / kBlock)))
+    return invalid("mxfp8_rmsnorm_quantize: result sizes do not match x");
+  if (R == 0) return ffi::Error::Success();
+
+  NormParams p;
+  p.H = H;
+  p.eps = eps;
+  p.quantize_from_fp32 = quantize_from_fp32;
+  p.columnwise = columnwise;
+  p.rule = static_cast<ScaleRule>(scale_rule);
+  NormOutputs o;
+  o.normed = reinterpret_cast<uint16_t*>(normed->typed_data());
+  o.row_q = bytes(row_q);
+  o.row_s = bytes(row_s);
+  if (columnwise) o.col_q = bytes(col_q), o.col_s = bytes(col_s);
+
+  const auto* xp = reinterpret_cast<const uint16_t*>(x.typed_data());
+  std::vector<float> g;
+  {
+    ScopedIeeeFp ieee;  // gamma + offset may be subnormal
+    g = gamma_plus_offset(reinterpret_cast<const uint16_t*>(gamma.typed_data()), H,
+                          weight_offset);
+  }
+  // Items of about 64 KiB of input (whole 32-row bands for columnwise planes).
+  const int64_t rows_per_item =
+      columnwise ? kBlock : std::max<int64_t>(1, (int64_t{1} << 16) / (2 * H));
+  const int64_t items = (R + rows_per_item - 1) / rows_per_item;
+  const auto row_input = [xp, H](int64_t r) { return xp + r * H; };
+  const bool fp32_band = columnwise && quantize_from_fp32;
+  parallel_for(pool, items, 1, [&](int64_t i) {
+    ScopedIeeeFp ieee;
+    std::vector<uint32_t> scratch(fp32_band ? static_cast<size_t>(kBlock * H) : 0);
+    const int64_t r0 = i * rows_per_item, r1 = std::min(R, r0 + rows_per_item);
+    rmsnorm_quantize_rows(row_input, r0, r1, g.data(), p, o, scratch.data());
+  });
+  return ffi::Error::Success();
+}
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(RmsnormQuantizeHandler, RmsnormQuantize,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::BF16>>()
+                                  .Arg<ffi::Buffer<ffi::BF16>>()
+                                  .Ret<ffi::Buffer<ffi::BF16>>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Attr<float>("eps")
+                                  .Attr<float>("weight_offset")
+                                  .Attr<bool>("quantize_from_fp32")
+                                  .Attr<bool>("columnwise")
+                                  .Attr<int32_t>("scale_rule"));
+
+}  // namespace mxfp8::cpu
