@@ -25,6 +25,7 @@ from mxfp8_jax._src.placement import (
     segments_of_shard,
 )
 from mxfp8_jax._src.dbuffer import DBuffer
+from mxfp8_jax._src.quantized import QuantizedDBuffer
 
 __version__ = "0.1.0"
 
@@ -33,6 +34,7 @@ __all__ = [
     "DBuffer",
     "GlobalLayout",
     "Partial",
+    "QuantizedDBuffer",
     "Replicate",
     "RowAtomic",
     "ShardLayout",

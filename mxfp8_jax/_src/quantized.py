@@ -1,0 +1,618 @@
+"""QuantizedDBuffer: MXFP8 weights for FSDP as four sharded uint8 planes (SPEC §4).
+
+Planes, each a ``DBuffer`` over one mesh (``None`` once released):
+
+- ``rowwise_data``, ``columnwise_data``: E4M3 bytes in the data layout ``L``;
+- ``rowwise_scale``: E8M0 bytes in ``L`` with every coordinate divided by 32 (tensor ``[M, K]``
+  becomes ``[M, K/32]`` at offset ``o/32``), same placements;
+- ``columnwise_scale``: the same division (``[M/32, K]`` at ``o/32``), placements with
+  ``BlockAtomic`` mapped to ``RowAtomic`` (one scale row stands for a 32-row data block).
+
+Every tensor is 2-D with M and K multiples of 32 and ``L.block_size == 32``, so each device holds
+whole 1x32 and 32x1 blocks: quantizing the local segment equals quantizing globally, with no
+cross-device amax. ``quantize`` therefore runs inside ``jax.shard_map`` with no communication.
+Each device's local buffer packs different tensor pieces, but the SPMD program is the same on
+every device: a static per-shard descriptor table (rows ``(offset, rows, row_len)``), indexed by
+the device's shard position, drives ONE ``mxfp8_quantize_segments`` kernel call over the whole
+segment (``backend="ffi"``), or a per-shard ``lax.switch`` over the same pieces (``"jax"``).
+
+The two directions move independently: the forward pass gathers the rowwise planes, the backward
+the columnwise ones (gathering both costs 16.5 bits per element, more than bf16). A direction's
+planes share its placements (``rowwise_placements``, ``columnwise_placements``); the two may differ
+after ``redistribute``/``allgather`` of one direction only.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from collections.abc import Iterable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.sharding import Mesh
+
+from mxfp8_jax._src import _ffi
+from mxfp8_jax._src import format as fmt
+from mxfp8_jax._src import placement as pl
+from mxfp8_jax._src.dbuffer import DBuffer
+from mxfp8_jax._src.layout import GlobalLayout, ShardLayout
+from mxfp8_jax._src.quantize import BACKENDS, INPUT_DTYPES
+from mxfp8_jax._src.tensor import MXFP8Tensor
+
+BLOCK = fmt.BLOCK
+_TARGET = "mxfp8_quantize_segments"
+
+
+# ------------------------------------------------------------------------------------------------
+# Scale layouts and placements: the data layout with coordinates divided by 32
+
+
+@functools.lru_cache(maxsize=None)
+def rowwise_scale_layout(layout: GlobalLayout) -> GlobalLayout:
+    """``[M, K]`` at ``o`` -> ``[M, K/32]`` at ``o/32``; still 32-row blocks."""
+    return _divided(layout, [(m, k // BLOCK) for m, k in layout.tensor_shapes], BLOCK)
+
+
+@functools.lru_cache(maxsize=None)
+def columnwise_scale_layout(layout: GlobalLayout) -> GlobalLayout:
+    """``[M, K]`` at ``o`` -> ``[M/32, K]`` at ``o/32``; one scale row per 32-row block."""
+    return _divided(layout, [(m // BLOCK, k) for m, k in layout.tensor_shapes], 1)
+
+
+def _divided(layout: GlobalLayout, shapes, block_size: int) -> GlobalLayout:
+    return GlobalLayout(
+        tensor_shapes=tuple(shapes),
+        tensor_to_offset=tuple(o // BLOCK for o in layout.tensor_to_offset),
+        size=layout.size // BLOCK,
+        rank_segment_offsets=tuple(b // BLOCK for b in layout.rank_segment_offsets),
+        block_size=block_size,
+        shard_layout=layout.shard_layout,
+    )
+
+
+def columnwise_scale_placements(placements: Sequence[pl.Placement]) -> tuple[pl.Placement, ...]:
+    """``BlockAtomic(n)`` -> ``RowAtomic()``: a scale row already stands for a 32-row block."""
+    return tuple(pl.RowAtomic() if isinstance(p, pl.BlockAtomic) else p for p in placements)
+
+
+def check_mxfp8_layout(layout: GlobalLayout, argname: str = "layout") -> None:
+    """The layout rules under which local quantization equals global quantization."""
+    if not isinstance(layout, GlobalLayout):
+        raise TypeError(f"{argname} must be a GlobalLayout, got {type(layout).__name__}")
+    if layout.block_size != BLOCK:
+        raise ValueError(
+            f"{argname}.block_size={layout.block_size}: an MXFP8 buffer needs block_size == 32 so "
+            f"every device holds whole 32x1 columnwise blocks (BlockAtomic(n) placements need n "
+            f"dividing 32)"
+        )
+    check_mxfp8_shapes(layout.tensor_shapes, f"{argname}.tensor_shapes")
+    bad = [b for b in layout.rank_segment_offsets if b % BLOCK]
+    if bad:
+        raise ValueError(
+            f"{argname}.rank_segment_offsets={layout.rank_segment_offsets}: bounds {bad} are not "
+            f"multiples of 32, so scale coordinates (divided by 32) would not be whole; build it "
+            f"with QuantizedDBuffer.empty"
+        )
+
+
+def check_mxfp8_shapes(tensor_shapes, argname: str = "tensor_shapes") -> None:
+    for i, s in enumerate(tensor_shapes):
+        s = tuple(s)
+        if len(s) != 2:
+            raise ValueError(f"{argname}[{i}]={s}: a QuantizedDBuffer holds 2-D tensors [M, K]")
+        m, k = s
+        if m % BLOCK or k % BLOCK:
+            raise ValueError(
+                f"{argname}[{i}]={s}: M={m} and K={k} must both be multiples of 32 (MXFP8 blocks are "
+                f"1x32 rowwise and 32x1 columnwise)"
+            )
+
+
+def _mxfp8_layout(tensor_shapes, dp_size: int, shard_layout: ShardLayout) -> GlobalLayout:
+    """``GlobalLayout.build`` with 32-row blocks, every segment bound snapped to a multiple of 32.
+
+    Bounds inside tensors already are (offsets and blocks are multiples of 32); UNPADDED may cut
+    inside an alignment gap, whose ends are multiples of 32, so rounding down stays in the gap.
+    """
+    layout = GlobalLayout.build(tensor_shapes, dp_size, block_size=BLOCK, shard_layout=shard_layout)
+    bounds = tuple(b // BLOCK * BLOCK for b in layout.rank_segment_offsets)
+    if bounds == layout.rank_segment_offsets:
+        return layout
+    return dataclasses.replace(layout, rank_segment_offsets=bounds)
+
+
+# ------------------------------------------------------------------------------------------------
+# Per-shard piece descriptors
+
+
+@functools.lru_cache(maxsize=None)
+def descriptor_table(mesh: Mesh, placements: tuple, layout: GlobalLayout) -> np.ndarray:
+    """``[num_shards, P, 3]`` int64: per shard, rows ``(offset, rows, row_len)`` of its pieces.
+
+    Offsets count from the start of the shard's local buffer (its segments back to back, each
+    ``layout.segment_capacity`` long). Shards with fewer pieces are padded with ``(0, 0, 0)``.
+    """
+    cap = layout.segment_capacity
+    shards = []
+    for s in range(pl.num_shards(mesh, placements)):
+        rows = []
+        for j, k in enumerate(pl.segments_of_shard(mesh, placements, s)):
+            for i, _, n_rows, off in layout.pieces(k):
+                rows.append((j * cap + off, n_rows, layout.row_size(i)))
+        shards.append(rows)
+    p = max(1, max(len(r) for r in shards))
+    table = np.zeros((len(shards), p, 3), np.int64)
+    for s, rows in enumerate(shards):
+        if rows:
+            table[s, : len(rows)] = rows
+    table.setflags(write=False)
+    return table
+
+
+def _shard_position(mesh: Mesh, axes: Sequence[str]):
+    """This device's shard index inside ``shard_map``: innermost Shard axis most significant."""
+    idx = jnp.int32(0)
+    for name in reversed(axes):
+        idx = idx * mesh.shape[name] + lax.axis_index(name)
+    return idx
+
+
+def _local_reference(x, pieces, rule, rowwise: bool, columnwise: bool):
+    """Pure-JAX planes of one local segment whose pieces are static ``(offset, rows, row_len)``."""
+    n = x.shape[0]
+    out = {"rq": [], "rs": [], "cq": [], "cs": []}
+    at = 0
+
+    def gap(lo, hi):
+        if hi > lo:
+            for key, div in (("rq", 1), ("rs", BLOCK), ("cq", 1), ("cs", BLOCK)):
+                out[key].append(jnp.zeros(((hi - lo) // div,), jnp.uint8))
+
+    for off, rows, k in sorted(p for p in pieces if p[1]):
+        gap(at, off)
+        x2d = x[off : off + rows * k].reshape(rows, k)
+        as_u8 = lambda q: lax.bitcast_convert_type(q, jnp.uint8).reshape(-1)
+        if rowwise:
+            q, s = fmt.quantize_rowwise(x2d, rule)
+            out["rq"].append(as_u8(q)), out["rs"].append(s.reshape(-1))
+        if columnwise:
+            q, s = fmt.quantize_columnwise(x2d, rule)
+            out["cq"].append(as_u8(q)), out["cs"].append(s.reshape(-1))
+        at = off + rows * k
+    gap(at, n)
+    cat = lambda parts, m: jnp.concatenate(parts) if parts else jnp.zeros((m,), jnp.uint8)
+    planes = []
+    if rowwise:
+        planes += [cat(out["rq"], n), cat(out["rs"], n // BLOCK)]
+    if columnwise:
+        planes += [cat(out["cq"], n), cat(out["cs"], n // BLOCK)]
+    return tuple(planes)
+
+
+@functools.lru_cache(maxsize=None)
+def _quantize_fn(mesh, placements, layout, rule, rowwise, columnwise, backend):
+    """The jitted SPMD quantize: local segment -> allocated planes, no collective."""
+    table = descriptor_table(mesh, placements, layout)
+    axes = pl.shard_axes(mesh, placements)
+    desc_dtype = np.int64 if jax.config.jax_enable_x64 else np.int32
+    if table.max(initial=0) + layout.segment_capacity > np.iinfo(desc_dtype).max:
+        raise ValueError(
+            f"local segments of {layout.segment_capacity} elements do not fit int32 descriptors; "
+            f"enable jax_enable_x64 for buffers this large"
+        )
+
+    def reference(x, shard):
+        branches = [
+            functools.partial(_local_reference, pieces=tuple(map(tuple, t)), rule=rule,
+                              rowwise=rowwise, columnwise=columnwise)
+            for t in table.tolist()
+        ]
+        return branches[0](x) if len(branches) == 1 else lax.switch(shard, branches, x)
+
+    def kernel(x, shard):
+        desc = jnp.asarray(table.astype(desc_dtype))[shard]
+        (rq, rs), (cq, cs) = _ffi.quantize_segments(
+            x, desc, scale_rule=rule.code, rowwise=rowwise, columnwise=columnwise
+        )
+        return tuple(p for p in (rq, rs, cq, cs) if p is not None)
+
+    def local(x):
+        shard = _shard_position(mesh, axes)
+        if backend == "jax":
+            return reference(x, shard)
+        if backend == "ffi":
+            return kernel(x, shard)
+        return _ffi.platform_dispatch(_TARGET, kernel, reference, x, shard)
+
+    spec = pl.partition_spec(mesh, placements)
+    n_out = 2 * (int(rowwise) + int(columnwise))
+    return jax.jit(
+        jax.shard_map(local, mesh=mesh, in_specs=spec, out_specs=(spec,) * n_out, check_vma=False)
+    )
+
+
+# ------------------------------------------------------------------------------------------------
+# The buffer
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class QuantizedDBuffer:
+    """MXFP8 planes of N packed 2-D tensors over one mesh.
+
+    Invariants (checked by ``_validate``): ``layout`` obeys ``check_mxfp8_layout`` and has
+    ``dp_size == mesh.size``; a direction's data and scale planes are both present or both
+    ``None``; present planes are uint8 ``DBuffer``s over ``mesh`` with layouts ``layout`` (data),
+    ``rowwise_scale_layout(layout)``, ``columnwise_scale_layout(layout)`` and placements
+    ``rowwise_placements`` / ``columnwise_placements`` (columnwise scale: BlockAtomic mapped to
+    RowAtomic); no placement is ``Partial`` (bytes are not addends).
+    """
+
+    rowwise_data: DBuffer | None
+    columnwise_data: DBuffer | None
+    rowwise_scale: DBuffer | None
+    columnwise_scale: DBuffer | None
+    mesh: Mesh = dataclasses.field(metadata=dict(static=True))
+    layout: GlobalLayout = dataclasses.field(metadata=dict(static=True))
+    rowwise_placements: tuple = dataclasses.field(metadata=dict(static=True))
+    columnwise_placements: tuple = dataclasses.field(metadata=dict(static=True))
+
+    def __post_init__(self):
+        for name in ("rowwise_placements", "columnwise_placements"):
+            object.__setattr__(self, name, _check_placements(self.mesh, getattr(self, name), name))
+        self._validate()
+
+    def _validate(self) -> None:
+        check_mxfp8_layout(self.layout)
+        if self.layout.dp_size != self.mesh.size:
+            raise ValueError(
+                f"layout.dp_size={self.layout.dp_size} must equal mesh.size={self.mesh.size} "
+                f"(one layout segment per device)"
+            )
+        expected = {
+            "rowwise_data": (self.layout, self.rowwise_placements),
+            "rowwise_scale": (rowwise_scale_layout(self.layout), self.rowwise_placements),
+            "columnwise_data": (self.layout, self.columnwise_placements),
+            "columnwise_scale": (
+                columnwise_scale_layout(self.layout),
+                columnwise_scale_placements(self.columnwise_placements),
+            ),
+        }
+        for direction in ("rowwise", "columnwise"):
+            data, scale = getattr(self, f"{direction}_data"), getattr(self, f"{direction}_scale")
+            if (data is None) != (scale is None):
+                raise ValueError(f"{direction} data and scale planes must both be present or both be None")
+        for name, (layout, placements) in expected.items():
+            plane = getattr(self, name)
+            if plane is None:
+                continue
+            if not isinstance(plane, DBuffer):
+                raise TypeError(f"{name} must be a DBuffer or None, got {type(plane).__name__}")
+            if plane.mesh != self.mesh or plane.layout != layout or plane.placements != placements:
+                raise ValueError(
+                    f"{name} does not match the buffer: need mesh {dict(self.mesh.shape)}, "
+                    f"placements {placements} and layout {layout}, got mesh "
+                    f"{dict(plane.mesh.shape)}, placements {plane.placements}"
+                )
+            if isinstance(plane.data, jax.Array) and jnp.dtype(plane.data.dtype) != jnp.uint8:
+                raise TypeError(f"{name} must hold uint8 bytes, got {jnp.dtype(plane.data.dtype)}")
+
+    # -- construction --------------------------------------------------------------------------
+
+    @classmethod
+    def empty(
+        cls,
+        mesh: Mesh,
+        placements,
+        tensor_shapes: Iterable[Sequence[int]],
+        *,
+        shard_layout: ShardLayout = ShardLayout.PADDED,
+        rowwise: bool = True,
+        columnwise: bool = True,
+    ) -> QuantizedDBuffer:
+        """Zero-filled planes for 2-D ``tensor_shapes`` (M, K multiples of 32), layout built here.
+
+        The layout has ``dp_size = mesh.size`` and ``block_size = 32``; build the master weights
+        on it (``DBuffer.distribute_tensors(..., layout=qbuf.layout)``) so ``quantize`` accepts them.
+        """
+        tensor_shapes = [tuple(s) for s in tensor_shapes]
+        check_mxfp8_shapes(tensor_shapes)
+        placements = _check_placements(mesh, placements, "placements")
+        for j, p in enumerate(placements):
+            if isinstance(p, pl.BlockAtomic) and BLOCK % p.n:
+                raise ValueError(
+                    f"placements[{j}]={p}: an MXFP8 buffer's layout has 32-row blocks, so "
+                    f"BlockAtomic(n) needs n dividing 32"
+                )
+        layout = _mxfp8_layout(tensor_shapes, mesh.size, shard_layout)
+        return cls.zeros(mesh, placements, layout, rowwise=rowwise, columnwise=columnwise)
+
+    @classmethod
+    def zeros(
+        cls, mesh: Mesh, placements, layout: GlobalLayout, *, rowwise: bool = True, columnwise: bool = True
+    ) -> QuantizedDBuffer:
+        """Zero-filled planes over an existing MXFP8 layout (``check_mxfp8_layout``)."""
+        check_mxfp8_layout(layout)
+        placements = _check_placements(mesh, placements, "placements")
+        released = cls(None, None, None, None, mesh, layout, placements, placements)
+        return released.reallocate_storage(rowwise=rowwise, columnwise=columnwise)
+
+    # -- structure -----------------------------------------------------------------------------
+
+    @property
+    def placements(self) -> tuple[pl.Placement, ...]:
+        """The weight placements, when both directions share them."""
+        if self.rowwise_placements != self.columnwise_placements:
+            raise ValueError(
+                f"the directions have different placements (rowwise {self.rowwise_placements}, "
+                f"columnwise {self.columnwise_placements}); read rowwise_placements or "
+                f"columnwise_placements"
+            )
+        return self.rowwise_placements
+
+    @property
+    def planes(self) -> tuple[DBuffer | None, DBuffer | None, DBuffer | None, DBuffer | None]:
+        """``(rowwise_data, columnwise_data, rowwise_scale, columnwise_scale)``; released are None."""
+        return self.rowwise_data, self.columnwise_data, self.rowwise_scale, self.columnwise_scale
+
+    def planes_for(self, *, rowwise: bool, columnwise: bool) -> tuple[DBuffer, ...]:
+        """The data and scale planes of the selected directions, in ``planes`` order."""
+        self._require(rowwise, columnwise, "planes_for")
+        keep = (rowwise, columnwise, rowwise, columnwise)
+        return tuple(p for p, k in zip(self.planes, keep) if k)
+
+    @property
+    def is_rowwise_allocated(self) -> bool:
+        return self.rowwise_data is not None and self.rowwise_scale is not None
+
+    @property
+    def is_columnwise_allocated(self) -> bool:
+        return self.columnwise_data is not None and self.columnwise_scale is not None
+
+    @property
+    def num_tensors(self) -> int:
+        return self.layout.num_tensors
+
+    # -- storage lifecycle ---------------------------------------------------------------------
+
+    def release_storage(self, *, rowwise_only: bool = False) -> QuantizedDBuffer:
+        """Planes dropped (``None``): all of them, or only the rowwise pair.
+
+        The memory is freed when the last reference to the old arrays dies.
+        """
+        drop = dict(rowwise_data=None, rowwise_scale=None)
+        if not rowwise_only:
+            drop.update(columnwise_data=None, columnwise_scale=None)
+        return dataclasses.replace(self, **drop)
+
+    def reallocate_storage(self, *, rowwise: bool = True, columnwise: bool = True) -> QuantizedDBuffer:
+        """Released planes of the selected directions back, zero-filled (contents undefined until
+        re-quantized or re-gathered); allocated planes are kept as they are."""
+        new = {}
+        if rowwise and not self.is_rowwise_allocated:
+            p = self.rowwise_placements
+            new.update(
+                rowwise_data=DBuffer.zeros(self.mesh, p, self.layout, jnp.uint8),
+                rowwise_scale=DBuffer.zeros(self.mesh, p, rowwise_scale_layout(self.layout), jnp.uint8),
+            )
+        if columnwise and not self.is_columnwise_allocated:
+            p = self.columnwise_placements
+            new.update(
+                columnwise_data=DBuffer.zeros(self.mesh, p, self.layout, jnp.uint8),
+                columnwise_scale=DBuffer.zeros(
+                    self.mesh, columnwise_scale_placements(p), columnwise_scale_layout(self.layout), jnp.uint8
+                ),
+            )
+        return dataclasses.replace(self, **new) if new else self
+
+    # -- quantization --------------------------------------------------------------------------
+
+    def quantize(
+        self, main_weight: DBuffer, *, scale_rule: str = "rceil", backend: str = "auto"
+    ) -> QuantizedDBuffer:
+        """Every allocated plane recomputed from ``main_weight``, locally (no communication).
+
+        ``main_weight`` (f32/bf16/f16) must have this buffer's mesh, layout and the placements
+        of each allocated direction. Functional form of Megatron's ``quantize_``: returns the new
+        buffer; released planes stay released.
+        """
+        if not isinstance(main_weight, DBuffer):
+            raise TypeError(f"main_weight must be a DBuffer, got {type(main_weight).__name__}")
+        rule = fmt.ScaleRule.parse(scale_rule)
+        if backend not in BACKENDS:
+            raise ValueError(f"backend={backend!r} is not one of {BACKENDS}")
+        rowwise, columnwise = self.is_rowwise_allocated, self.is_columnwise_allocated
+        if not (rowwise or columnwise):
+            raise ValueError("quantize: no plane is allocated; call reallocate_storage() first")
+        if main_weight.mesh != self.mesh:
+            raise ValueError(
+                f"main_weight.mesh {dict(main_weight.mesh.shape)} {main_weight.mesh.devices.tolist()} "
+                f"must be this buffer's mesh {dict(self.mesh.shape)} {self.mesh.devices.tolist()}"
+            )
+        for direction, alloc in (("rowwise", rowwise), ("columnwise", columnwise)):
+            want = getattr(self, f"{direction}_placements")
+            if alloc and main_weight.placements != want:
+                raise ValueError(
+                    f"main_weight.placements={main_weight.placements} must equal the {direction} "
+                    f"placements {want} of this buffer (quantize does not communicate)"
+                )
+        if main_weight.layout != self.layout:
+            raise ValueError(
+                "main_weight.layout differs from this buffer's layout; build the master weights "
+                "with DBuffer.distribute_tensors(..., layout=qbuf.layout) (got "
+                f"{main_weight.layout}, need {self.layout})"
+            )
+        dt = jnp.dtype(main_weight.dtype)
+        if dt not in [jnp.dtype(d) for d in INPUT_DTYPES]:
+            raise TypeError(f"main_weight has dtype {dt}; MXFP8 quantize takes bfloat16, float16 or float32")
+        if backend == "ffi":
+            _ffi.require(_TARGET, _ffi.default_platform())
+        fn = _quantize_fn(self.mesh, main_weight.placements, self.layout, rule, rowwise, columnwise, backend)
+        outs = list(fn(main_weight.data))
+        new = {}
+        p = main_weight.placements
+        if rowwise:
+            new.update(
+                rowwise_data=DBuffer(outs.pop(0), self.mesh, p, self.layout),
+                rowwise_scale=DBuffer(outs.pop(0), self.mesh, p, rowwise_scale_layout(self.layout)),
+            )
+        if columnwise:
+            new.update(
+                columnwise_data=DBuffer(outs.pop(0), self.mesh, p, self.layout),
+                columnwise_scale=DBuffer(
+                    outs.pop(0), self.mesh, columnwise_scale_placements(p), columnwise_scale_layout(self.layout)
+                ),
+            )
+        return dataclasses.replace(self, **new)
+
+    # -- reading -------------------------------------------------------------------------------
+
+    def get_tensor_view(self, i: int) -> MXFP8Tensor:
+        """Tensor ``i`` as a compact, unswizzled ``MXFP8Tensor`` of its allocated planes.
+
+        Needs the allocated planes replicated along the flat dimension (``allgather`` first).
+        """
+        self._check_index(i)
+        planes = {}
+        for direction in ("rowwise", "columnwise"):
+            data = getattr(self, f"{direction}_data")
+            if data is None:
+                planes.update({f"{direction}_data": None, f"{direction}_scale": None})
+                continue
+            if data.num_shards != 1:
+                raise ValueError(
+                    f"get_tensor_view({i}): the {direction} planes are sharded "
+                    f"({getattr(self, f'{direction}_placements')}); allgather them first, or use "
+                    f"local_tensor_view for one device's rows"
+                )
+            q = data.get_tensor(i)
+            planes[f"{direction}_data"] = lax.bitcast_convert_type(q, jnp.float8_e4m3fn)
+            planes[f"{direction}_scale"] = getattr(self, f"{direction}_scale").get_tensor(i)
+        if planes["rowwise_data"] is None and planes["columnwise_data"] is None:
+            raise ValueError(f"get_tensor_view({i}): no plane is allocated")
+        return MXFP8Tensor(**planes, shape=self.layout.tensor_shapes[i], dtype=jnp.bfloat16)
+
+    def get_tensor(self, i: int) -> TEPaddedMXFP8:
+        """Tensor ``i`` with its scales in TE's physical (padded, unswizzled) shapes, padding 0."""
+        view = self.get_tensor_view(i)
+        row, col = view.padded_scales()
+        return TEPaddedMXFP8(view.rowwise_data, row, view.columnwise_data, col, shape=view.shape)
+
+    def local_tensor_view(self, i: int, device) -> MXFP8Tensor:
+        """Host copy of the rows of tensor ``i`` that ``device`` holds, as a compact MXFP8Tensor.
+
+        Shape ``[n_rows, K]`` (``n_rows`` may be 0); scales ``[n_rows, K/32]``/``[n_rows/32, K]``.
+        """
+        self._check_index(i)
+        planes = {}
+        for name, plane in zip(("rowwise_data", "columnwise_data", "rowwise_scale", "columnwise_scale"), self.planes):
+            planes[name] = None if plane is None else plane.local_tensor(i, device)
+        for name in ("rowwise_data", "columnwise_data"):
+            if planes[name] is not None:
+                planes[name] = planes[name].view(jnp.float8_e4m3fn)
+        data = next(d for d in (planes["rowwise_data"], planes["columnwise_data"], np.zeros((0,))) if d is not None)
+        k = self.layout.tensor_shapes[i][1]
+        return MXFP8Tensor(**planes, shape=(data.size // k, k), dtype=jnp.bfloat16)
+
+    def to_te(self, i: int, **kwargs):
+        """Tensor ``i`` as TE JAX's ``ScaledTensor2x``/``ScaledTensor1x`` (TE must be importable)."""
+        return self.get_tensor_view(i).to_te(**kwargs)
+
+    # -- movement ------------------------------------------------------------------------------
+
+    def view(self, placements) -> QuantizedDBuffer:
+        """Every plane under ``placements`` without communication (``DBuffer.view`` rules)."""
+        new = _check_placements(self.mesh, placements, "placements")
+        return self._move(new, rowwise=True, columnwise=True, how="view")
+
+    def redistribute(self, placements, *, rowwise: bool = True, columnwise: bool = True) -> QuantizedDBuffer:
+        """The selected directions' planes under ``placements``; the others stay as they are."""
+        new = _check_placements(self.mesh, placements, "placements")
+        self._require(rowwise, columnwise, "redistribute")
+        return self._move(new, rowwise=rowwise, columnwise=columnwise, how="redistribute")
+
+    def allgather(
+        self, mesh_axes: str | int | Iterable[str | int] | None = None, *, rowwise: bool = True,
+        columnwise: bool = True,
+    ) -> QuantizedDBuffer:
+        """All-gathers the given Shard axes (default: all) of the selected directions' planes.
+
+        One uint8 all-gather per selected plane (data, then scale); unselected planes keep their
+        placements and contents.
+        """
+        self._require(rowwise, columnwise, "allgather")
+        out = self
+        for direction, sel in (("rowwise", rowwise), ("columnwise", columnwise)):
+            if not sel:
+                continue
+            data = getattr(self, f"{direction}_data").allgather(mesh_axes)
+            scale = getattr(self, f"{direction}_scale").allgather(mesh_axes)
+            out = dataclasses.replace(
+                out, **{f"{direction}_data": data, f"{direction}_scale": scale,
+                        f"{direction}_placements": data.placements}
+            )
+        return out
+
+    # -- helpers -------------------------------------------------------------------------------
+
+    def _move(self, new, *, rowwise: bool, columnwise: bool, how: str) -> QuantizedDBuffer:
+        changes = {}
+        for direction, sel in (("rowwise", rowwise), ("columnwise", columnwise)):
+            if not sel:
+                continue
+            changes[f"{direction}_placements"] = new
+            for kind in ("data", "scale"):
+                plane = getattr(self, f"{direction}_{kind}")
+                if plane is None:
+                    continue
+                target = columnwise_scale_placements(new) if (direction, kind) == ("columnwise", "scale") else new
+                changes[f"{direction}_{kind}"] = getattr(plane, how)(target)
+        return dataclasses.replace(self, **changes)
+
+    def _require(self, rowwise: bool, columnwise: bool, what: str) -> None:
+        if not (rowwise or columnwise):
+            raise ValueError(f"{what}: select at least one of rowwise=True or columnwise=True")
+        for direction, sel, alloc in (
+            ("rowwise", rowwise, self.is_rowwise_allocated),
+            ("columnwise", columnwise, self.is_columnwise_allocated),
+        ):
+            if sel and not alloc:
+                raise ValueError(
+                    f"{what}: the {direction} planes are released; reallocate_storage() first or "
+                    f"pass {direction}=False"
+                )
+
+    def _check_index(self, i: int) -> None:
+        n = self.layout.num_tensors
+        if not isinstance(i, (int, np.integer)) or isinstance(i, bool) or not 0 <= i < n:
+            raise ValueError(f"tensor index {i!r} must be an int in [0, {n})")
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class TEPaddedMXFP8:
+    """One tensor's planes as a GEMM takes them: data ``[M, K]`` e4m3, scales in TE's padded
+    shapes (rowwise ``[ceil128(M), ceil4(K/32)]``, columnwise ``[ceil4(M/32), ceil128(K)]``),
+    unswizzled, padding 0. Absent planes are None."""
+
+    rowwise_data: jax.Array | None
+    rowwise_scale: jax.Array | None
+    columnwise_data: jax.Array | None
+    columnwise_scale: jax.Array | None
+    shape: tuple[int, ...] = dataclasses.field(metadata=dict(static=True))
+
+
+def _check_placements(mesh: Mesh, placements, argname: str) -> tuple[pl.Placement, ...]:
+    placements = pl.validate_placements(mesh, placements)
+    for j, p in enumerate(placements):
+        if pl.is_partial(p):
+            raise ValueError(
+                f"{argname}[{j}]={p}: MXFP8 planes hold bytes, not addends; reduce the master "
+                f"weight before quantizing and use Replicate or a Shard placement"
+            )
+    return placements
+
