@@ -141,7 +141,11 @@ class DBuffer:
         _check_static(mesh, placements, layout)
         if dtype is None:
             dtype = jnp.result_type(*tensors) if tensors else jnp.float32
-        flat = _pack(layout, [jnp.asarray(t).astype(dtype) for t in tensors], jnp.dtype(dtype))
+        dtype = jnp.dtype(dtype)
+        if any(isinstance(t, jax.core.Tracer) for t in tensors):  # under jit: pack in the graph
+            flat = _pack_traced(layout, [jnp.asarray(t).astype(dtype) for t in tensors], dtype)
+        else:  # concrete: pack on the host, one transfer
+            flat = _pack(layout, [np.asarray(t).astype(dtype) for t in tensors], dtype, np)
         base = tuple(pl.Replicate() if pl.is_partial(p) else p for p in placements)
         flat = jax.device_put(flat, NamedSharding(mesh, pl.partition_spec(mesh, base)))
         return cls(flat, mesh, base, layout).redistribute(placements)
@@ -179,27 +183,15 @@ class DBuffer:
         Partial axes must be reduced first (``redistribute``).
         """
         self._check_index(i)
-        if any(pl.is_partial(p) for p in self.placements):
-            raise ValueError(
-                f"get_tensor needs a buffer without Partial placements, got {self.placements}; "
-                f"redistribute to Replicate (or Shard) first"
-            )
+        self._check_no_partial("get_tensor")
         full = self if self.num_shards == 1 else self.allgather()
-        lay = full.layout
-        start, end = lay.tensor_range(i)
-        parts = []
-        for k, (s, e) in enumerate(lay.rank_segments):
-            a, b = max(start, s), min(end, e)
-            if a < b:
-                p = lay.physical_offset(a, k)
-                parts.append(full.data[p : p + b - a])
-        flat = parts[0] if len(parts) == 1 else jnp.concatenate(parts)
-        return flat.reshape(lay.tensor_shapes[i])
+        return _unpack_one(self.layout, i, full.data)
 
     def get_tensors(self) -> list[jax.Array]:
         """Every tensor, as ``get_tensor`` gives it (one gather for all of them)."""
-        full = self if self.num_shards == 1 or self._has_partial() else self.allgather()
-        return [full.get_tensor(i) for i in range(self.layout.num_tensors)]
+        self._check_no_partial("get_tensors")
+        full = self if self.num_shards == 1 else self.allgather()
+        return list(_unpack_all(self.layout, full.data))
 
     def local_tensor(self, i: int, device) -> np.ndarray:
         """Host copy of the rows of tensor ``i`` held by ``device``: ``[n_rows, *shape[1:]]``.
@@ -296,8 +288,12 @@ class DBuffer:
 
     # -- helpers -------------------------------------------------------------------------------
 
-    def _has_partial(self) -> bool:
-        return any(pl.is_partial(p) for p in self.placements)
+    def _check_no_partial(self, what: str) -> None:
+        if any(pl.is_partial(p) for p in self.placements):
+            raise ValueError(
+                f"{what} needs a buffer without Partial placements, got {self.placements}; "
+                f"redistribute to Replicate (or Shard) first"
+            )
 
     def _check_index(self, i: int) -> None:
         n = self.layout.num_tensors
@@ -351,22 +347,46 @@ def _build_layout(mesh, placements, tensor_shapes, shard_layout, block_size) -> 
     return GlobalLayout.build(tensor_shapes, mesh.size, block_size=block, shard_layout=shard_layout)
 
 
-@functools.partial(jax.jit, static_argnums=(0, 2))
-def _pack(layout: GlobalLayout, tensors: list[jax.Array], dtype) -> jax.Array:
-    """The physical flat array: each segment's pieces in place, zeros elsewhere."""
+def _pack(layout: GlobalLayout, tensors, dtype, xp):
+    """The physical flat array (``xp`` is numpy or jax.numpy): each segment's pieces in place,
+    zeros elsewhere."""
     flats = [t.reshape(-1) for t in tensors]
     parts, cap = [], layout.segment_capacity
     for k in range(layout.dp_size):
         at = 0
         for i, row, n_rows, off in layout.pieces(k):
             if off > at:
-                parts.append(jnp.zeros((off - at,), dtype))
+                parts.append(xp.zeros((off - at,), dtype))
             rs = layout.row_size(i)
             parts.append(flats[i][row * rs : (row + n_rows) * rs])
             at = off + n_rows * rs
         if cap > at:
-            parts.append(jnp.zeros((cap - at,), dtype))
-    return jnp.concatenate(parts) if parts else jnp.zeros((0,), dtype)
+            parts.append(xp.zeros((cap - at,), dtype))
+    return xp.concatenate(parts) if parts else xp.zeros((0,), dtype)
+
+
+_pack_traced = jax.jit(functools.partial(_pack, xp=jnp), static_argnums=(0, 2))
+
+
+def _unpack(layout: GlobalLayout, i: int, data: jax.Array) -> jax.Array:
+    """Tensor ``i`` from a replicated physical buffer: its pieces in segment order."""
+    start, end = layout.tensor_range(i)
+    parts = []
+    for k, (s, e) in enumerate(layout.rank_segments):
+        a, b = max(start, s), min(end, e)
+        if a < b:
+            p = layout.physical_offset(a, k)
+            parts.append(data[p : p + b - a])
+    flat = parts[0] if len(parts) == 1 else jnp.concatenate(parts)
+    return flat.reshape(layout.tensor_shapes[i])
+
+
+_unpack_one = jax.jit(_unpack, static_argnums=(0, 1))
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _unpack_all(layout: GlobalLayout, data: jax.Array) -> tuple[jax.Array, ...]:
+    return tuple(_unpack(layout, i, data) for i in range(layout.num_tensors))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -413,13 +433,31 @@ class _Plan:
             x = lax.psum(x, _axis_group(names))
             x = _avg(x, [n for n, op in self.reduce if op == "avg"], mesh)
         if self.gather:
+            dtype = x.dtype
+            bits = _bits_dtype(dtype)
+            if bits != x.dtype:  # pure movement: travel as same-width ints, never widened
+                x = lax.bitcast_convert_type(x, bits)
             x = lax.all_gather(x, _axis_group(self.gather), axis=0, tiled=True)
+            x = lax.bitcast_convert_type(x, dtype) if bits != dtype else x
         if self.keep_first:
             first = functools.reduce(
                 jnp.logical_and, [lax.axis_index(n) == 0 for n in self.keep_first]
             )
             x = jnp.where(first, x, jnp.zeros_like(x))
         return x
+
+
+def _bits_dtype(dtype):
+    """The dtype a buffer travels as in an all-gather.
+
+    Floats narrower than 32 bits go as unsigned ints of the same width: XLA:CPU would otherwise
+    widen bf16/fp8 collectives (bf16 -> f32, fp8 -> f16), doubling the bytes and risking NaN
+    payloads. Everything else travels as itself.
+    """
+    dtype = jnp.dtype(dtype)
+    if jnp.issubdtype(dtype, jnp.floating) and dtype.itemsize < 4:
+        return jnp.dtype(f"uint{8 * dtype.itemsize}")
+    return dtype
 
 
 def _avg(x, names: list[str], mesh: Mesh):

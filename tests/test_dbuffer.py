@@ -1,0 +1,357 @@
+"""DBuffer on 8 simulated CPU devices: round trips, local rows, transitions, HLO, errors.
+
+Oracles are independent of the code under test: the physical buffer is packed here in numpy from
+the layout's offsets and bounds (whose properties test_layout checks), and which slice a device
+holds comes from jax's own ``NamedSharding.devices_indices_map``.
+"""
+
+import bisect
+import itertools
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import as_bytes
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
+
+import mxfp8_jax as mx
+from mxfp8_jax import DBuffer, ShardLayout
+from mxfp8_jax._src import placement as pl
+
+R, S, B2 = mx.Replicate(), mx.RowAtomic(), mx.BlockAtomic(2)
+PSUM, PAVG = mx.Partial("sum"), mx.Partial("avg")
+
+NAMES = {(8,): ("x",), (2, 4): ("a", "b"), (4, 2): ("a", "b"), (2, 2, 2): ("a", "b", "c")}
+SHAPES = [(6, 4), (2, 6), (4,), (8, 3), (4, 2, 3), (2, 5)]  # dim 0 even: BlockAtomic(2) fits
+
+
+def make_mesh(shape, devices, axis_type=AxisType.Auto):
+    return Mesh(np.array(devices).reshape(shape), NAMES[shape], axis_types=(axis_type,) * len(shape))
+
+
+def rs_placements(ndim):
+    """Replicate/Shard lists obeying the suffix rule, Shard kinds alternating."""
+    return [(R,) * (ndim - k) + ((S, B2) * ndim)[:k] for k in range(ndim + 1)]
+
+
+def tensors_for(shapes, seed=0, dtype=jnp.bfloat16):
+    rng = np.random.default_rng(seed)
+    return [np.asarray(rng.standard_normal(s) * 4, dtype=dtype) for s in shapes]
+
+
+def physical_oracle(layout, tensors):
+    """The stored array, packed element by element from offsets and segment bounds."""
+    out = np.zeros(layout.physical_size, dtype=tensors[0].dtype)
+    bounds = list(layout.rank_segment_offsets)
+    cap = layout.segment_capacity
+    for t, off in zip(tensors, layout.tensor_to_offset):
+        for j, v in enumerate(t.reshape(-1)):
+            p = off + j
+            k = bisect.bisect_right(bounds, p) - 1  # last segment starting at or before p
+            out[k * cap + p - bounds[k]] = v
+    return out
+
+
+def check_shards(buf, expected_global):
+    """Every device's local buffer is the slice of ``expected_global`` jax says it holds."""
+    index_map = buf.sharding.devices_indices_map(expected_global.shape)
+    assert len(buf.data.addressable_shards) == 8
+    for shard in buf.data.addressable_shards:
+        np.testing.assert_array_equal(
+            as_bytes(shard.data), as_bytes(expected_global[index_map[shard.device]])
+        )
+
+
+@pytest.fixture(scope="module")
+def meshes(cpu_devices):
+    return {shape: make_mesh(shape, cpu_devices) for shape in NAMES}
+
+
+# -- round trips ---------------------------------------------------------------------------------
+
+
+def round_trip_cases():
+    """UNPADDED with every Replicate/Shard mix; PADDED fully sharded (compiles are the cost)."""
+    for shape in NAMES:
+        for placements in rs_placements(len(shape)):
+            yield shape, placements, ShardLayout.UNPADDED
+        yield shape, rs_placements(len(shape))[-1], ShardLayout.PADDED
+
+
+@pytest.mark.parametrize("mesh_shape, placements, shard_layout", list(round_trip_cases()))
+def test_distribute_allgather_get_tensor_round_trip(mesh_shape, placements, shard_layout, meshes):
+    mesh = meshes[mesh_shape]
+    tensors = tensors_for(SHAPES, seed=len(mesh_shape))
+    buf = DBuffer.distribute_tensors(tensors, mesh, placements, shard_layout=shard_layout, block_size=2)
+    assert buf.layout.dp_size == 8 and buf.layout.shard_layout is shard_layout
+    assert buf.data.shape == (buf.layout.physical_size,) and buf.dtype == jnp.bfloat16
+    expected = physical_oracle(buf.layout, tensors)
+    check_shards(buf, expected)
+    full = buf.allgather()
+    assert full.placements == (R,) * len(mesh_shape)
+    np.testing.assert_array_equal(as_bytes(full.data), as_bytes(expected))
+    if pl.num_shards(mesh, placements) in (1, 8):
+        for got, t in zip(full.get_tensors(), tensors):
+            np.testing.assert_array_equal(as_bytes(got), as_bytes(t))
+    if pl.num_shards(mesh, placements) == 8:
+        np.testing.assert_array_equal(as_bytes(buf.get_tensor(4)), as_bytes(tensors[4]))
+
+
+@pytest.mark.parametrize("shard_layout", list(ShardLayout))
+def test_local_tensor_holds_the_rows_the_layout_says(shard_layout, meshes):
+    tensors = tensors_for(SHAPES, seed=7)
+    for mesh_shape, placements in [((8,), (S,)), ((2, 4), (R, S)), ((2, 2, 2), (R, S, B2))]:
+        mesh = meshes[mesh_shape]
+        buf = DBuffer.distribute_tensors(tensors, mesh, placements, shard_layout=shard_layout, block_size=2)
+        lay = buf.layout
+        cap = lay.segment_capacity
+        index_map = buf.sharding.devices_indices_map((lay.physical_size,))
+        for dev in mesh.devices.flat:
+            sl = index_map[dev][0]
+            first, stop = (sl.start or 0) // cap, (sl.stop or lay.physical_size) // cap
+            lo, hi = lay.rank_segment_offsets[first], lay.rank_segment_offsets[stop]
+            for i, t in enumerate(tensors):
+                off, rs = lay.tensor_to_offset[i], int(np.prod(t.shape[1:]))
+                a, b = max(off, lo), min(off + t.size, hi)
+                rows = t[(a - off) // rs : (b - off) // rs] if a < b else t[:0]
+                got = buf.local_tensor(i, dev)
+                assert got.shape == rows.shape
+                np.testing.assert_array_equal(as_bytes(got), as_bytes(rows))
+
+
+def test_works_under_jit_and_as_a_pytree(meshes):
+    mesh = meshes[(2, 4)]
+    tensors = tensors_for(SHAPES, seed=3)
+    buf = DBuffer.distribute_tensors(tensors, mesh, (S, S), shard_layout=ShardLayout.UNPADDED, block_size=2)
+    assert jax.tree.leaves(buf) == [buf.data]
+    same = jax.jit(lambda b: b)(buf)
+    assert same.placements == buf.placements and same.layout == buf.layout
+
+    @jax.jit
+    def step(b):
+        half = b.allgather("a")  # [S, S] -> [R, S]
+        return half.redistribute((S, S)), half.get_tensor(4) * 2
+
+    back, t4 = step(buf)
+    assert back.placements == (S, S)
+    np.testing.assert_array_equal(as_bytes(back.data), as_bytes(buf.data))
+    np.testing.assert_array_equal(as_bytes(t4), as_bytes(tensors[4] * 2))
+
+
+def test_explicit_axis_mesh(cpu_devices):
+    mesh = make_mesh((2, 4), cpu_devices, AxisType.Explicit)
+    tensors = tensors_for(SHAPES, seed=5)
+    buf = DBuffer.distribute_tensors(tensors, mesh, (S, S))
+    half = buf.allgather(0)
+    assert half.placements == (R, S)
+    check_shards(half, physical_oracle(buf.layout, tensors))
+    for got, t in zip(half.get_tensors(), tensors):
+        np.testing.assert_array_equal(as_bytes(got), as_bytes(t))
+
+
+def test_empty_and_cast(meshes):
+    mesh = meshes[(4, 2)]
+    buf = DBuffer.empty(mesh, (R, mx.BlockAtomic(4)), [(8, 4), (4,)], jnp.float32)
+    assert buf.layout.block_size == 4  # lcm(block_size=1, BlockAtomic(4))
+    assert buf.sharding.is_equivalent_to(NamedSharding(mesh, mx.partition_spec(mesh, buf.placements)), 1)
+    assert not np.asarray(buf.data).any()
+    tensors = tensors_for(SHAPES, seed=11)
+    b16 = DBuffer.distribute_tensors(tensors, mesh, (S, S))
+    f32 = b16.cast(jnp.float32)
+    assert f32.dtype == jnp.float32 and f32.placements == b16.placements
+    assert f32.data.sharding.is_equivalent_to(b16.data.sharding, 1)
+    np.testing.assert_array_equal(np.asarray(f32.data), np.asarray(b16.data).astype(np.float32))
+
+
+# -- transitions ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("mesh_shape", list(NAMES))
+def test_shard_replicate_transitions(mesh_shape, meshes):
+    mesh = meshes[mesh_shape]
+    tensors = tensors_for(SHAPES, seed=1)
+    base = DBuffer.distribute_tensors(
+        tensors, mesh, (R,) * len(mesh_shape), shard_layout=ShardLayout.UNPADDED, block_size=2
+    )
+    expected = physical_oracle(base.layout, tensors)
+    cache = {}
+    for old, new in itertools.permutations(rs_placements(len(mesh_shape)), 2):
+        src = cache.setdefault(old, base.redistribute(old))
+        out = src.redistribute(new)
+        assert out.placements == new
+        check_shards(out, expected)
+        if sum(map(pl.is_shard, new)) >= sum(map(pl.is_shard, old)):
+            viewed = src.view(new)  # Replicate -> Shard keeps a slice: no communication
+            check_shards(viewed, expected)
+
+
+def from_locals(mesh, placements, layout, seed):
+    """A buffer whose device at ``pos`` holds its own addends; returns it and its reduced value.
+
+    Addends depend on the device's coordinates along Partial axes and its shard only (so copies
+    along Replicate axes agree); they are small integers, so every summation order is exact.
+    """
+    partial_axes = [j for j, p in enumerate(placements) if isinstance(p, mx.Partial)]
+    nshards = pl.num_shards(mesh, placements)
+    local_n = layout.physical_size // nshards
+
+    def addend(pcoords, shard):
+        rng = np.random.default_rng([seed, shard, *pcoords])
+        return rng.integers(-8, 9, local_n).astype(np.float32)
+
+    value = np.zeros(layout.physical_size, np.float32)
+    for shard in range(nshards):
+        for pcoords in itertools.product(*(range(mesh.devices.shape[j]) for j in partial_axes)):
+            value[shard * local_n : (shard + 1) * local_n] += addend(pcoords, shard)
+    n_avg = int(np.prod([mesh.devices.shape[j] for j in partial_axes if placements[j].reduce_op == "avg"]))
+    value /= n_avg
+    sharding = NamedSharding(mesh, mx.partition_spec(mesh, placements))
+    arrays = []
+    for pos in np.ndindex(*mesh.devices.shape):
+        local = addend(tuple(pos[j] for j in partial_axes), pl.shard_index(mesh, placements, pos))
+        arrays.append(jax.device_put(local, mesh.devices[pos]))
+    data = jax.make_array_from_single_device_arrays((layout.physical_size,), sharding, arrays)
+    return DBuffer(data, mesh, placements, layout), value
+
+
+PARTIAL_CASES = [
+    ((8,), (PSUM,), (R,), {"all-reduce": 1}),
+    ((8,), (PSUM,), (S,), {"reduce-scatter": 1}),
+    ((2, 4), (PSUM, S), (R, S), {"all-reduce": 1}),
+    ((2, 4), (PAVG, S), (R, S), {"all-reduce": 1}),
+    ((2, 4), (PSUM, S), (B2, S), {"reduce-scatter": 1}),
+    ((4, 2), (PSUM, B2), (S, S), {"reduce-scatter": 1}),
+    ((4, 2), (PAVG, R), (S, S), {"reduce-scatter": 1}),
+    ((2, 2, 2), (PSUM, R, S), (S, S, S), {"reduce-scatter": 1}),
+    ((2, 2, 2), (R, PSUM, S), (S, S, S), {"reduce-scatter": 1}),
+    ((2, 2, 2), (PSUM, PSUM, S), (S, S, S), {"reduce-scatter": 1}),
+    ((2, 2, 2), (PSUM, PAVG, R), (R, S, S), {"reduce-scatter": 1, "all-reduce": 1}),
+    ((2, 2, 2), (PSUM, S, S), (R, R, R), {"all-reduce": 1, "all-gather": 1}),
+]
+
+
+@pytest.mark.parametrize("mesh_shape, old, new, collectives", PARTIAL_CASES)
+def test_partial_reductions(mesh_shape, old, new, collectives, meshes):
+    mesh = meshes[mesh_shape]
+    layout = mx.GlobalLayout.build(SHAPES, 8, block_size=2, shard_layout=ShardLayout.UNPADDED)
+    buf, value = from_locals(mesh, old, layout, seed=len(PARTIAL_CASES))
+    compiled = jax.jit(lambda b: b.redistribute(new)).lower(buf).compile()
+    assert collective_counts(compiled) == collectives
+    out = compiled(buf)
+    assert out.placements == new
+    check_shards(out, value)
+
+
+def test_distribute_as_partial_keeps_the_value(meshes):
+    mesh = meshes[(2, 4)]
+    tensors = tensors_for(SHAPES, seed=2)
+    expected = physical_oracle(mx.GlobalLayout.build(SHAPES, 8), tensors)
+    psum = DBuffer.distribute_tensors(tensors, mesh, (PSUM, S))
+    index_map = psum.sharding.devices_indices_map(expected.shape)
+    for shard in psum.data.addressable_shards:  # sum: the first device along "a" holds the data
+        a = pl.device_position(mesh, shard.device)[0]
+        want = expected[index_map[shard.device]] if a == 0 else np.zeros_like(expected[:1])
+        assert (np.asarray(shard.data) == want).all()
+    for p in (psum, DBuffer.distribute_tensors(tensors, mesh, (PAVG, S))):
+        check_shards(p.redistribute((R, S)), expected)
+
+
+# -- compiled HLO ---------------------------------------------------------------------------------
+
+COLLECTIVES = ("all-gather", "all-reduce", "reduce-scatter", "collective-permute", "all-to-all",
+               "send", "recv", "collective-broadcast", "ragged-all-to-all")
+OP = re.compile(r"=\s*(\S+)\s+(" + "|".join(COLLECTIVES) + r")(-start)?\(")
+
+
+def collective_ops(compiled):
+    """(kind, result type) of every collective in a compiled function's HLO."""
+    return [(m.group(2), m.group(1)) for m in OP.finditer(compiled.as_text())]
+
+
+def collective_counts(compiled):
+    out = {}
+    for kind, _ in collective_ops(compiled):
+        out[kind] = out.get(kind, 0) + 1
+    return out
+
+
+# Narrow floats travel bitcast to same-width unsigned ints (XLA:CPU would widen bf16 to f32).
+WIRE_TYPE = {jnp.bfloat16: "u16", jnp.float8_e4m3fn: "u8", jnp.uint8: "u8", jnp.float32: "f32"}
+
+
+@pytest.mark.parametrize(
+    "mesh_shape, placements, axes, dtype",
+    [((8,), (S,), "x", jnp.bfloat16), ((2, 4), (S, S), "a", jnp.uint8),
+     ((2, 4), (R, B2), "b", jnp.float8_e4m3fn), ((4, 2), (S, S), ("a", "b"), jnp.bfloat16),
+     ((2, 2, 2), (S, S, S), (0, 1), jnp.float32), ((2, 2, 2), (R, S, S), None, jnp.bfloat16)],
+)
+def test_allgather_hlo_is_one_all_gather(mesh_shape, placements, axes, dtype, meshes):
+    mesh = meshes[mesh_shape]
+    buf = DBuffer.empty(mesh, placements, SHAPES, dtype, shard_layout=ShardLayout.UNPADDED, block_size=2)
+    compiled = jax.jit(lambda b: b.allgather(axes)).lower(buf).compile()
+    gathered_local = buf.allgather(axes).local_size
+    # exactly one collective: an all-gather of the whole local buffer, element width unchanged
+    assert collective_ops(compiled) == [("all-gather", f"{WIRE_TYPE[dtype]}[{gathered_local}]{{0}}")]
+    if dtype != jnp.float32:
+        assert "f32[" not in compiled.as_text()  # nothing widened on the way
+
+
+@pytest.mark.parametrize(
+    "mesh_shape, old, new",
+    [((8,), (R,), (S,)), ((2, 4), (R, S), (B2, S)), ((2, 4), (S, S), (B2, B2)),
+     ((2, 2, 2), (R, R, R), (R, B2, S)), ((2, 2, 2), (PSUM, R, S), (PSUM, B2, S))],
+)
+def test_view_hlo_has_no_collective(mesh_shape, old, new, meshes):
+    mesh = meshes[mesh_shape]
+    layout = mx.GlobalLayout.build(SHAPES, 8, block_size=2)
+    buf = DBuffer.zeros(mesh, old, layout, jnp.float32)
+    assert collective_ops(jax.jit(lambda b: b.view(new)).lower(buf).compile()) == []
+    assert buf.view(new).placements == new
+
+
+# -- errors ---------------------------------------------------------------------------------------
+
+
+def test_errors(meshes):
+    m24, m8 = meshes[(2, 4)], meshes[(8,)]
+    with pytest.raises(ValueError, match=r"must form a suffix"):
+        DBuffer.empty(m24, (S, R), SHAPES, jnp.float32)
+    with pytest.raises(ValueError, match=r"has 1 entries but the mesh has 2 axes"):
+        DBuffer.empty(m24, (S,), SHAPES, jnp.float32)
+    with pytest.raises(ValueError, match=r"tensor_shapes\[1\]=\(\) is 0-D"):
+        DBuffer.empty(m8, (S,), [(4,), ()], jnp.float32)
+    with pytest.raises(ValueError, match=r"dim 0 \(3\) must be divisible by block_size=2"):
+        DBuffer.empty(m8, (B2,), [(4, 4), (3, 4)], jnp.float32)
+    with pytest.raises(ValueError, match=r"layout.dp_size=4 must equal mesh.size=8"):
+        DBuffer.zeros(m8, (S,), mx.GlobalLayout.build(SHAPES, 4), jnp.float32)
+    with pytest.raises(ValueError, match=r"BlockAtomic\(n=2\).*multiple of 2, got block_size=1"):
+        DBuffer.zeros(m8, (B2,), mx.GlobalLayout.build([(3, 2)], 8), jnp.float32)
+
+    tensors = tensors_for(SHAPES)
+    buf = DBuffer.distribute_tensors(tensors, m24, (S, S))
+    with pytest.raises(ValueError, match=r"view cannot change mesh axis 'a' from RowAtomic\(\) to Replicate\(\)"):
+        buf.view((R, S))
+    with pytest.raises(ValueError, match=r"view cannot change mesh axis 'a' from Partial"):
+        DBuffer.distribute_tensors(tensors, m24, (PSUM, S)).view((R, S))
+    with pytest.raises(ValueError, match=r"only the outermost Shard axes can be gathered"):
+        buf.allgather("b")
+    with pytest.raises(ValueError, match=r"mesh axis 'a' has placement Replicate\(\), not a Shard"):
+        buf.allgather("a").allgather("a")
+    with pytest.raises(ValueError, match=r"mesh_axes entry 'z' is neither an axis name nor an index"):
+        buf.allgather("z")
+    with pytest.raises(ValueError, match=r"cannot change mesh axis 'a' from RowAtomic\(\) to Partial"):
+        buf.redistribute((PSUM, S))
+    with pytest.raises(ValueError, match=r"cannot change mesh axis 'a' from Partial\(reduce_op='sum'\) to Partial\(reduce_op='avg'\)"):
+        DBuffer.distribute_tensors(tensors, m24, (PSUM, S)).redistribute((PAVG, S))
+    with pytest.raises(ValueError, match=r"get_tensor needs a buffer without Partial placements"):
+        DBuffer.distribute_tensors(tensors, m24, (PSUM, S)).get_tensor(0)
+    with pytest.raises(ValueError, match=r"tensor index 6 must be an int in \[0, 6\)"):
+        buf.get_tensor(6)
+    with pytest.raises(ValueError, match=r"data has shape \(5,\); a DBuffer holds a flat"):
+        DBuffer(jnp.zeros(5), m24, (S, S), buf.layout)
+    with pytest.raises(ValueError, match=r"data is sharded as .*jax.device_put it there first"):
+        DBuffer(jax.device_put(buf.data, NamedSharding(m24, PartitionSpec())), m24, (S, S), buf.layout)
+    with pytest.raises(ValueError, match=r"tensor shapes .* differ from layout.tensor_shapes"):
+        DBuffer.distribute_tensors(tensors[:2], m24, (S, S), layout=buf.layout)
