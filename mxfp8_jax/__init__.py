@@ -26,10 +26,18 @@ from mxfp8_jax._src.placement import (
 )
 from mxfp8_jax._src.dbuffer import DBuffer
 from mxfp8_jax._src.quantized import QuantizedDBuffer
+from mxfp8_jax._src.fused import (
+    allgather_rmsnorm_quant,
+    allgather_rmsnorm_quant_local,
+    rmsnorm_quant,
+)
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "allgather_rmsnorm_quant",
+    "allgather_rmsnorm_quant_local",
+    "rmsnorm_quant",
     "BlockAtomic",
     "DBuffer",
     "GlobalLayout",

@@ -143,3 +143,62 @@ def quantize_segments(
         columnwise=np.bool_(columnwise),
     )
     return (rq, rs) if rowwise else (None, None), (cq, cs) if columnwise else (None, None)
+
+
+def _norm_shapes(r: int, h: int, columnwise: bool):
+    u8 = jnp.uint8
+    return (
+        jax.ShapeDtypeStruct((r, h), jnp.bfloat16),
+        jax.ShapeDtypeStruct((r, h), u8),
+        jax.ShapeDtypeStruct((r, h // 32), u8),
+        jax.ShapeDtypeStruct((r, h), u8) if columnwise else _EMPTY,
+        jax.ShapeDtypeStruct((r // 32, h), u8) if columnwise else _EMPTY,
+    )
+
+
+def _norm_attrs(eps, weight_offset, quantize_from_fp32, columnwise, scale_rule):
+    return dict(
+        eps=np.float32(eps),
+        weight_offset=np.float32(weight_offset),
+        quantize_from_fp32=np.bool_(quantize_from_fp32),
+        columnwise=np.bool_(columnwise),
+        scale_rule=np.int32(scale_rule),
+    )
+
+
+def rmsnorm_quantize(
+    x: jax.Array, gamma: jax.Array, *, eps: float, weight_offset: float,
+    quantize_from_fp32: bool, columnwise: bool, scale_rule: int,
+):
+    """``mxfp8_rmsnorm_quantize``: ``x [R, H]`` bf16, ``gamma [H]`` bf16 ->
+    ``(normed, row_q, row_s, col_q, col_s)`` (uint8 planes; the columnwise ones None unless asked).
+    """
+    r, h = x.shape
+    normed, rq, rs, cq, cs = jax.ffi.ffi_call(
+        "mxfp8_rmsnorm_quantize", _norm_shapes(r, h, columnwise), vmap_method="sequential"
+    )(x, gamma, **_norm_attrs(eps, weight_offset, quantize_from_fp32, columnwise, scale_rule))
+    return normed, rq, rs, (cq if columnwise else None), (cs if columnwise else None)
+
+
+def allgather_rmsnorm_quantize(
+    x: jax.Array, gamma: jax.Array, where: jax.Array, *, rows: int, op_id: int,
+    group_size: int, row_counts: tuple[int, ...], eps: float, weight_offset: float,
+    quantize_from_fp32: bool, columnwise: bool, scale_rule: int, timeout_ms: int,
+):
+    """``mxfp8_allgather_rmsnorm_quantize`` (one device's call; see xla_ffi/cpu/allgather.cc):
+    ``x [rows_max, H]``, ``gamma [H]`` bf16, ``where = (rank, group)`` int32 ->
+    ``(normed, row_q, row_s, col_q, col_s, residual)`` for the group's ``rows`` gathered rows.
+    """
+    h = x.shape[1]
+    shapes = _norm_shapes(rows, h, columnwise) + (jax.ShapeDtypeStruct((rows, h), jnp.bfloat16),)
+    normed, rq, rs, cq, cs, residual = jax.ffi.ffi_call(
+        "mxfp8_allgather_rmsnorm_quantize", shapes
+    )(
+        x, gamma, where,
+        op_id=np.int64(op_id),
+        group_size=np.int64(group_size),
+        row_counts=np.asarray(row_counts, dtype=np.int64),
+        timeout_ms=np.int64(timeout_ms),
+        **_norm_attrs(eps, weight_offset, quantize_from_fp32, columnwise, scale_rule),
+    )
+    return normed, rq, rs, (cq if columnwise else None), (cs if columnwise else None), residual

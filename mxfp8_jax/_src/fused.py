@@ -1,0 +1,623 @@
+"""All-gather + RMSNorm + MXFP8 quantize (SPEC section 5): strategies, ragged shards, gradients.
+
+Per row ``x`` (bf16, hidden size ``H``) of the rows gathered from the devices of a group::
+
+    inv      = 1 / sqrt(sum(f32(x)^2) / H + eps)
+    normed   = bf16_rne((f32(x) * inv) * (f32(gamma) + weight_offset))      [R, H] bf16
+    quant    = E4M3 codes of normed, blocks of 32 along H (rceil scales)     [R, H] float8_e4m3fn
+    scales   = E8M0 bytes                                                   [R, H/32] uint8
+    residual = the gathered x, bit for bit                                   [R, H] bf16
+
+``quant``/``scales`` are byte-identical to ``mx.quantize(normed)``; ``quantize_from="fp32"``
+quantizes the unrounded fp32 product instead (as TE's fused norm does). The sum of squares runs
+in the order pinned in ``xla_ffi/include/mxfp8/numerics.h``, so every kernel gives the same bits.
+With ``columnwise=True`` the columnwise planes ``[R, H]`` and ``[R/32, H]`` are appended to the
+result.
+
+Strategies:
+
+- ``"xla"``: ``lax.all_gather`` (grouped with ``axis_index_groups``), then the local fused kernel
+  ``mxfp8_rmsnorm_quantize`` (the pure-JAX reference of the same order where no kernel is
+  installed for the platform). Works everywhere, multi-host included.
+- ``"p2p"``: one custom call per device (``mxfp8_allgather_rmsnorm_quantize``) in which the
+  devices of a group meet in process, exchange their input buffers and read the rows straight
+  from their peers while normalizing and quantizing; no separate gather pass. It needs every
+  device of the group in this process; peers that cannot meet give a DEADLINE_EXCEEDED error
+  after ``p2p_timeout_s``, never a hang.
+- ``"auto"``: ``"p2p"`` on CPU when every device of the axis is in this process (and the
+  extension is installed), ``"xla"`` otherwise -- in particular on GPUs, whose p2p path is
+  opt-in until it has run on multi-GPU hardware.
+
+Gradients (``custom_vjp``): ``normed`` and ``residual`` carry them to ``x`` -- through the
+transpose of the gather, a reduce-scatter -- and ``normed`` to ``gamma``; ``quant`` and
+``scales`` carry none. The bf16 rounding of ``normed`` is treated as the identity.
+
+Ragged shards: ``row_counts[k]`` is the number of valid rows of device ``k`` along the axis;
+local inputs are padded to the largest count (valid rows first) and a device may own none.
+A group's rows are its devices' valid rows in device order.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import inspect
+import itertools
+import math
+import numbers
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, PartitionSpec as P
+
+from mxfp8_jax._src import _ffi
+from mxfp8_jax._src import format as fmt
+
+STRATEGIES = ("auto", "xla", "p2p")
+QUANTIZE_FROM = ("normed", "fp32")
+BACKENDS = ("auto", "ffi", "jax")
+_NORM_TARGET = "mxfp8_rmsnorm_quantize"
+_P2P_TARGET = "mxfp8_allgather_rmsnorm_quantize"
+DEFAULT_P2P_TIMEOUT_S = 120.0
+
+# One id per traced p2p call site: with the execution's RunId and the group id it keys the
+# rendezvous in which the devices of one group meet.
+_op_ids = itertools.count(1)
+
+
+# ------------------------------------------------------------------------------------------------
+# static configuration
+
+
+@dataclasses.dataclass(frozen=True)
+class _NormConfig:
+    """What the per-row math needs (static)."""
+
+    eps: float
+    weight_offset: float
+    quantize_from_fp32: bool
+    columnwise: bool
+    rule: fmt.ScaleRule
+
+
+@dataclasses.dataclass(frozen=True)
+class _GatherConfig:
+    """One fused call as one device sees it (static; hashable for custom_vjp)."""
+
+    axis_name: str
+    axis_size: int
+    group_size: int
+    rows_max: int  # local rows, valid ones first
+    hidden: int
+    row_counts: tuple[int, ...]  # valid rows of every device of the axis
+    norm: _NormConfig
+    strategy: str  # "xla" or "p2p" (resolved)
+    op_id: int
+    timeout_ms: int
+
+    @property
+    def n_groups(self) -> int:
+        return self.axis_size // self.group_size
+
+    @property
+    def rows(self) -> int:
+        """R: rows gathered by each group (the same for all groups)."""
+        return sum(self.row_counts[: self.group_size])
+
+    @property
+    def axis_index_groups(self) -> list[list[int]] | None:
+        if self.group_size == self.axis_size:
+            return None
+        g = self.group_size
+        return [list(range(k * g, (k + 1) * g)) for k in range(self.n_groups)]
+
+    def group_row_index(self) -> np.ndarray:
+        """``[n_groups, R]``: which rows of a group's padded gather ``[g * rows_max, H]`` are valid."""
+        g, m = self.group_size, self.rows_max
+        return np.array(
+            [
+                [k * m + l for k in range(g) for l in range(self.row_counts[grp * g + k])]
+                for grp in range(self.n_groups)
+            ],
+            dtype=np.int32,
+        ).reshape(self.n_groups, self.rows)
+
+
+# ------------------------------------------------------------------------------------------------
+# validation (errors name the argument, the value and the rule)
+
+
+def _check_x(x, argname: str = "x") -> tuple[int, int]:
+    dt = jnp.dtype(getattr(x, "dtype", None))
+    if dt != jnp.bfloat16:
+        raise TypeError(
+            f"{argname} has dtype {dt}; the fused RMSNorm + MXFP8 op takes bfloat16 input "
+            f"(cast with {argname}.astype(jnp.bfloat16))"
+        )
+    if x.ndim != 2:
+        raise ValueError(f"{argname} has shape {tuple(x.shape)}; it must be 2-D [rows, H]")
+    rows, h = x.shape
+    if h % fmt.BLOCK:
+        raise ValueError(f"{argname}: H={h} (last axis) must be a multiple of 32 for MXFP8 blocks")
+    return rows, h
+
+
+def _check_gamma(gamma, h: int, shapes: tuple[tuple[int, ...], ...]) -> None:
+    dt = jnp.dtype(getattr(gamma, "dtype", None))
+    if dt != jnp.bfloat16:
+        raise TypeError(
+            f"gamma has dtype {dt}; it must be bfloat16 like x (cast with gamma.astype(jnp.bfloat16))"
+        )
+    if tuple(gamma.shape) not in shapes:
+        raise ValueError(
+            f"gamma has shape {tuple(gamma.shape)}; expected one of {list(shapes)} for H={h}"
+        )
+
+
+def _norm_config(eps, weight_offset, quantize_from, columnwise, scale_rule) -> _NormConfig:
+    if not isinstance(eps, numbers.Real) or not eps >= 0:
+        raise ValueError(f"eps={eps!r} must be a non-negative real number")
+    if not isinstance(weight_offset, numbers.Real) or not math.isfinite(weight_offset):
+        raise ValueError(f"weight_offset={weight_offset!r} must be a finite real number")
+    if quantize_from not in QUANTIZE_FROM:
+        raise ValueError(f"quantize_from={quantize_from!r} is not one of {QUANTIZE_FROM}")
+    return _NormConfig(
+        eps=float(np.float32(eps)),
+        weight_offset=float(np.float32(weight_offset)),
+        quantize_from_fp32=quantize_from == "fp32",
+        columnwise=bool(columnwise),
+        rule=fmt.ScaleRule.parse(scale_rule),
+    )
+
+
+def _check_group_size(group_size, n: int, axis) -> int:
+    if group_size is None:
+        return n
+    if isinstance(group_size, bool) or not isinstance(group_size, numbers.Integral):
+        raise TypeError(f"group_size={group_size!r} must be an int or None")
+    if group_size < 1 or n % group_size:
+        raise ValueError(
+            f"group_size={group_size} must divide the size {n} of axis {axis!r} "
+            f"(groups are contiguous runs of group_size devices)"
+        )
+    return int(group_size)
+
+
+def _check_row_counts(row_counts, n: int, rows_max: int, group_size: int, axis) -> tuple[int, ...]:
+    if row_counts is None:
+        return (rows_max,) * n
+    counts = tuple(np.asarray(row_counts).reshape(-1).tolist()) if not isinstance(
+        row_counts, (tuple, list)) else tuple(row_counts)
+    if len(counts) != n:
+        raise ValueError(
+            f"row_counts={counts} has {len(counts)} entries; it needs one per device of axis "
+            f"{axis!r} ({n})"
+        )
+    for k, c in enumerate(counts):
+        if isinstance(c, bool) or not isinstance(c, numbers.Integral):
+            raise TypeError(f"row_counts[{k}]={c!r} must be an int")
+        if not 0 <= c <= rows_max:
+            raise ValueError(
+                f"row_counts[{k}]={c} does not fit: each device holds {rows_max} (padded) local "
+                f"rows, so a count must be in [0, {rows_max}]"
+            )
+    counts = tuple(int(c) for c in counts)
+    totals = [sum(counts[g: g + group_size]) for g in range(0, n, group_size)]
+    if len(set(totals)) > 1:
+        raise ValueError(
+            f"row_counts={counts} give groups of {group_size} devices the row totals {totals}; "
+            f"every group must gather the same number of rows (the outputs have one shape)"
+        )
+    return counts
+
+
+def _check_columnwise_rows(cfg: _NormConfig, r: int) -> None:
+    if cfg.columnwise and r % fmt.BLOCK:
+        raise ValueError(
+            f"columnwise=True needs R={r} gathered rows to be a multiple of 32 for MXFP8 "
+            f"columnwise blocks; pass columnwise=False"
+        )
+
+
+def _p2p_timeout_ms(p2p_timeout_s) -> int:
+    if not isinstance(p2p_timeout_s, numbers.Real) or not p2p_timeout_s > 0:
+        raise ValueError(f"p2p_timeout_s={p2p_timeout_s!r} must be a positive number of seconds")
+    return max(1, int(round(float(p2p_timeout_s) * 1000)))
+
+
+def _resolve_strategy(strategy: str, platform: str, devices_here: bool, axis) -> str:
+    """``"auto"`` -> ``"p2p"`` on CPU with every device of the axis in this process, else "xla"."""
+    if strategy not in STRATEGIES:
+        raise ValueError(f"strategy={strategy!r} is not one of {STRATEGIES}")
+    if strategy == "auto":
+        ok = platform == "cpu" and devices_here and _ffi.has_target(_P2P_TARGET, "cpu")
+        return "p2p" if ok else "xla"
+    if strategy == "p2p":
+        if not devices_here:
+            raise ValueError(
+                f"strategy='p2p' needs every device of axis {axis!r} in this process (the devices "
+                f"meet in process memory); use strategy='xla' across processes"
+            )
+        _ffi.require(_P2P_TARGET, platform)
+    return strategy
+
+
+# ------------------------------------------------------------------------------------------------
+# local RMSNorm + quantize: kernel and pure-JAX reference (same evaluation order)
+
+
+def _rmsnorm_reference(x, gamma, cfg: _NormConfig):
+    """The canonical order in jnp (exact where XLA does not flush subnormals)."""
+    r, h = x.shape
+    f32 = jnp.float32
+    xf = x.astype(f32)
+    sq = jnp.pad(xf * xf, ((0, 0), (0, (-h) % 256)))
+    # step (i, v) adds x[256 i + 8 j + v]^2 to partial j, in increasing i then v
+    n_i = sq.shape[1] // 256
+    steps = sq.reshape(r, n_i, 32, 8).transpose(1, 3, 0, 2).reshape(n_i * 8, r, 32)
+    part, _ = jax.lax.scan(lambda p, s: (p + s, None), jnp.zeros((r, 32), f32), steps)
+    for s in (16, 8, 4, 2, 1):
+        part = part[:, :s] + part[:, s: 2 * s]
+    # The barriers keep XLA from rewriting sumsq / H as sumsq * (1/H) and 1/sqrt(v) as rsqrt,
+    # which round differently.
+    h_f32 = jax.lax.optimization_barrier(jnp.full((r,), h, f32))
+    root = jax.lax.optimization_barrier(jnp.sqrt(part[:, 0] / h_f32 + f32(cfg.eps)))
+    inv = f32(1.0) / root
+    g = gamma.astype(f32) + f32(cfg.weight_offset)
+    y = (xf * inv[:, None]) * g
+    normed = fmt.f32_bits_to(jax.lax.bitcast_convert_type(y, jnp.uint32), jnp.bfloat16)
+    src = y if cfg.quantize_from_fp32 else normed
+    q, s = fmt.quantize_rowwise(src, cfg.rule)
+    cq, cs = fmt.quantize_columnwise(src, cfg.rule) if cfg.columnwise else (None, None)
+    return normed, q, s, cq, cs
+
+
+def _rmsnorm_kernel(x, gamma, cfg: _NormConfig):
+    normed, rq, rs, cq, cs = _ffi.rmsnorm_quantize(
+        x, gamma, eps=cfg.eps, weight_offset=cfg.weight_offset,
+        quantize_from_fp32=cfg.quantize_from_fp32, columnwise=cfg.columnwise,
+        scale_rule=cfg.rule.code,
+    )
+    return normed, _as_e4m3(rq), rs, _as_e4m3(cq), cs
+
+
+def _as_e4m3(q):
+    return None if q is None else jax.lax.bitcast_convert_type(q, jnp.float8_e4m3fn)
+
+
+def _norm_quant(x, gamma, cfg: _NormConfig, backend: str):
+    if backend == "jax" or x.shape[0] == 0:
+        return _rmsnorm_reference(x, gamma, cfg)
+    if backend == "ffi":
+        _ffi.require(_NORM_TARGET, _ffi.default_platform())
+        return _rmsnorm_kernel(x, gamma, cfg)
+    return _ffi.platform_dispatch(
+        _NORM_TARGET,
+        lambda x, g: _rmsnorm_kernel(x, g, cfg),
+        lambda x, g: _rmsnorm_reference(x, g, cfg),
+        x, gamma,
+    )
+
+
+def _rmsnorm_vjp(x, gamma, d_normed, cfg: _NormConfig):
+    """Cotangents (fp32) of ``x [R, H]`` and ``gamma [H]`` for ``normed = (x * inv) * g``."""
+    f32 = jnp.float32
+    xf = x.astype(f32)
+    g = gamma.astype(f32) + f32(cfg.weight_offset)
+    inv = jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + f32(cfg.eps))
+    dy = d_normed.astype(f32)
+    d_gamma = jnp.sum(dy * xf * inv, axis=0)
+    dxhat = dy * g
+    dx = inv * dxhat - xf * (inv * inv * inv) * jnp.mean(dxhat * xf, axis=-1, keepdims=True)
+    return dx, d_gamma
+
+
+def _ct(ct, like):
+    """A cotangent as fp32, with symbolic/float0 zeros made concrete."""
+    if ct is None or jnp.dtype(ct.dtype) == jax.dtypes.float0:
+        return jnp.zeros(like.shape, jnp.float32)
+    return ct.astype(jnp.float32)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def _local_fused(x, gamma, cfg: _NormConfig, backend: str):
+    return _norm_quant(x, gamma, cfg, backend)
+
+
+def _local_fused_fwd(x, gamma, cfg, backend):
+    return _norm_quant(x, gamma, cfg, backend), (x, gamma)
+
+
+def _local_fused_bwd(cfg, backend, res, cts):
+    x, gamma = res
+    dx, d_gamma = _rmsnorm_vjp(x, gamma, _ct(cts[0], x), cfg)
+    return dx.astype(x.dtype), d_gamma.astype(gamma.dtype)
+
+
+_local_fused.defvjp(_local_fused_fwd, _local_fused_bwd)
+
+
+def rmsnorm_quant(
+    x: jax.Array,
+    gamma: jax.Array,
+    *,
+    eps: float = 1e-6,
+    weight_offset: float = 0.0,
+    quantize_from: str = "normed",
+    columnwise: bool = False,
+    scale_rule: str = "rceil",
+    backend: str = "auto",
+):
+    """RMSNorm + MXFP8 quantize of local rows ``x [R, H]`` bf16 with ``gamma [H]`` bf16.
+
+    Returns ``(normed, quant, scales)``, plus ``(columnwise_quant, columnwise_scales)`` when
+    ``columnwise=True``; the math is the module's. ``backend``: ``"ffi"`` the compiled kernel,
+    ``"jax"`` the pure-JAX reference of the same evaluation order, ``"auto"`` the kernel where
+    it is installed for the lowering platform. Differentiable in ``x`` and ``gamma``.
+    """
+    r, h = _check_x(x)
+    _check_gamma(gamma, h, ((h,),))
+    cfg = _norm_config(eps, weight_offset, quantize_from, columnwise, scale_rule)
+    _check_columnwise_rows(cfg, r)
+    if backend not in BACKENDS:
+        raise ValueError(f"backend={backend!r} is not one of {BACKENDS}")
+    normed, q, s, cq, cs = _local_fused(x, gamma, cfg, backend)
+    return (normed, q, s, cq, cs) if cfg.columnwise else (normed, q, s)
+
+
+# ------------------------------------------------------------------------------------------------
+# the gather, per device
+
+
+def _gather_rows(x, cfg: _GatherConfig):
+    """The group's valid rows ``[R, H]`` via ``lax.all_gather`` (linear in x)."""
+    xg = jax.lax.all_gather(
+        x, cfg.axis_name, axis_index_groups=cfg.axis_index_groups, tiled=True
+    )
+    if cfg.rows == cfg.group_size * cfg.rows_max:
+        return xg
+    index = cfg.group_row_index()
+    if (index == index[0]).all():  # every group has the same ragged pattern: a static take
+        return jnp.take(xg, jnp.asarray(index[0]), axis=0)
+    group = jax.lax.axis_index(cfg.axis_name) // cfg.group_size
+    return jnp.take(xg, jnp.asarray(index)[group], axis=0)
+
+
+def _where(cfg: _GatherConfig):
+    """``(rank within the group, group id)`` of this device, as the p2p kernel takes it."""
+    idx = jax.lax.axis_index(cfg.axis_name).astype(jnp.int32)
+    return jnp.stack([idx % cfg.group_size, idx // cfg.group_size])
+
+
+def _fused_forward(x, gamma, cfg: _GatherConfig):
+    n = cfg.norm
+    if cfg.strategy == "p2p":
+        normed, rq, rs, cq, cs, residual = _ffi.allgather_rmsnorm_quantize(
+            x, gamma, _where(cfg), rows=cfg.rows, op_id=cfg.op_id, group_size=cfg.group_size,
+            row_counts=cfg.row_counts, eps=n.eps, weight_offset=n.weight_offset,
+            quantize_from_fp32=n.quantize_from_fp32, columnwise=n.columnwise,
+            scale_rule=n.rule.code, timeout_ms=cfg.timeout_ms,
+        )
+        return normed, _as_e4m3(rq), rs, _as_e4m3(cq), cs, residual
+    residual = _gather_rows(x, cfg)
+    return _norm_quant(residual, gamma, n, "auto") + (residual,)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _fused(x, gamma, cfg: _GatherConfig):
+    return _fused_forward(x, gamma, cfg)
+
+
+def _fused_fwd(x, gamma, cfg):
+    out = _fused_forward(x, gamma, cfg)
+    return out, (out[-1], gamma)  # the residual output is the gathered x
+
+
+def _fused_bwd(cfg: _GatherConfig, res, cts):
+    residual, gamma = res
+    d_normed, d_residual = cts[0], cts[-1]
+    dx_rows, d_gamma = _rmsnorm_vjp(residual, gamma, _ct(d_normed, residual), cfg.norm)
+    dx_rows = dx_rows + _ct(d_residual, residual)
+    # The transpose of the gather: a reduce-scatter over the group (scatter-add of ragged rows).
+    x_aval = jax.ShapeDtypeStruct((cfg.rows_max, cfg.hidden), jnp.float32)
+    (dx,) = jax.linear_transpose(functools.partial(_gather_rows, cfg=cfg), x_aval)(dx_rows)
+    d_gamma = _psum_if_invariant(d_gamma, gamma, cfg.axis_name)
+    return dx.astype(jnp.bfloat16), d_gamma.astype(gamma.dtype)
+
+
+def _psum_if_invariant(d_gamma, gamma, axis_name):
+    """Under shard_map(check_vma=True) a gamma that is the same on every device of the axis
+    (not varying) gets the sum of the devices' cotangents."""
+    try:
+        vma = jax.typeof(gamma).vma
+    except AttributeError:  # no varying-axes tracking (check_vma=False or an older jax)
+        return d_gamma
+    return d_gamma if axis_name in vma else jax.lax.psum(d_gamma, axis_name)
+
+
+_fused.defvjp(_fused_fwd, _fused_bwd)
+
+
+def _empty_outputs(r: int, h: int, norm: _NormConfig):
+    out = (
+        jnp.zeros((r, h), jnp.bfloat16),
+        jnp.zeros((r, h), jnp.float8_e4m3fn),
+        jnp.zeros((r, h // fmt.BLOCK), jnp.uint8),
+        jnp.zeros((r, h), jnp.float8_e4m3fn) if norm.columnwise else None,
+        jnp.zeros((r // fmt.BLOCK, h), jnp.uint8) if norm.columnwise else None,
+        jnp.zeros((r, h), jnp.bfloat16),
+    )
+    return out
+
+
+def _pack(out, norm: _NormConfig):
+    normed, q, s, cq, cs, residual = out
+    return (normed, q, s, residual, cq, cs) if norm.columnwise else (normed, q, s, residual)
+
+
+def allgather_rmsnorm_quant_local(
+    x: jax.Array,
+    gamma: jax.Array,
+    *,
+    axis_name: str,
+    eps: float = 1e-6,
+    weight_offset: float = 0.0,
+    group_size: int | None = None,
+    row_counts: Sequence[int] | None = None,
+    quantize_from: str = "normed",
+    columnwise: bool = False,
+    strategy: str = "auto",
+    scale_rule: str = "rceil",
+    p2p_timeout_s: float = DEFAULT_P2P_TIMEOUT_S,
+):
+    """The fused op as one device sees it, for use inside ``jax.shard_map`` over ``axis_name``.
+
+    ``x [rows_max, H]`` bf16 are this device's rows (valid rows first, padded to the largest
+    count when ``row_counts`` is given); ``gamma [H]`` bf16 is this device's gamma. Returns
+    ``(normed, quant, scales, residual)`` for the ``R`` rows gathered by this device's group
+    (``R = sum of the group's row_counts``), plus ``(columnwise_quant, columnwise_scales)`` when
+    ``columnwise=True``. Groups are contiguous runs of ``group_size`` devices along the axis.
+
+    ``strategy="auto"`` takes ``"p2p"`` on CPU in a single-process run and ``"xla"`` otherwise.
+    The outputs vary along ``axis_name`` (equal within a group, not across groups).
+    """
+    rows_max, h = _check_x(x)
+    _check_gamma(gamma, h, ((h,),))
+    n = int(jax.lax.axis_size(axis_name))
+    norm = _norm_config(eps, weight_offset, quantize_from, columnwise, scale_rule)
+    g = _check_group_size(group_size, n, axis_name)
+    counts = _check_row_counts(row_counts, n, rows_max, g, axis_name)
+    timeout_ms = _p2p_timeout_ms(p2p_timeout_s)
+    platform = _ffi.default_platform()
+    strategy = _resolve_strategy(strategy, platform, jax.process_count() == 1, axis_name)
+    cfg = _GatherConfig(
+        axis_name=axis_name, axis_size=n, group_size=g, rows_max=rows_max, hidden=h,
+        row_counts=counts, norm=norm, strategy=strategy,
+        op_id=next(_op_ids) if strategy == "p2p" else 0, timeout_ms=timeout_ms,
+    )
+    _check_columnwise_rows(norm, cfg.rows)
+    if cfg.rows == 0:  # nothing to gather: no collective at all
+        return _pack(_empty_outputs(0, h, norm), norm)
+    return _pack(_fused(x, gamma, cfg), norm)
+
+
+# ------------------------------------------------------------------------------------------------
+# the global wrapper
+
+
+def _shard_map(f, mesh, in_specs, out_specs):
+    """``jax.shard_map`` without replication checks (the argument is named differently across
+    jax versions: ``check_vma`` now, ``check_rep`` before)."""
+    params = inspect.signature(jax.shard_map).parameters
+    check = {"check_vma": False} if "check_vma" in params else {"check_rep": False}
+    return jax.shard_map(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs, **check)
+
+
+def allgather_rmsnorm_quant(
+    x: jax.Array,
+    gamma: jax.Array,
+    *,
+    mesh: Mesh,
+    axis: str,
+    eps: float = 1e-6,
+    weight_offset: float = 0.0,
+    group_size: int | None = None,
+    row_counts: Sequence[int] | None = None,
+    quantize_from: str = "normed",
+    columnwise: bool = False,
+    strategy: str = "auto",
+    scale_rule: str = "rceil",
+    p2p_timeout_s: float = DEFAULT_P2P_TIMEOUT_S,
+):
+    """All-gather + RMSNorm + MXFP8 quantize of ``x`` over mesh axis ``axis`` (SPEC section 5).
+
+    ``x [n * rows_max, H]`` bf16 is row-sharded along ``axis`` (device ``k`` of the axis holds
+    rows ``[k * rows_max, (k+1) * rows_max)``, its first ``row_counts[k]`` valid);
+    ``gamma`` is ``[H]`` (shared) or ``[n, H]`` (device ``k`` uses row ``k``), bf16.
+
+    Returns ``(normed, quant, scales, residual)`` (plus the columnwise planes when
+    ``columnwise=True``; R must then be a multiple of 32). With one group (``group_size`` None
+    or n) and a shared gamma they are the ``[R, ...]`` gathered results, replicated. With
+    several groups, or per-device gammas, devices' results differ, so the outputs stack every
+    device's copy along ``axis``: ``[n * R, ...]``, device ``k``'s rows ``[k * R, (k+1) * R)``.
+
+    ``strategy="auto"`` takes ``"p2p"`` when the mesh is on CPU with every device of the axis in
+    this process, ``"xla"`` otherwise (always on GPUs).
+    """
+    if not isinstance(mesh, Mesh):
+        raise TypeError(f"mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}")
+    if axis not in mesh.axis_names:
+        raise ValueError(f"axis={axis!r} is not an axis of the mesh {tuple(mesh.axis_names)}")
+    n = mesh.shape[axis]
+    rows, h = _check_x(x)
+    if rows % n:
+        raise ValueError(
+            f"x has {rows} rows, which the {n} devices of axis {axis!r} cannot split evenly; "
+            f"pad every device's shard to the same row count and pass row_counts"
+        )
+    _check_gamma(gamma, h, ((h,), (n, h)))
+    # Validate everything here, before tracing, so errors do not surface from inside shard_map.
+    norm = _norm_config(eps, weight_offset, quantize_from, columnwise, scale_rule)
+    g = _check_group_size(group_size, n, axis)
+    counts = _check_row_counts(row_counts, n, rows // n, g, axis)
+    _check_columnwise_rows(norm, sum(counts[:g]))
+    _p2p_timeout_ms(p2p_timeout_s)
+    devices = mesh.devices.reshape(-1)
+    here = all(d.process_index == jax.process_index() for d in devices)
+    strategy = _resolve_strategy(strategy, devices[0].platform, here, axis)
+
+    spec = _GlobalSpec(
+        mesh=mesh, axis=axis, hidden=h, per_device_gamma=gamma.ndim == 2,
+        kwargs=(("eps", eps), ("weight_offset", weight_offset), ("group_size", g),
+                ("row_counts", counts), ("quantize_from", quantize_from),
+                ("columnwise", norm.columnwise), ("strategy", strategy),
+                ("scale_rule", scale_rule), ("p2p_timeout_s", p2p_timeout_s)),
+    )
+    if _is_traced(x, gamma):
+        # Inside the caller's trace: a fresh function, so this call site gets its own op id
+        # even when the same call is made many times in one program.
+        return _global_fn(spec)(x, gamma)
+    return _global_jit(spec)(x, gamma)
+
+
+@dataclasses.dataclass(frozen=True)
+class _GlobalSpec:
+    mesh: Mesh
+    axis: str
+    hidden: int
+    per_device_gamma: bool
+    kwargs: tuple  # validated keyword arguments of the per-device form, as (name, value) pairs
+
+
+def _global_fn(spec: _GlobalSpec):
+    kw = dict(spec.kwargs)
+    n = spec.mesh.shape[spec.axis]
+    h = spec.hidden
+
+    def local(xl, gl):
+        gl = gl.reshape(h) if spec.per_device_gamma else gl
+        return allgather_rmsnorm_quant_local(xl, gl, axis_name=spec.axis, **kw)
+
+    replicated = kw["group_size"] == n and not spec.per_device_gamma
+    out_spec = P() if replicated else P(spec.axis)
+    n_out = 6 if kw["columnwise"] else 4
+    return _shard_map(
+        local, spec.mesh, in_specs=(P(spec.axis), P(spec.axis) if spec.per_device_gamma else P()),
+        out_specs=(out_spec,) * n_out,
+    )
+
+
+@functools.lru_cache(maxsize=128)
+def _global_jit(spec: _GlobalSpec):
+    """Eager calls: one compiled program per configuration (each execution has its own RunId,
+    so reusing the op id across calls is safe)."""
+    return jax.jit(_global_fn(spec))
+
+
+def _is_traced(*xs) -> bool:
+    tracer = getattr(jax.core, "Tracer", None)
+    if tracer is None:  # cannot tell: treat as traced (correct, only slower when eager)
+        return True
+    return any(isinstance(a, tracer) for a in xs)

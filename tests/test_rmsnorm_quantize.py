@@ -1,0 +1,177 @@
+"""The local fused RMSNorm + MXFP8 kernel (mxfp8_rmsnorm_quantize) and its pure-JAX twin.
+
+Oracles: normed against an independent numpy implementation of the canonical evaluation order
+(byte for byte) and a float64 RMSNorm (within 1 bf16 ulp); quant/scales against the pure-JAX
+quantize reference applied to normed (or to the fp32 oracle value with quantize_from="fp32").
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import as_bytes
+from hypothesis import given, settings, strategies as st
+
+import mxfp8_jax as mx
+from rmsnorm_oracle import BF16, canonical, float64, within_one_bf16_ulp
+
+pytestmark = pytest.mark.skipif(
+    "cpu" not in mx.available_backends(), reason="needs the compiled CPU extension"
+)
+
+
+def _data(rng, r, h, scale=1.0):
+    x = (rng.standard_normal((r, h)) * scale).astype(BF16)
+    gamma = (rng.standard_normal(h) * 0.5 + 1.0).astype(BF16)
+    return x, gamma
+
+
+@functools.partial(jax.jit, static_argnames="columnwise")
+def _reference_quantize(src, columnwise):
+    return mx.quantize(src, rowwise=True, columnwise=columnwise, backend="jax")
+
+
+@functools.partial(jax.jit, static_argnames=("eps", "offset", "backend"))
+def _fused(x, gamma, eps=1e-6, offset=0.0, backend="ffi"):
+    return mx.rmsnorm_quant(x, gamma, eps=eps, weight_offset=offset, backend=backend)
+
+
+@functools.partial(jax.jit, static_argnums=(2, 3))
+def _fused_columnwise(x, gamma, quantize_from, backend):
+    return mx.rmsnorm_quant(x, gamma, columnwise=True, quantize_from=quantize_from, backend=backend)
+
+
+def _check_planes(normed, q, s, src, *, columnwise=False, cq=None, cs=None):
+    """q/s (and the columnwise planes) equal the pure-JAX quantize of src, byte for byte."""
+    ref = _reference_quantize(jnp.asarray(src), columnwise)
+    np.testing.assert_array_equal(as_bytes(q), as_bytes(ref.rowwise_data))
+    np.testing.assert_array_equal(as_bytes(s), as_bytes(ref.rowwise_scale))
+    if columnwise:
+        np.testing.assert_array_equal(as_bytes(cq), as_bytes(ref.columnwise_data))
+        np.testing.assert_array_equal(as_bytes(cs), as_bytes(ref.columnwise_scale))
+
+
+@pytest.mark.parametrize(
+    "r,h,eps,offset",
+    [(1, 32, 1e-6, 0.0), (17, 96, 1e-5, 1.0), (64, 288, 1e-6, 0.0), (3, 8192, 1e-5, 1.0),
+     (32, 6144, 1e-6, 0.0)],
+)
+def test_kernel_matches_oracles(r, h, eps, offset):
+    rng = np.random.default_rng(r * 1000 + h)
+    x, gamma = _data(rng, r, h, scale=3.0)
+    normed, q, s = _fused(jnp.asarray(x), jnp.asarray(gamma), eps=eps, offset=offset)
+    want, _ = canonical(x, gamma, eps=eps, offset=offset)
+    np.testing.assert_array_equal(as_bytes(normed), as_bytes(want))
+    assert within_one_bf16_ulp(normed, float64(x, gamma, eps=eps, offset=offset)).all()
+    _check_planes(normed, q, s, want)
+    # the pure-JAX path of the same order gives the same bytes on normal data
+    ref = _fused(jnp.asarray(x), jnp.asarray(gamma), eps=eps, offset=offset, backend="jax")
+    for a, b in zip((normed, q, s), ref):
+        np.testing.assert_array_equal(as_bytes(a), as_bytes(b))
+
+
+@pytest.mark.parametrize("quantize_from", ["normed", "fp32"])
+def test_columnwise_and_fp32_source(quantize_from):
+    rng = np.random.default_rng(7)
+    x, gamma = _data(rng, 64, 160)
+    normed, q, s, cq, cs = _fused_columnwise(jnp.asarray(x), jnp.asarray(gamma), quantize_from, "ffi")
+    want, y = canonical(x, gamma, eps=1e-6)
+    np.testing.assert_array_equal(as_bytes(normed), as_bytes(want))
+    src = want if quantize_from == "normed" else y
+    _check_planes(normed, q, s, src, columnwise=True, cq=cq, cs=cs)
+    ref = _fused_columnwise(jnp.asarray(x), jnp.asarray(gamma), quantize_from, "jax")
+    for a, b in zip((normed, q, s, cq, cs), ref):
+        np.testing.assert_array_equal(as_bytes(a), as_bytes(b))
+    if quantize_from == "fp32":  # the option changes the bytes (else this test proves nothing)
+        plain = _reference_quantize(jnp.asarray(want), False)
+        assert (as_bytes(plain.rowwise_data) != as_bytes(q)).any()
+
+
+def test_subnormals_are_kept():
+    """Squares and products below 2^-126 survive XLA:CPU's flush-to-zero (ScopedIeeeFp)."""
+    h = 64
+    rng = np.random.default_rng(3)
+    x = (rng.standard_normal((4, h)) * 2.0**-70).astype(BF16)  # x^2 ~ 2^-140: subnormal
+    gamma = np.full(h, 2.0**-128, np.float32).astype(BF16)  # a subnormal gamma
+    gamma[: h // 2] = 1.0
+    normed, q, s = _fused(jnp.asarray(x), jnp.asarray(gamma), eps=0.0)
+    want, _ = canonical(x, gamma, eps=0.0)
+    assert np.isfinite(want.astype(np.float32)).all()  # flushing sumsq would give inf
+    assert (want.astype(np.float32)[:, h // 2:] != 0).any()  # subnormal outputs exist
+    np.testing.assert_array_equal(as_bytes(normed), as_bytes(want))
+    _check_planes(normed, q, s, want)
+
+
+def test_special_values():
+    h = 64
+    x = np.ones((4, h), np.float32)
+    x[0] = 0.0  # zero row: inv = 1/sqrt(eps)
+    x[1, 3] = np.nan
+    x[2, 5] = np.inf
+    x[3] = 3.0e38  # squares overflow to inf
+    x = x.astype(BF16)
+    gamma = np.ones(h, BF16)
+    normed, q, s = _fused(jnp.asarray(x), jnp.asarray(gamma))
+    want, _ = canonical(x, gamma, eps=1e-6)
+    np.testing.assert_array_equal(as_bytes(normed), as_bytes(want))
+    _check_planes(normed, q, s, want)
+
+
+@settings(max_examples=20)  # each new shape compiles; the values vary freely
+@given(
+    r=st.sampled_from([0, 1, 7, 33]),
+    h=st.sampled_from([32, 96, 288, 1056]),
+    eps=st.sampled_from([1e-6, 0.0]),
+    offset=st.sampled_from([0.0, -0.5]),
+    log_scale=st.integers(-30, 30),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_kernel_bytes_random(r, h, eps, offset, log_scale, seed):
+    rng = np.random.default_rng(seed)
+    x, gamma = _data(rng, r, h, scale=2.0**log_scale)
+    normed, q, s = _fused(jnp.asarray(x), jnp.asarray(gamma), eps=eps, offset=offset)
+    want, _ = canonical(x, gamma, eps=eps, offset=offset)
+    np.testing.assert_array_equal(as_bytes(normed), as_bytes(want))
+    _check_planes(normed, q, s, want)
+
+
+def test_gradients_match_plain_rmsnorm():
+    rng = np.random.default_rng(11)
+    x, gamma = (jnp.asarray(a) for a in _data(rng, 8, 64))
+    w = jnp.asarray(rng.standard_normal((8, 64)), jnp.float32)
+
+    def fused(x, gamma):
+        return jnp.sum(mx.rmsnorm_quant(x, gamma, weight_offset=1.0)[0].astype(jnp.float32) * w)
+
+    def plain(x, gamma):
+        xf = x.astype(jnp.float32)
+        inv = jax.lax.rsqrt(jnp.mean(xf * xf, -1, keepdims=True) + 1e-6)
+        return jnp.sum(xf * inv * (gamma.astype(jnp.float32) + 1.0) * w)
+
+    got = jax.jit(jax.grad(fused, argnums=(0, 1)))(x, gamma)
+    want = jax.grad(plain, argnums=(0, 1))(x, gamma)
+    for a, b in zip(got, want):
+        a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+        np.testing.assert_allclose(a, b, rtol=2e-2, atol=2e-2 * np.abs(b).max())
+
+
+@pytest.mark.parametrize(
+    "kwargs,x,gamma,err,match",
+    [
+        ({}, np.zeros((4, 48), BF16), np.zeros(48, BF16), ValueError, "H=48.*multiple of 32"),
+        ({}, np.zeros((4, 64), np.float32), np.zeros(64, BF16), TypeError, "float32.*bfloat16"),
+        ({}, np.zeros((4, 64), BF16), np.zeros(64, np.float32), TypeError, "gamma.*bfloat16"),
+        ({}, np.zeros((4, 64), BF16), np.zeros(32, BF16), ValueError, "gamma has shape"),
+        ({"columnwise": True}, np.zeros((4, 64), BF16), np.zeros(64, BF16), ValueError,
+         "R=4.*multiple of 32"),
+        ({"quantize_from": "x"}, np.zeros((4, 64), BF16), np.zeros(64, BF16), ValueError,
+         "quantize_from"),
+        ({"eps": -1.0}, np.zeros((4, 64), BF16), np.zeros(64, BF16), ValueError, "eps"),
+        ({"backend": "gpu"}, np.zeros((4, 64), BF16), np.zeros(64, BF16), ValueError, "backend"),
+    ],
+)
+def test_errors(kwargs, x, gamma, err, match):
+    with pytest.raises(err, match=match):
+        mx.rmsnorm_quant(jnp.asarray(x), jnp.asarray(gamma), **kwargs)
