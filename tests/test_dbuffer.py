@@ -73,11 +73,13 @@ def meshes(cpu_devices):
 
 
 def round_trip_cases():
-    """UNPADDED with every Replicate/Shard mix; PADDED fully sharded (compiles are the cost)."""
+    """Every Replicate/Shard mix with UNPADDED (fully sharded only on (4, 2), which repeats
+    (2, 4)'s axes at other sizes); PADDED fully sharded. Compiles are the cost."""
     for shape in NAMES:
-        for placements in rs_placements(len(shape)):
+        mixes = rs_placements(len(shape))
+        for placements in mixes if shape != (4, 2) else mixes[-1:]:
             yield shape, placements, ShardLayout.UNPADDED
-        yield shape, rs_placements(len(shape))[-1], ShardLayout.PADDED
+        yield shape, mixes[-1], ShardLayout.PADDED
 
 
 @pytest.mark.parametrize("mesh_shape, placements, shard_layout", list(round_trip_cases()))
@@ -139,6 +141,13 @@ def test_works_under_jit_and_as_a_pytree(meshes):
     np.testing.assert_array_equal(as_bytes(back.data), as_bytes(buf.data))
     np.testing.assert_array_equal(as_bytes(t4), as_bytes(tensors[4] * 2))
 
+    # packing traced tensors happens in the graph; the result matches host-side packing
+    traced = jax.jit(
+        lambda ts: DBuffer.distribute_tensors(ts, mesh, (S, S), shard_layout=ShardLayout.UNPADDED, block_size=2)
+    )(tensors)
+    assert traced.layout == buf.layout
+    np.testing.assert_array_equal(as_bytes(traced.data), as_bytes(buf.data))
+
 
 def test_explicit_axis_mesh(cpu_devices):
     mesh = make_mesh((2, 4), cpu_devices, AxisType.Explicit)
@@ -168,8 +177,9 @@ def test_empty_and_cast(meshes):
 # -- transitions ---------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("mesh_shape", list(NAMES))
+@pytest.mark.parametrize("mesh_shape", [(8,), (2, 4), (2, 2, 2)])
 def test_shard_replicate_transitions(mesh_shape, meshes):
+    """Every ordered pair of Replicate/Shard mixes; view too where it is allowed."""
     mesh = meshes[mesh_shape]
     tensors = tensors_for(SHAPES, seed=1)
     base = DBuffer.distribute_tensors(

@@ -139,6 +139,7 @@ def check_layout(lay: GlobalLayout, shapes, dp, block):
                 assert (a - off) % grain == 0 and (b - a) % grain == 0  # whole blocks
                 rows_seen += b - a
         assert rows_seen == end - off
+    assert all(b % block == 0 for b in bounds)  # MXFP8 scale layouts divide bounds by the block
     cap = max(b - a for a, b in zip(bounds, bounds[1:]))
     assert lay.segment_capacity == cap and lay.physical_size == dp * cap >= lay.size
     numel = sum(math.prod(s) for s in shapes)
@@ -180,7 +181,7 @@ def test_unpadded_segments_are_as_short_as_cuts_allow(args):
                     for s, off in zip(shapes, lay.tensor_to_offset))
     at = 0
     for off, end, grain in starts:
-        cuts.update(range(at, off + 1))  # anywhere in an alignment gap
+        cuts.update({at, off, *range(-(-at // block) * block, off, block)})  # gap: block multiples
         cuts.update(range(off, end + 1, grain))
         at = end
     cuts = sorted(cuts)

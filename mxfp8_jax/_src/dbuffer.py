@@ -92,7 +92,7 @@ class DBuffer:
         placements = pl.validate_placements(mesh, placements)
         _check_static(mesh, placements, layout)
         sharding = NamedSharding(mesh, pl.partition_spec(mesh, placements))
-        data = jax.device_put(jnp.zeros((layout.physical_size,), dtype), sharding)
+        data = _place(jnp.zeros((layout.physical_size,), dtype), sharding)
         return cls(data, mesh, placements, layout)
 
     @classmethod
@@ -147,7 +147,7 @@ class DBuffer:
         else:  # concrete: pack on the host, one transfer
             flat = _pack(layout, [np.asarray(t).astype(dtype) for t in tensors], dtype, np)
         base = tuple(pl.Replicate() if pl.is_partial(p) else p for p in placements)
-        flat = jax.device_put(flat, NamedSharding(mesh, pl.partition_spec(mesh, base)))
+        flat = _place(flat, NamedSharding(mesh, pl.partition_spec(mesh, base)))
         return cls(flat, mesh, base, layout).redistribute(placements)
 
     # -- geometry ------------------------------------------------------------------------------
@@ -337,6 +337,13 @@ def _transition(plan: _Plan):
 @functools.lru_cache(maxsize=None)
 def _cast(mesh: Mesh, placements, dtype):
     return jax.jit(_shard_map(lambda x: x.astype(dtype), mesh, placements, placements))
+
+
+def _place(x, sharding: NamedSharding) -> jax.Array:
+    """``x`` laid out as ``sharding``: a transfer when concrete, a constraint under jit."""
+    if isinstance(x, jax.core.Tracer):
+        return lax.with_sharding_constraint(x, sharding)
+    return jax.device_put(x, sharding)
 
 
 def _build_layout(mesh, placements, tensor_shapes, shard_layout, block_size) -> GlobalLayout:

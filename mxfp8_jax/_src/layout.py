@@ -104,7 +104,9 @@ class GlobalLayout:
         if shard_layout is ShardLayout.PADDED:
             bounds = tuple(k * size // dp_size for k in range(dp_size + 1))
         else:
-            offsets, size, bounds = _unpadded(numels, grains, dp_size, padded_offsets=offsets)
+            offsets, size, bounds = _unpadded(
+                numels, grains, dp_size, block_size=block_size, padded_offsets=offsets
+            )
         return cls(shapes, tuple(offsets), size, bounds, block_size, shard_layout)
 
     # -- geometry ------------------------------------------------------------------------------
@@ -324,19 +326,24 @@ def _padded_offsets(numels: list[int], grains: list[int], dp: int) -> tuple[list
 
 
 class _Cuts:
-    """Allowed segment bounds: block boundaries of every tensor, anywhere in a gap."""
+    """Allowed segment bounds: the ends of every span, and ``base + j * grain`` inside it.
 
-    def __init__(self, spans: list[tuple[int, int, int]]):  # (start, end, grain) tiling [0, size)
-        self.spans = spans
-        self.starts = [s for s, _, _ in spans]
+    Tensors are spans with ``base = start`` and ``grain = block_size * row_size`` (block
+    boundaries); alignment gaps have ``base = 0`` and ``grain = block_size``, so every bound of
+    a layout stays a multiple of ``block_size`` (PADDED's equal cuts are such multiples too).
+    """
+
+    def __init__(self, spans: list[tuple[int, int, int, int]]):  # (start, end, grain, base)
+        self.spans = spans  # tiling [0, size) in order
+        self.starts = [s for s, _, _, _ in spans]
         self.size = spans[-1][1] if spans else 0
 
     def floor(self, x: int) -> int:
         """The largest cut <= x."""
         if x >= self.size:
             return self.size
-        s, _, g = self.spans[bisect.bisect_right(self.starts, x) - 1]
-        return s + (x - s) // g * g
+        s, _, g, base = self.spans[bisect.bisect_right(self.starts, x) - 1]
+        return max(s, base + (x - base) // g * g)
 
     def ceil(self, x: int) -> int:
         """The smallest cut >= x."""
@@ -344,8 +351,8 @@ class _Cuts:
             return 0
         if x >= self.size:
             return self.size
-        s, e, g = self.spans[bisect.bisect_right(self.starts, x) - 1]
-        return min(s + -(-(x - s) // g) * g, e)
+        s, e, g, base = self.spans[bisect.bisect_right(self.starts, x) - 1]
+        return min(e, base + -(-(x - base) // g) * g)
 
     def segments_needed(self, start: int, cap: int) -> float:
         """Fewest segments of length <= cap covering ``[start, size)`` (greedy; inf if none)."""
@@ -369,19 +376,16 @@ def _balanced_bounds(cuts: _Cuts, dp: int) -> tuple[int, tuple[int, ...]]:
         else:
             lo = mid + 1
     cap = lo if size else 0
+    # from_end[m]: the smallest cut from which m segments of <= cap reach the end (greedy
+    # from the right, the mirror of segments_needed)
+    from_end = [size]
+    for _ in range(dp):
+        from_end.append(cuts.ceil(from_end[-1] - cap))
     bounds = [0]
     for k in range(1, dp):
         prev = bounds[-1]
         latest = cuts.floor(prev + cap)
-        # earliest cut from which the remaining dp - k segments can still finish
-        a, b = prev, latest
-        while a < b:
-            mid = (a + b) // 2
-            if cuts.segments_needed(cuts.ceil(mid), cap) <= dp - k:
-                b = mid
-            else:
-                a = mid + 1
-        earliest = cuts.ceil(a)
+        earliest = max(prev, from_end[dp - k])
         ideal = min(max(k * size / dp, earliest), latest)
         below, above = cuts.floor(int(ideal)), cuts.ceil(math.ceil(ideal))
         cands = [c for c in (below, above) if earliest <= c <= latest]
@@ -390,7 +394,7 @@ def _balanced_bounds(cuts: _Cuts, dp: int) -> tuple[int, tuple[int, ...]]:
     return cap, tuple(bounds)
 
 
-def _unpadded(numels, grains, dp, *, padded_offsets):
+def _unpadded(numels, grains, dp, *, block_size, padded_offsets):
     """Tight packing in id order, each tensor at the first offset its alignment allows.
 
     Returns ``(offsets, size, bounds)``. With mixed row granularities, id order can need longer
@@ -404,9 +408,9 @@ def _unpadded(numels, grains, dp, *, padded_offsets):
         for i in order:
             off = fixed[i] if fixed else _pad(at, grains[i])
             if off > at:
-                spans.append((at, off, 1))  # alignment gap: any cut will do
+                spans.append((at, off, block_size, 0))  # gap: cut on any block_size multiple
             offsets[i] = off
-            spans.append((off, off + numels[i], grains[i]))
+            spans.append((off, off + numels[i], grains[i], off))
             at = off + numels[i]
         cap, bounds = _balanced_bounds(_Cuts(spans), dp)
         return cap, offsets, at, bounds
