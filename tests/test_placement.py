@@ -2,7 +2,6 @@
 
 import itertools
 
-import jax
 import numpy as np
 import pytest
 from jax.sharding import Mesh, NamedSharding

@@ -22,7 +22,6 @@ import dataclasses
 import functools
 import math
 from collections.abc import Iterable, Sequence
-from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -132,7 +131,7 @@ class DBuffer:
         ``layout`` (built with ``dp_size = mesh.size``) overrides ``shard_layout``/``block_size``.
         """
         tensors = list(tensors)
-        shapes = [tuple(getattr(t, "shape", ())) for t in tensors]
+        shapes = [tuple(np.shape(t)) for t in tensors]
         if layout is None:
             layout = _build_layout(mesh, placements, shapes, shard_layout, block_size)
         elif tuple(shapes) != layout.tensor_shapes:
