@@ -94,8 +94,7 @@ def check_mxfp8_layout(layout: GlobalLayout, argname: str = "layout") -> None:
     if bad:
         raise ValueError(
             f"{argname}.rank_segment_offsets={layout.rank_segment_offsets}: bounds {bad} are not "
-            f"multiples of 32, so scale coordinates (divided by 32) would not be whole; build it "
-            f"with QuantizedDBuffer.empty"
+            f"multiples of 32, so scale coordinates (divided by 32) would not be whole"
         )
 
 
@@ -110,19 +109,6 @@ def check_mxfp8_shapes(tensor_shapes, argname: str = "tensor_shapes") -> None:
                 f"{argname}[{i}]={s}: M={m} and K={k} must both be multiples of 32 (MXFP8 blocks are "
                 f"1x32 rowwise and 32x1 columnwise)"
             )
-
-
-def _mxfp8_layout(tensor_shapes, dp_size: int, shard_layout: ShardLayout) -> GlobalLayout:
-    """``GlobalLayout.build`` with 32-row blocks, every segment bound snapped to a multiple of 32.
-
-    Bounds inside tensors already are (offsets and blocks are multiples of 32); UNPADDED may cut
-    inside an alignment gap, whose ends are multiples of 32, so rounding down stays in the gap.
-    """
-    layout = GlobalLayout.build(tensor_shapes, dp_size, block_size=BLOCK, shard_layout=shard_layout)
-    bounds = tuple(b // BLOCK * BLOCK for b in layout.rank_segment_offsets)
-    if bounds == layout.rank_segment_offsets:
-        return layout
-    return dataclasses.replace(layout, rank_segment_offsets=bounds)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -328,7 +314,7 @@ class QuantizedDBuffer:
                     f"placements[{j}]={p}: an MXFP8 buffer's layout has 32-row blocks, so "
                     f"BlockAtomic(n) needs n dividing 32"
                 )
-        layout = _mxfp8_layout(tensor_shapes, mesh.size, shard_layout)
+        layout = GlobalLayout.build(tensor_shapes, mesh.size, block_size=BLOCK, shard_layout=shard_layout)
         return cls.zeros(mesh, placements, layout, rowwise=rowwise, columnwise=columnwise)
 
     @classmethod
