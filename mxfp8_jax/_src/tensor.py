@@ -118,11 +118,15 @@ class MXFP8Tensor:
 
     # -- Transformer Engine interop (TE imported lazily) ---------------------------------------
 
-    def to_te(self, **kwargs):
-        """This tensor as TE JAX's ``ScaledTensor2x`` (both planes) or ``ScaledTensor1x``."""
+    def to_te(self, *, dq_dtype=None, flatten: bool = False):
+        """This tensor as TE JAX's ``ScaledTensor2x`` (both planes) or ``ScaledTensor1x``.
+
+        Compact scales, data layout ``"NN"``, the logical shape (or the 2-D view with
+        ``flatten=True``); ``dq_dtype`` defaults to ``self.dtype``. See ``mxfp8_jax._src.te``.
+        """
         from mxfp8_jax._src import te
 
-        return te.to_te(self, **kwargs)
+        return te.to_te(self, dq_dtype=dq_dtype, flatten=flatten)
 
     @classmethod
     def from_te(cls, scaled_tensor, *, shape=None) -> MXFP8Tensor:
