@@ -385,10 +385,31 @@ def _gather_rows(x, cfg: _GatherConfig):
     return jnp.take(xg, jnp.asarray(index)[group], axis=0)
 
 
+def _other_mesh_axes(axis_name) -> tuple[list[tuple[str, int]], list[str]]:
+    """The other axes of the mesh this code runs under: (manual ones with sizes, non-manual ones).
+
+    A device's position along the other manual axes tells apart groups that share their index
+    along ``axis_name`` (e.g. the dp rows of a (dp, tp) mesh gathering over tp).
+    """
+    get = getattr(jax.sharding, "get_abstract_mesh", None)
+    mesh = get() if get is not None else None
+    if mesh is None or not mesh.axis_names:  # e.g. under pmap: only axis_name is known
+        return [], []
+    manual = set(getattr(mesh, "manual_axes", mesh.axis_names))
+    others = [(a, s) for a, s in zip(mesh.axis_names, mesh.axis_sizes) if a != axis_name]
+    return [(a, s) for a, s in others if a in manual], [a for a, s in others if a not in manual and s > 1]
+
+
 def _where(cfg: _GatherConfig):
-    """``(rank within the group, group id)`` of this device, as the p2p kernel takes it."""
+    """``(rank within the group, group along the axis, rendezvous id)``, as the p2p kernel takes
+    them; the rendezvous id numbers every group of the whole mesh."""
     idx = jax.lax.axis_index(cfg.axis_name).astype(jnp.int32)
-    return jnp.stack([idx % cfg.group_size, idx // cfg.group_size])
+    group = idx // cfg.group_size
+    key, stride = group, cfg.n_groups
+    for name, size in _other_mesh_axes(cfg.axis_name)[0]:
+        key = key + jax.lax.axis_index(name).astype(jnp.int32) * stride
+        stride *= size
+    return jnp.stack([idx % cfg.group_size, group, key])
 
 
 def _fused_forward(x, gamma, cfg: _GatherConfig):
@@ -491,7 +512,15 @@ def allgather_rmsnorm_quant_local(
     counts = _check_row_counts(row_counts, n, rows_max, g, axis_name)
     timeout_ms = _p2p_timeout_ms(p2p_timeout_s)
     platform = _ffi.default_platform()
-    strategy = _resolve_strategy(strategy, platform, jax.process_count() == 1, axis_name)
+    unmapped = _other_mesh_axes(axis_name)[1]
+    if unmapped and strategy == "p2p":
+        raise ValueError(
+            f"strategy='p2p' cannot tell apart the groups of axis {axis_name!r} repeated along "
+            f"the mesh axes {unmapped}, which are not manual in this shard_map; map them too "
+            f"(shard_map axis_names) or use strategy='xla'"
+        )
+    here = jax.process_count() == 1 and not unmapped
+    strategy = _resolve_strategy(strategy, platform, here, axis_name)
     cfg = _GatherConfig(
         axis_name=axis_name, axis_size=n, group_size=g, rows_max=rows_max, hidden=h,
         row_counts=counts, norm=norm, strategy=strategy,

@@ -1,13 +1,16 @@
 // mxfp8_allgather_rmsnorm_quantize (CPU): all-gather + RMSNorm + MXFP8 quantize, in process.
 //
 // One custom call per device. The devices of a group meet in an in-process rendezvous keyed by
-// (RunId, op_id, group), exchange their input buffers, and the rows are read straight from the
+// (RunId, op_id, rendezvous id), exchange their input buffers, and the rows are read straight from the
 // peers' inputs while they are normalized and quantized: there is no separate gather pass.
 //
 // Operands:
 //   x      [rows_max, H] bf16   this device's rows, padded to the largest shard (valid rows first)
 //   gamma  [H] bf16             this device's gamma
-//   where  [2] s32              (rank within the group, group id), from lax.axis_index
+//   where  [3] s32              (rank within the group, group along the axis, rendezvous id):
+//                               the group along the axis selects its row_counts; the
+//                               rendezvous id tells apart every group of the whole mesh (it
+//                               folds in the device's position along the other mesh axes)
 // Results (R = the group's total row count, sum of its ranks' row_counts):
 //   normed   [R, H] bf16        bf16_rne((x * inv) * (gamma + weight_offset)), order of numerics.h
 //   row_q    [R, H] u8          E4M3 codes of normed (or of the unrounded fp32 value)
@@ -166,8 +169,9 @@ ffi::Future AllgatherRmsnormQuantize(
   const int64_t rows_max = dims[0], H = dims[1];
   if (H % kBlock) return fail("H must be a multiple of 32");
   if (gamma.element_count() != static_cast<size_t>(H)) return fail("gamma must be [H]");
-  if (where.element_count() != 2) return fail("where must be [2] (rank, group)");
+  if (where.element_count() != 3) return fail("where must be [3] (rank, group, rendezvous id)");
   const int64_t rank = where.typed_data()[0], group = where.typed_data()[1];
+  const int64_t rendezvous_id = where.typed_data()[2];
   const int64_t n_all = static_cast<int64_t>(row_counts.size());
   if (group_size < 1 || n_all % group_size) return fail("row_counts must cover whole groups");
   if (rank < 0 || rank >= group_size || group < 0 || group >= n_all / group_size)
@@ -203,7 +207,7 @@ ffi::Future AllgatherRmsnormQuantize(
   a.residual = reinterpret_cast<uint16_t*>(residual->typed_data());
   a.promise = promise;
 
-  auto joined = Table().Join(rendezvous::Key{run_id.run_id, op_id, group},
+  auto joined = Table().Join(rendezvous::Key{run_id.run_id, op_id, rendezvous_id},
                              static_cast<int>(rank), static_cast<int>(group_size),
                              Signature(rows_max, H, counts, p, weight_offset), std::move(a),
                              std::chrono::milliseconds(timeout_ms));

@@ -1,0 +1,207 @@
+"""All-gather + RMSNorm + MXFP8 quantize across devices: strategies agree byte for byte.
+
+Every case runs the "xla" (lax.all_gather + local kernel) and "p2p" (in-process rendezvous)
+strategies on simulated CPU devices and checks, on every device's copy: normed against the
+numpy oracle of the canonical order (bytes) and float64 (1 ulp); quant/scales against the
+pure-JAX quantize of normed; residual against the gathered input bits; equality of the two
+strategies on all outputs; identical outputs on the devices of a group.
+"""
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import as_bytes
+from jax.sharding import Mesh
+
+import mxfp8_jax as mx
+from rmsnorm_oracle import BF16, canonical, float64, within_one_bf16_ulp
+
+pytestmark = pytest.mark.skipif(
+    "cpu" not in mx.available_backends(), reason="needs the compiled CPU extension"
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    n: int
+    counts: tuple
+    h: int
+    group_size: int | None = None
+    per_device_gamma: bool = False
+    eps: float = 1e-6
+    offset: float = 0.0
+    columnwise: bool = False
+    quantize_from: str = "normed"
+
+
+CASES = [
+    Case(2, (1, 1), 32),
+    Case(4, (0, 1, 2, 17), 96, per_device_gamma=True, offset=1.0, eps=1e-5),
+    Case(8, (128,) * 8, 64),
+    Case(8, (17, 0, 2, 1, 0, 17, 1, 2), 8192, group_size=4, offset=1.0),
+    Case(8, (2,) * 8, 256, group_size=4, per_device_gamma=True),
+    Case(4, (32, 0, 16, 16), 160, columnwise=True, quantize_from="fp32", per_device_gamma=True),
+    Case(8, (1,) * 8, 6144),
+    Case(2, (0, 0), 32),
+]
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def _reference_quantize(src, columnwise):
+    return mx.quantize(src, columnwise=columnwise, backend="jax")
+
+
+@jax.jit
+def _quantize(src):
+    return mx.quantize(src, columnwise=False)
+
+
+def _mesh(devices, n):
+    return Mesh(np.array(devices[:n]), ("x",))
+
+
+def _inputs(case: Case, seed=0):
+    rng = np.random.default_rng(seed)
+    m = max(case.counts)
+    x = (rng.standard_normal((case.n * m, case.h)) * 2.0).astype(BF16)
+    shape = (case.n, case.h) if case.per_device_gamma else (case.h,)
+    gamma = (rng.standard_normal(shape) * 0.5 + 1.0).astype(BF16)
+    return x, gamma
+
+
+def _gathered(case: Case, x, group):
+    """The group's valid rows, in device order (numpy)."""
+    m, g = max(case.counts), case.group_size or case.n
+    ks = range(group * g, (group + 1) * g)
+    return np.concatenate([x[k * m: k * m + case.counts[k]] for k in ks]).reshape(-1, case.h)
+
+
+def _device_copies(out, case: Case):
+    """Each device's copy of one output: stacked [n*r, ...] or replicated [r, ...]."""
+    stacked = case.group_size not in (None, case.n) or case.per_device_gamma
+    if stacked:
+        a = np.asarray(out)
+        r = a.shape[0] // case.n
+        return [a[k * r: (k + 1) * r] for k in range(case.n)]
+    shards = sorted(out.addressable_shards, key=lambda s: s.device.id)
+    return [np.asarray(s.data) for s in shards]
+
+
+def _run(case: Case, strategy, cpu_devices, x, gamma):
+    return mx.allgather_rmsnorm_quant(
+        jnp.asarray(x), jnp.asarray(gamma), mesh=_mesh(cpu_devices, case.n), axis="x",
+        eps=case.eps, weight_offset=case.offset, group_size=case.group_size,
+        row_counts=case.counts, quantize_from=case.quantize_from, columnwise=case.columnwise,
+        strategy=strategy,
+    )
+
+
+@pytest.mark.parametrize("case", CASES, ids=str)
+def test_strategies_agree_and_match_oracles(case, cpu_devices):
+    x, gamma = _inputs(case)
+    outs = {s: _run(case, s, cpu_devices, x, gamma) for s in ("xla", "p2p")}
+    for a, b in zip(outs["xla"], outs["p2p"]):
+        assert a.shape == b.shape and a.dtype == b.dtype
+        np.testing.assert_array_equal(as_bytes(a), as_bytes(b))
+
+    g = case.group_size or case.n
+    r = sum(case.counts[:g])
+    names = ["normed", "quant", "scales", "residual", "col_quant", "col_scales"]
+    copies = {nm: _device_copies(o, case) for nm, o in zip(names, outs["p2p"])}
+    seen = set()
+    for k in range(case.n):
+        # devices with the same rows and gamma hold the same bytes (checked below)
+        variant = (k // g, k if case.per_device_gamma else -1)
+        if variant in seen:
+            continue
+        seen.add(variant)
+        rows = _gathered(case, x, k // g)
+        gam = gamma[k] if case.per_device_gamma else gamma
+        normed_want, y = canonical(rows, gam, eps=case.eps, offset=case.offset)
+        normed = copies["normed"][k]
+        assert normed.shape == (r, case.h)
+        np.testing.assert_array_equal(as_bytes(normed), as_bytes(normed_want))
+        assert within_one_bf16_ulp(normed, float64(rows, gam, eps=case.eps, offset=case.offset)).all()
+        np.testing.assert_array_equal(as_bytes(copies["residual"][k]), as_bytes(rows))
+        if r == 0:
+            continue
+        src = y if case.quantize_from == "fp32" else normed
+        ref = _reference_quantize(jnp.asarray(src), case.columnwise)
+        np.testing.assert_array_equal(as_bytes(copies["quant"][k]), as_bytes(ref.rowwise_data))
+        np.testing.assert_array_equal(as_bytes(copies["scales"][k]), as_bytes(ref.rowwise_scale))
+        if case.columnwise:
+            np.testing.assert_array_equal(
+                as_bytes(copies["col_quant"][k]), as_bytes(ref.columnwise_data))
+            np.testing.assert_array_equal(
+                as_bytes(copies["col_scales"][k]), as_bytes(ref.columnwise_scale))
+        if case.quantize_from == "normed":  # quant is mx.quantize(normed) of this very output
+            mine = _quantize(jnp.asarray(normed))
+            np.testing.assert_array_equal(as_bytes(copies["quant"][k]), as_bytes(mine.rowwise_data))
+    # all devices of a group hold the same bytes (normed only where gammas are shared)
+    for k in range(case.n):
+        lead = (k // g) * g
+        for nm in ("residual",) + (() if case.per_device_gamma else ("normed", "quant", "scales")):
+            np.testing.assert_array_equal(as_bytes(copies[nm][k]), as_bytes(copies[nm][lead]))
+
+
+def _hlo(case: Case, strategy, cpu_devices, *, grad=False):
+    x, gamma = (jnp.asarray(a) for a in _inputs(case))
+
+    def fwd(x, gamma):
+        return _run(case, strategy, cpu_devices, x, gamma)
+
+    def loss(x, gamma):
+        normed, _, _, residual = fwd(x, gamma)
+        return jnp.sum(normed.astype(jnp.float32)) + jnp.sum(residual.astype(jnp.float32))
+
+    f = jax.grad(loss, argnums=(0, 1)) if grad else fwd
+    return jax.jit(f).lower(x, gamma).compile().as_text()
+
+
+def test_hlo_collectives(cpu_devices):
+    case = Case(8, (3, 1, 2, 0, 3, 3, 0, 0), 64, group_size=4)
+    xla = _hlo(case, "xla", cpu_devices)
+    assert "all-gather" in xla and "mxfp8_rmsnorm_quantize" in xla
+    assert "replica_groups={{0,1,2,3},{4,5,6,7}}" in xla
+    p2p = _hlo(case, "p2p", cpu_devices)
+    assert "mxfp8_allgather_rmsnorm_quantize" in p2p
+    for op in ("all-gather", "all-reduce", "reduce-scatter", "collective-permute", "all-to-all"):
+        assert op not in p2p, op
+    # backward: the transpose of the gather is a reduce-scatter over the group, for both
+    for strategy in ("xla", "p2p"):
+        text = _hlo(case, strategy, cpu_devices, grad=True)
+        assert "reduce-scatter" in text
+        assert ("all-gather" in text) == (strategy == "xla")
+
+
+def test_auto_strategy_is_p2p_on_cpu(cpu_devices):
+    case = Case(4, (2,) * 4, 32)
+    auto = _hlo(case, "auto", cpu_devices)
+    assert "mxfp8_allgather_rmsnorm_quantize" in auto and "all-gather" not in auto
+
+
+def test_per_device_form_in_user_shard_map(cpu_devices):
+    mesh = Mesh(np.array(cpu_devices).reshape(2, 4), ("dp", "tp"))
+    rng = np.random.default_rng(5)
+    x = jnp.asarray((rng.standard_normal((8 * 3, 64))).astype(BF16))
+    gamma = jnp.asarray(np.ones(64, BF16))
+    from jax.sharding import PartitionSpec as P
+
+    def body(xl, gl, strategy):
+        normed, q, s, res = mx.allgather_rmsnorm_quant_local(xl, gl, axis_name="tp", strategy=strategy)
+        return normed, res
+
+    outs = []
+    for strategy in ("xla", "p2p"):
+        f = jax.jit(jax.shard_map(
+            lambda a, b: body(a, b, strategy), mesh=mesh, in_specs=(P(("dp", "tp")), P()),
+            out_specs=(P("dp"), P("dp")), check_vma=False))
+        outs.append(f(x, gamma))
+    for a, b in zip(*outs):
+        np.testing.assert_array_equal(as_bytes(a), as_bytes(b))
+    # the dp row d gathers devices (d, 0..3): rows [12 d, 12 d + 12) of x
+    np.testing.assert_array_equal(as_bytes(outs[1][1]), as_bytes(x))
