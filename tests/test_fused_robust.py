@@ -1,0 +1,160 @@
+"""The p2p strategy under stress: many gathers in one program, loops, peers that never come,
+and the argument errors of the fused op.
+
+A blocking rendezvous deadlocks once a program holds more independent gathers than XLA:CPU
+has threads to run them; these tests hold 64, mix groups with full-axis calls, loop 200 times,
+and check every result against its own inputs so that mixed-up data cannot pass.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import as_bytes
+from jax.sharding import Mesh, PartitionSpec as P
+
+import mxfp8_jax as mx
+from mxfp8_jax._src import fused as fused_impl
+from rmsnorm_oracle import BF16, canonical
+
+pytestmark = pytest.mark.skipif(
+    "cpu" not in mx.available_backends(), reason="needs the compiled CPU extension"
+)
+
+H = 32
+
+
+def _mesh(devices, n=8):
+    return Mesh(np.array(devices[:n]), ("x",))
+
+
+def _x(seed, rows=8):
+    return (np.random.default_rng(seed).standard_normal((rows, H)) * 2).astype(BF16)
+
+
+def test_64_independent_calls_with_groups_interleaved(cpu_devices):
+    mesh = _mesh(cpu_devices)
+    xs = np.stack([_x(k) for k in range(64)])  # [64, 8, H]: one row per device per call
+    gamma = np.ones(H, BF16)
+
+    @jax.jit
+    def many(xs, gamma):
+        outs = []
+        for k in range(64):
+            g = 4 if k % 2 else None  # odd calls gather groups of 4, even ones the whole axis
+            outs.append(mx.allgather_rmsnorm_quant(
+                xs[k], gamma, mesh=mesh, axis="x", group_size=g, strategy="p2p")[0])
+        return outs
+
+    outs = many(jnp.asarray(xs), jnp.asarray(gamma))
+    for k, out in enumerate(outs):
+        if k % 2:  # stacked per device: device d holds its group's 4 rows
+            want = np.concatenate([canonical(xs[k][(d // 4) * 4:(d // 4) * 4 + 4], gamma,
+                                             eps=1e-6)[0] for d in range(8)])
+        else:
+            want = canonical(xs[k], gamma, eps=1e-6)[0]
+        np.testing.assert_array_equal(as_bytes(out), as_bytes(want), err_msg=f"call {k}")
+
+
+def test_200_calls_in_a_scan(cpu_devices):
+    mesh = _mesh(cpu_devices)
+    steps = 200
+    xs = jnp.asarray(np.stack([_x(1000 + k) for k in range(steps)]).reshape(steps, 8, H))
+    gamma = jnp.asarray(np.ones(H, BF16))
+
+    def run(strategy):
+        def body(carry, xk):
+            # per device: xk [steps, 1, H] sliced per step; carry makes steps depend in order
+            normed, _, _, res = mx.allgather_rmsnorm_quant_local(
+                xk + carry, gamma, axis_name="x", strategy=strategy)
+            return carry + jnp.bfloat16(0), (normed, res)
+
+        def local(xl):
+            _, (normed, res) = jax.lax.scan(body, jnp.zeros((1, H), jnp.bfloat16), xl)
+            return normed, res
+
+        f = jax.shard_map(local, mesh=mesh, in_specs=P(None, "x"), out_specs=P(None, "x"),
+                          check_vma=False)
+        return jax.jit(f)(xs)
+
+    p2p = run("p2p")
+    xla = run("xla")
+    for a, b in zip(p2p, xla):
+        np.testing.assert_array_equal(as_bytes(a), as_bytes(b))
+    # step k of device d is the gather of step k (checks no step saw another step's rows)
+    normed, res = (np.asarray(a) for a in p2p)  # [steps, 8 * 8, H]: 8 device copies of 8 rows
+    for k in (0, 1, 99, 199):
+        np.testing.assert_array_equal(as_bytes(res[k, :8]), as_bytes(np.asarray(xs[k])))
+        np.testing.assert_array_equal(
+            as_bytes(normed[k, 8:16]), as_bytes(canonical(np.asarray(xs[k]), np.ones(H, BF16), eps=1e-6)[0]))
+
+
+def test_missing_peers_fail_with_deadline_and_process_stays_usable(cpu_devices):
+    mesh = _mesh(cpu_devices)
+    x = jnp.asarray(_x(7))
+    gamma = jnp.asarray(np.ones(H, BF16))
+
+    def local(xl):
+        def call(v):
+            return mx.allgather_rmsnorm_quant_local(
+                v, gamma, axis_name="x", strategy="p2p", p2p_timeout_s=1.0)[0]
+
+        # ranks 4..7 never reach the gather
+        return jax.lax.cond(jax.lax.axis_index("x") < 4, call,
+                            lambda v: jnp.zeros((8, H), jnp.bfloat16), xl)
+
+    f = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=P("x"), out_specs=P("x"),
+                              check_vma=False))
+    with pytest.raises(Exception, match=r"ranks \[4, 5, 6, 7\].*did not arrive") as info:
+        jax.block_until_ready(f(x))
+    assert "DEADLINE" in str(info.value).upper()
+    # the process is still usable: a normal gather works and is right
+    out = mx.allgather_rmsnorm_quant(x, gamma, mesh=mesh, axis="x", strategy="p2p")[0]
+    np.testing.assert_array_equal(as_bytes(out), as_bytes(canonical(np.asarray(x), np.ones(H, BF16), eps=1e-6)[0]))
+
+
+def test_p2p_across_processes_is_refused():
+    with pytest.raises(ValueError, match="strategy='p2p' needs every device of axis 'x' in this process"):
+        fused_impl._resolve_strategy("p2p", "cpu", False, "x")
+    assert fused_impl._resolve_strategy("auto", "cpu", False, "x") == "xla"
+    assert fused_impl._resolve_strategy("auto", "gpu", True, "x") == "xla"
+
+
+@pytest.mark.parametrize(
+    "shape,dtype,kwargs,err,match",
+    [
+        ((8, 48), BF16, {}, ValueError, r"H=48 .*multiple of 32"),
+        ((8, 64), np.float32, {}, TypeError, r"float32.*bfloat16"),
+        ((8, 64), BF16, {"row_counts": (1, 1)}, ValueError, r"2 entries.*one per device.*\(8\)"),
+        ((8, 64), BF16, {"row_counts": (2,) + (1,) * 7}, ValueError, r"row_counts\[0\]=2 does not fit"),
+        ((8, 64), BF16, {"row_counts": (-1,) + (1,) * 7}, ValueError, r"row_counts\[0\]=-1"),
+        ((8, 64), BF16, {"row_counts": (1, 0) + (1,) * 6, "group_size": 4}, ValueError,
+         r"row totals \[3, 4\]"),
+        ((8, 64), BF16, {"group_size": 3}, ValueError, r"group_size=3 must divide the size 8"),
+        ((64, 64), BF16, {"columnwise": True}, ValueError, r"R=64|multiple of 32"),
+        ((8, 64), BF16, {"columnwise": True}, ValueError, r"R=8 gathered rows.*multiple of 32"),
+        ((8, 64), BF16, {"strategy": "nccl"}, ValueError, r"strategy='nccl'"),
+        ((8, 64), BF16, {"quantize_from": "bf16"}, ValueError, r"quantize_from='bf16'"),
+        ((12, 64), BF16, {}, ValueError, r"12 rows.*8 devices"),
+    ],
+)
+def test_errors(cpu_devices, shape, dtype, kwargs, err, match):
+    mesh = _mesh(cpu_devices)
+    x = jnp.zeros(shape, dtype)
+    gamma = jnp.ones(shape[1], jnp.bfloat16)
+    if shape == (64, 64):  # R=64 is fine: this one must NOT raise
+        mx.allgather_rmsnorm_quant(x, gamma, mesh=mesh, axis="x", strategy="xla", **kwargs)
+        return
+    with pytest.raises(err, match=match):
+        mx.allgather_rmsnorm_quant(x, gamma, mesh=mesh, axis="x", **kwargs)
+
+
+def test_gamma_errors(cpu_devices):
+    mesh = _mesh(cpu_devices)
+    x = jnp.zeros((8, 64), jnp.bfloat16)
+    with pytest.raises(TypeError, match="gamma has dtype float32"):
+        mx.allgather_rmsnorm_quant(x, jnp.ones(64), mesh=mesh, axis="x")
+    with pytest.raises(ValueError, match=r"gamma has shape \(4, 64\)"):
+        mx.allgather_rmsnorm_quant(x, jnp.ones((4, 64), jnp.bfloat16), mesh=mesh, axis="x")
+    with pytest.raises(ValueError, match="axis='y' is not an axis"):
+        mx.allgather_rmsnorm_quant(x, jnp.ones(64, jnp.bfloat16), mesh=mesh, axis="y")
