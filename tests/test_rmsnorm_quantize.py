@@ -54,11 +54,11 @@ def _check_planes(normed, q, s, src, *, columnwise=False, cq=None, cs=None):
 
 
 @pytest.mark.parametrize(
-    "r,h,eps,offset",
-    [(1, 32, 1e-6, 0.0), (17, 96, 1e-5, 1.0), (64, 288, 1e-6, 0.0), (3, 8192, 1e-5, 1.0),
-     (32, 6144, 1e-6, 0.0)],
+    "r,h,eps,offset,also_jax",
+    [(1, 32, 1e-6, 0.0, False), (17, 96, 1e-5, 1.0, True), (64, 288, 1e-6, 0.0, False),
+     (3, 8192, 1e-5, 1.0, False), (32, 6144, 1e-6, 0.0, True)],
 )
-def test_kernel_matches_oracles(r, h, eps, offset):
+def test_kernel_matches_oracles(r, h, eps, offset, also_jax):
     rng = np.random.default_rng(r * 1000 + h)
     x, gamma = _data(rng, r, h, scale=3.0)
     normed, q, s = _fused(jnp.asarray(x), jnp.asarray(gamma), eps=eps, offset=offset)
@@ -66,6 +66,8 @@ def test_kernel_matches_oracles(r, h, eps, offset):
     np.testing.assert_array_equal(as_bytes(normed), as_bytes(want))
     assert within_one_bf16_ulp(normed, float64(x, gamma, eps=eps, offset=offset)).all()
     _check_planes(normed, q, s, want)
+    if not also_jax:  # (each pure-JAX compile is slow; two shapes suffice)
+        return
     # the pure-JAX path of the same order gives the same bytes on normal data
     ref = _fused(jnp.asarray(x), jnp.asarray(gamma), eps=eps, offset=offset, backend="jax")
     for a, b in zip((normed, q, s), ref):
@@ -119,7 +121,7 @@ def test_special_values():
     _check_planes(normed, q, s, want)
 
 
-@settings(max_examples=20)  # each new shape compiles; the values vary freely
+@settings(max_examples=12)  # each new shape compiles; the values vary freely
 @given(
     r=st.sampled_from([0, 1, 7, 33]),
     h=st.sampled_from([32, 96, 288, 1056]),
@@ -151,7 +153,7 @@ def test_gradients_match_plain_rmsnorm():
         return jnp.sum(xf * inv * (gamma.astype(jnp.float32) + 1.0) * w)
 
     got = jax.jit(jax.grad(fused, argnums=(0, 1)))(x, gamma)
-    want = jax.grad(plain, argnums=(0, 1))(x, gamma)
+    want = jax.jit(jax.grad(plain, argnums=(0, 1)))(x, gamma)
     for a, b in zip(got, want):
         a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
         np.testing.assert_allclose(a, b, rtol=2e-2, atol=2e-2 * np.abs(b).max())
