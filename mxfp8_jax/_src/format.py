@@ -130,6 +130,7 @@ def e8m0_floor(amax_bits: jax.Array) -> jax.Array:
     """
     exp = (amax_bits >> 23).astype(jnp.int32)
     byte = jnp.clip(exp - 8, 0, 254)
+    byte = jnp.where(exp == 0xFF, 254, byte)  # +Inf: floor(log2) is +Inf, clamped
     return jnp.where(exp == 0, 0, byte).astype(jnp.uint8)
 
 

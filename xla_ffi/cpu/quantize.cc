@@ -33,11 +33,9 @@ static ffi::Error Quantize(ffi::ThreadPool pool, ffi::AnyBuffer x,
   const int64_t bands = (M + kBlock - 1) / kBlock;
   // About 64 KiB of input per item keeps scheduling overhead small.
   const int64_t min_bands = std::max<int64_t>(1, (1 << 16) / std::max<int64_t>(1, kBlock * K * 2));
-  dispatch(t, [&]<InType T>() {
-    const auto* xp = static_cast<const typename Input<T>::Elem*>(x.untyped_data());
-    parallel_for(pool, bands, min_bands, [&](int64_t b) {
-      quantize_rows<T>(xp, b * kBlock, std::min<int64_t>(M, (b + 1) * kBlock), K, p, rule);
-    });
+  const void* xp = x.untyped_data();
+  parallel_for(pool, bands, min_bands, [&](int64_t b) {
+    quantize_rows_simd(t, xp, b * kBlock, std::min<int64_t>(M, (b + 1) * kBlock), K, p, rule);
   });
   return ffi::Error::Success();
 }

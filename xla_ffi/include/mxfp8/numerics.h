@@ -31,6 +31,23 @@ constexpr uint8_t kE4M3NaNCode = 0x7F;
 
 enum class ScaleRule : int32_t { kRceil = 0, kFloor = 1 };
 
+// Exactly rounded fp32 multiply and add that no compiler may contract into an FMA.
+MXFP8_HD float mul_rn(float a, float b) {
+#if defined(__CUDA_ARCH__) || defined(__HIP_DEVICE_COMPILE__)
+  return __fmul_rn(a, b);
+#else
+  return a * b;
+#endif
+}
+
+MXFP8_HD float add_rn(float a, float b) {
+#if defined(__CUDA_ARCH__) || defined(__HIP_DEVICE_COMPILE__)
+  return __fadd_rn(a, b);
+#else
+  return a + b;
+#endif
+}
+
 // ---------------------------------------------------------------------------------------------
 // Input formats -> fp32 bits (exact; subnormal halves become fp32 normals, done in integers).
 
@@ -166,6 +183,39 @@ MXFP8_HD uint8_t e4m3_scaled(uint32_t x, uint8_t scale_byte) {
   return sign | static_cast<uint8_t>(shift_right_rne(sig, shift));
 }
 
+// The same cast without branches, for SIMD loops (CPU auto-vectorisation) and GPU lanes.
+// Valid when x is NOT a non-zero fp32 subnormal (callers check `is_f32_subnormal` per block and use
+// e4m3_scaled for such blocks). It uses one float multiply-add pair whose operands are normal
+// floats by construction (|y| in [2^-126, 2^-6)), so FTZ/DAZ cannot change its result:
+//   E4M3 subnormal codes are round(|y| * 2^9), taken with the 2^23 magic-number rounding.
+MXFP8_HD bool is_f32_subnormal(uint32_t x) {
+  const uint32_t a = x & 0x7FFFFFFFu;
+  return a != 0 && a < 0x800000u;
+}
+
+// All-ones when cond holds, else zero: selects without control flow, so loops vectorise.
+MXFP8_HD uint32_t mask_if(bool cond) { return 0u - static_cast<uint32_t>(cond); }
+
+MXFP8_HD uint8_t e4m3_scaled_normal_input(uint32_t x, int32_t k) {
+  const uint32_t a = x & 0x7FFFFFFFu;
+  const uint32_t sign = (x >> 24) & 0x80u;
+  const int32_t ey = static_cast<int32_t>(a >> 23) + k;     // biased exponent of |y|
+  const uint32_t yb = a + (static_cast<uint32_t>(k) << 23);  // bits of |y| when 1 <= ey <= 254
+  const uint32_t nb = yb - (120u << 23);                     // E4M3 normal: rebias, keep 3 bits
+  const uint32_t code_n = (nb + 0x7FFFFu + ((nb >> 20) & 1u)) >> 20;
+  float y;
+  __builtin_memcpy(&y, &yb, sizeof y);
+  const float r = add_rn(add_rn(mul_rn(y, 512.0f), 8388608.0f), -8388608.0f);
+  const uint32_t code_s = static_cast<uint32_t>(static_cast<int32_t>(r));
+  const uint32_t in_normal = mask_if(ey >= 121), in_range = mask_if(ey >= 1) & ~mask_if(a == 0);
+  uint32_t code = ((code_n & in_normal) | (code_s & ~in_normal)) & in_range;
+  const uint32_t sat = (in_range & mask_if(yb >= kE4M3MaxBits)) | mask_if(a == 0x7F800000u);
+  code = (code & ~sat) | (kE4M3MaxCode & sat);
+  const uint32_t nan = mask_if(a > 0x7F800000u);
+  code = (code & ~nan) | (kE4M3NaNCode & nan);
+  return static_cast<uint8_t>(sign | code);
+}
+
 // Value of an E8M0 byte as fp32 bits: 2^(byte-127); byte 0 is the subnormal 2^-127, 0xFF NaN.
 MXFP8_HD uint32_t e8m0_to_f32_bits(uint8_t byte) {
   if (byte == 0xFF) return 0x7FC00000u;
@@ -187,22 +237,6 @@ MXFP8_HD uint32_t e8m0_to_f32_bits(uint8_t byte) {
 
 constexpr int kNormLanes = 32;
 constexpr int kNormVec = 8;
-
-MXFP8_HD float mul_rn(float a, float b) {
-#if defined(__CUDA_ARCH__) || defined(__HIP_DEVICE_COMPILE__)
-  return __fmul_rn(a, b);
-#else
-  return a * b;
-#endif
-}
-
-MXFP8_HD float add_rn(float a, float b) {
-#if defined(__CUDA_ARCH__) || defined(__HIP_DEVICE_COMPILE__)
-  return __fadd_rn(a, b);
-#else
-  return a + b;
-#endif
-}
 
 // Index of the partial sum that element e of a row accumulates into.
 MXFP8_HD int norm_lane(int64_t e) { return static_cast<int>((e % 256) / kNormVec); }

@@ -1,0 +1,70 @@
+"""An independent MXFP8 oracle in numpy/float64, written from SPEC section 2 alone.
+
+It shares no code with the package: amax and the scale rules use numpy's IEEE fp32 (numpy never
+flushes subnormals), the cast is one float64 multiply (exact for these ranges) followed by
+ml_dtypes' single correctly rounded float64 -> E4M3 conversion after saturating to +-448.
+"""
+
+import ml_dtypes
+import numpy as np
+
+E4M3 = ml_dtypes.float8_e4m3fn
+INV448 = np.float32(1) / np.float32(448)
+
+
+def _amax(blocks64: np.ndarray) -> np.ndarray:
+    a = np.abs(blocks64)
+    a = np.where(np.isnan(a), 0.0, a)
+    return a.max(axis=-1)
+
+
+def scale_rceil(amax: np.ndarray) -> np.ndarray:
+    v = (amax.astype(np.float32) * INV448).view(np.uint32)
+    exp = (v >> 23).astype(np.int64)
+    man = (v & 0x7FFFFF).astype(np.int64)
+    up = (man != 0) & (exp != 0xFE) & ~((exp == 0) & (man <= 0x400000))
+    byte = exp + up
+    byte = np.where(np.isinf(amax), 0xFE, byte)
+    return byte.astype(np.uint8)
+
+
+def scale_floor(amax: np.ndarray) -> np.ndarray:
+    """clamp(floor(log2(amax)) - 8 + 127, 0, 254); amax 0 -> 0; frexp is exact: a = m * 2^e,
+    m in [0.5, 1), so floor(log2(a)) = e - 1."""
+    finite = np.where(np.isinf(amax), 1.0, amax)
+    _, e = np.frexp(finite)
+    byte = np.clip(e.astype(np.int64) - 1 - 8 + 127, 0, 254)
+    byte = np.where(np.isinf(amax), 254, byte)
+    return np.where(amax == 0, 0, byte).astype(np.uint8)
+
+
+def quantize_blocks(blocks, rule: str = "rceil"):
+    """blocks [..., 32] of any float dtype -> (codes uint8 [..., 32], scales uint8 [...])."""
+    with np.errstate(invalid="ignore"):
+        b64 = np.asarray(blocks).astype(np.float64)
+    amax = _amax(b64)
+    scale = scale_rceil(amax) if rule == "rceil" else scale_floor(amax)
+    mult = np.ldexp(1.0, 127 - scale.astype(np.int64))[..., None]
+    with np.errstate(invalid="ignore", over="ignore"):
+        y = np.clip(b64 * mult, -448.0, 448.0)
+    return y.astype(E4M3).view(np.uint8), scale
+
+
+def quantize(x, rule: str = "rceil"):
+    """x [M, K] -> dict of the four planes as uint8 (columnwise needs M % 32 == 0)."""
+    x = np.asarray(x)
+    m, k = x.shape
+    rq, rs = quantize_blocks(x.reshape(m, k // 32, 32), rule)
+    out = {"rowwise_data": rq.reshape(m, k), "rowwise_scale": rs}
+    if m % 32 == 0:
+        xt = x.reshape(m // 32, 32, k).transpose(0, 2, 1)
+        cq, cs = quantize_blocks(xt, rule)
+        out["columnwise_data"] = cq.transpose(0, 2, 1).reshape(m, k)
+        out["columnwise_scale"] = cs
+    return out
+
+
+def dequantize_rowwise(q: np.ndarray, s: np.ndarray) -> np.ndarray:
+    """float64 values of rowwise planes (exact)."""
+    vals = q.view(E4M3).astype(np.float64)
+    return vals * np.ldexp(1.0, np.repeat(s.astype(np.int64), 32, axis=1) - 127)
