@@ -1,0 +1,99 @@
+// The GPU platform layer shared by the CUDA and HIP builds of the kernels in this folder:
+// runtime API names, lane exchange and votes with explicit widths, thread indices, and the
+// FFI-side helpers every handler uses (dtype dispatch, error mapping).
+//
+// Built as CUDA by nvcc (_mxfp8_cuda) and as HIP by clang -x hip (_mxfp8_rocm, through
+// hip/compat.h). Kernels use 32-lane groups at most, so they behave the same on 32-lane warps
+// and 64-lane wavefronts.
+#pragma once
+
+#if defined(__HIPCC__)
+#include "hip/compat.h"
+#else
+#include <cuda_runtime.h>
+#endif
+
+#include <cstdint>
+#include <string>
+
+#include "mxfp8/numerics.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace mxfp8::gpu {
+
+namespace ffi = xla::ffi;
+
+#if !defined(__HIPCC__)
+template <typename T>
+__device__ __forceinline__ T shfl_xor(T v, int mask, int width) {
+  return __shfl_xor_sync(0xFFFFFFFFu, v, mask, width);
+}
+__device__ __forceinline__ bool any_lane(bool pred) { return __any_sync(0xFFFFFFFFu, pred); }
+__device__ __forceinline__ void block_sync() { __syncthreads(); }
+#endif
+
+// Flat thread index of a 1-D launch (64-bit: grids cover more than 2^31 threads' work).
+// On HIP the workitem builtins avoid the device-library calls behind threadIdx/blockIdx.
+__device__ __forceinline__ int64_t global_thread(int block_threads) {
+#if defined(__HIPCC__)
+  return static_cast<int64_t>(__builtin_amdgcn_workgroup_id_x()) * block_threads +
+         __builtin_amdgcn_workitem_id_x();
+#else
+  return static_cast<int64_t>(blockIdx.x) * block_threads + threadIdx.x;
+#endif
+}
+
+__device__ __forceinline__ int thread_in_block() {
+#if defined(__HIPCC__)
+  return static_cast<int>(__builtin_amdgcn_workitem_id_x());
+#else
+  return static_cast<int>(threadIdx.x);
+#endif
+}
+
+__device__ __forceinline__ int64_t block_index() {
+#if defined(__HIPCC__)
+  return __builtin_amdgcn_workgroup_id_x();
+#else
+  return blockIdx.x;
+#endif
+}
+
+__device__ __forceinline__ float f32(uint32_t bits) { return __uint_as_float(bits); }
+__device__ __forceinline__ uint32_t bits(float f) { return __float_as_uint(f); }
+
+// ---------------------------------------------------------------------------------------------
+// Host side.
+
+enum class InType : int { kF32, kBF16, kF16 };
+
+inline bool input_type(ffi::DataType t, InType* out) {
+  switch (t) {
+    case ffi::DataType::F32: *out = InType::kF32; return true;
+    case ffi::DataType::BF16: *out = InType::kBF16; return true;
+    case ffi::DataType::F16: *out = InType::kF16; return true;
+    default: return false;
+  }
+}
+
+inline ffi::Error invalid(const std::string& msg) {
+  return ffi::Error(ffi::ErrorCode::kInvalidArgument, msg);
+}
+
+// The launch status of the kernels just enqueued on the stream.
+inline ffi::Error launch_status(const char* target) {
+  const cudaError_t e = cudaGetLastError();
+  if (e == cudaSuccess) return ffi::Error::Success();
+  return ffi::Error(ffi::ErrorCode::kInternal,
+                    std::string(target) + ": kernel launch failed: " + cudaGetErrorString(e));
+}
+
+inline uint8_t* bytes(ffi::Result<ffi::AnyBuffer>& r) {
+  return static_cast<uint8_t*>(r->untyped_data());
+}
+
+inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+constexpr int kBlockThreads = 128;
+
+}  // namespace mxfp8::gpu

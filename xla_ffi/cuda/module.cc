@@ -1,0 +1,34 @@
+// The GPU extension module (_mxfp8_cuda, or _mxfp8_rocm when the same handlers are built as
+// HIP): hands XLA FFI handler capsules to Python for registration. Compiled by the host C++
+// compiler; the handlers live in the .cu files.
+#include <nanobind/nanobind.h>
+
+#include "xla/ffi/api/c_api.h"
+
+#ifndef MXFP8_GPU_MODULE
+#error "MXFP8_GPU_MODULE (the module name) must be defined by the build"
+#endif
+
+namespace nb = nanobind;
+
+namespace mxfp8::gpu {
+extern "C" XLA_FFI_Error* QuantizeHandler(XLA_FFI_CallFrame*);
+extern "C" XLA_FFI_Error* QuantizeSegmentsHandler(XLA_FFI_CallFrame*);
+extern "C" XLA_FFI_Error* RmsnormQuantizeHandler(XLA_FFI_CallFrame*);
+}  // namespace mxfp8::gpu
+
+template <typename T>
+static nb::capsule capsule(T* fn) {
+  return nb::capsule(reinterpret_cast<void*>(fn));
+}
+
+NB_MODULE(MXFP8_GPU_MODULE, m) {
+  m.doc() = "MXFP8 XLA FFI handlers for GPUs (CUDA or ROCm, per the module name)";
+  m.def("registrations", []() {
+    nb::dict d;
+    d["mxfp8_quantize"] = capsule(mxfp8::gpu::QuantizeHandler);
+    d["mxfp8_quantize_segments"] = capsule(mxfp8::gpu::QuantizeSegmentsHandler);
+    d["mxfp8_rmsnorm_quantize"] = capsule(mxfp8::gpu::RmsnormQuantizeHandler);
+    return d;
+  });
+}

@@ -1,0 +1,247 @@
+// mxfp8_rmsnorm_quantize (CUDA / ROCm): RMSNorm of each row, then MXFP8 of the result.
+// Operands, results and attributes as the CPU handler (cpu/rmsnorm_quantize.cc):
+//
+// Operands: x [R, H] bf16, gamma [H] bf16.
+// Results:  normed [R, H] bf16, row_q [R, H] u8, row_s [R, H/32] u8,
+//           col_q [R, H] u8, col_s [R/32, H] u8 (zero-size uint8[0] unless columnwise).
+// Attributes: eps f32, weight_offset f32, quantize_from_fp32 bool, columnwise bool,
+//             scale_rule i32 (0 rceil, 1 floor).
+// normed = bf16_rne((x * inv) * (gamma + weight_offset)) in the order pinned in numerics.h;
+// the quantized planes are those of normed (or of the unrounded fp32 value).
+//
+// Two kernels:
+//   - rows (rowwise planes only): 32 lanes per row; rows up to 8192 wide stay in registers
+//     between the sum of squares and the output pass, so x is read once (wider rows are read
+//     again, from cache).
+//   - bands (columnwise planes too): one thread block per 32-row band; its 32-lane groups first
+//     compute the band's 32 inverse RMS values, then every thread quantizes a 32 x V tile of
+//     the normed band in both directions (tile.cuh).
+#include "cuda/rmsnorm.cuh"
+
+namespace mxfp8::gpu {
+
+// Quantization source of the exact form for a band quantized from fp32: the unrounded
+// normed value recomputed from x (same formula, same bits).
+struct NormFp32Source {
+  const uint16_t* x;      // the tile's first element
+  const uint16_t* gamma;  // gamma at the tile's first column
+  const float* inv;       // the band's 32 inverse RMS values
+  int64_t ld;
+  float weight_offset;
+  __device__ uint32_t operator()(int r, int i) const {
+    const uint32_t xb = bf16_to_f32_bits(x[r * ld + i]);
+    return bits(norm_value(xb, inv[r], gamma_value(bf16_to_f32_bits(gamma[i]), weight_offset)));
+  }
+};
+
+// kSteps > 0: rows of up to kSteps * 256 elements, held in registers; 0: any length, re-read.
+template <int kSteps, bool kFromFp32>
+__global__ void __launch_bounds__(kBlockThreads)
+    rmsnorm_rows_kernel(const uint16_t* x, const uint16_t* gamma, int64_t R, NormParams prm,
+                        NormOut o) {
+  const int64_t t = global_thread(kBlockThreads);
+  const int64_t row = t / kNormLanes;
+  const int lane = static_cast<int>(t % kNormLanes);
+  const bool active = row < R;
+  const int64_t H = prm.H;
+  const uint16_t* xr = x + (active ? row : 0) * H;
+
+  uint4 cached[kSteps > 0 ? kSteps : 1];
+  float inv;
+  if constexpr (kSteps > 0) {
+    float p = 0.f;
+#pragma unroll
+    for (int i = 0; i < kSteps; ++i) {
+      const int64_t e = i * kNormStep + lane * kNormVec;
+      cached[i] = active && e < H ? *reinterpret_cast<const uint4*>(xr + e) : make_uint4(0, 0, 0, 0);
+    }
+#pragma unroll
+    for (int i = 0; i < kSteps; ++i)
+      if (active && i * kNormStep + lane * kNormVec < H) p = add_squares(p, cached[i]);
+    inv = rms_inverse(lane_tree(p), H, prm.eps);
+  } else {
+    inv = rms_inverse(row_sum_of_squares(xr, H, lane, active), H, prm.eps);
+  }
+
+  const int64_t steps = (H + kNormStep - 1) / kNormStep;
+#pragma unroll
+  for (int64_t i = 0; i < (kSteps > 0 ? kSteps : steps); ++i) {
+    if (i >= steps) break;  // uniform across the warp
+    const int64_t e = i * kNormStep + lane * kNormVec;
+    const bool valid = active && e < H;
+    uint4 v = make_uint4(0, 0, 0, 0), gv = make_uint4(0, 0, 0, 0);
+    if constexpr (kSteps > 0) v = cached[i];
+    else if (valid) v = *reinterpret_cast<const uint4*>(xr + e);
+    if (valid) gv = *reinterpret_cast<const uint4*>(gamma + e);
+    uint32_t xb[kNormVec], gb[kNormVec], normed[kNormVec / 2], src[kNormVec];
+#pragma unroll
+    for (int k = 0; k < kNormVec; ++k)
+      xb[k] = Elems<InType::kBF16>::at(v, k), gb[k] = Elems<InType::kBF16>::at(gv, k);
+    normalize<kFromFp32>(xb, gb, inv, prm.weight_offset, normed, src);
+    if (!valid)
+#pragma unroll
+      for (int k = 0; k < kNormVec; ++k) src[k] = 0;
+    uint32_t c[kNormVec / 4];
+    const uint8_t scale = encode_block<kNormVec>(src, c, prm.rule);
+    if (valid) {
+      const int64_t at = row * H + e;
+      *reinterpret_cast<uint4*>(o.normed + at) = make_uint4(normed[0], normed[1], normed[2], normed[3]);
+      store_codes<kNormVec>(o.row_q + at, c);
+      if (lane % (kBlock / kNormVec) == 0) o.row_s[at / kBlock] = scale;
+    }
+  }
+}
+
+template <bool kFromFp32>
+__global__ void __launch_bounds__(kBlockThreads)
+    rmsnorm_bands_kernel(const uint16_t* x, const uint16_t* gamma, NormParams prm, NormOut o) {
+  constexpr InType T = kFromFp32 ? InType::kF32 : InType::kBF16;
+  constexpr int V = Elems<T>::kVec, G = kBlock / V;
+  constexpr int kGroups = kBlockThreads / kNormLanes;
+  __shared__ float inv[kBlock];
+
+  const int64_t H = prm.H;
+  const int tid = thread_in_block();
+  const int64_t band = block_index();
+  const int lane = tid % kGroupLanes;
+  for (int k = tid / kNormLanes; k < kBlock; k += kGroups) {
+    const float s = row_sum_of_squares(x + (band * kBlock + k) * H, H, lane, true);
+    if (lane == 0) inv[k] = rms_inverse(s, H, prm.eps);
+  }
+  block_sync();
+
+  // Column groups of the band (32 rows x V columns, two lanes each: tile.cuh).
+  const bool upper = lane >= kTileCols;
+  const int half = upper ? kTileRows : 0;
+  const int64_t row0 = band * kBlock + half;
+  const int64_t per_band = H / V;
+  for (int64_t base = 0; base < per_band; base += kBlockThreads / 2) {  // uniform trip count
+    const int64_t cg = base + (tid / kGroupLanes) * kTileCols + lane % kTileCols;
+    const bool active = cg < per_band;
+    const int64_t col0 = active ? cg * V : 0;
+    const int64_t e0 = row0 * H + col0;
+
+    uint32_t gb[V];
+    uint4 gv = make_uint4(0, 0, 0, 0);
+    if (active) {
+      if constexpr (V == 8) gv = *reinterpret_cast<const uint4*>(gamma + col0);
+      else gv.x = reinterpret_cast<const uint2*>(gamma + col0)->x, gv.y = reinterpret_cast<const uint2*>(gamma + col0)->y;
+    }
+#pragma unroll
+    for (int k = 0; k < V; ++k) gb[k] = Elems<InType::kBF16>::at(gv, k);
+
+    uint4 w[kTileRows];
+#pragma unroll
+    for (int r = 0; r < kTileRows; ++r) {
+      uint4 xv = make_uint4(0, 0, 0, 0);
+      if (active) {
+        if constexpr (V == 8) {
+          xv = *reinterpret_cast<const uint4*>(x + e0 + r * H);
+        } else {
+          const uint2 h = *reinterpret_cast<const uint2*>(x + e0 + r * H);
+          xv.x = h.x, xv.y = h.y;
+        }
+      }
+      uint32_t xb[V], normed[V / 2], src[V];
+#pragma unroll
+      for (int k = 0; k < V; ++k) xb[k] = Elems<InType::kBF16>::at(xv, k);
+      normalize<kFromFp32>(xb, gb, inv[half + r], prm.weight_offset, normed, src);
+      if constexpr (V == 8) {
+        if (active) *reinterpret_cast<uint4*>(o.normed + e0 + r * H) = make_uint4(normed[0], normed[1], normed[2], normed[3]);
+        w[r] = make_uint4(normed[0], normed[1], normed[2], normed[3]);  // bf16 tile
+      } else {
+        if (active) *reinterpret_cast<uint2*>(o.normed + e0 + r * H) = make_uint2(normed[0], normed[1]);
+        w[r] = make_uint4(src[0], src[1], src[2], src[3]);  // fp32 tile
+      }
+    }
+
+    TileDst d;
+    d.upper = upper;
+    d.rows = active ? kTileRows : 0;
+    d.ld = H;
+    d.lds = H / kBlock;
+    d.lane_in_group = static_cast<int>(cg % G);
+    d.row_q = o.row_q + e0;
+    d.row_s = o.row_s + row0 * d.lds + col0 / kBlock;
+    d.col_q = o.col_q + e0;
+    d.col_s = o.col_s + band * H + col0;
+    if constexpr (kFromFp32)
+      quantize_tile<T>(w, NormFp32Source{x + e0, gamma + col0, inv + half, H, prm.weight_offset}, d, prm.rule);
+    else
+      quantize_tile<T>(w, MemorySource<T>{reinterpret_cast<const uint8_t*>(o.normed + e0), H}, d, prm.rule);
+  }
+}
+
+template <bool kFromFp32>
+static void launch_rmsnorm(cudaStream_t stream, const uint16_t* x, const uint16_t* gamma,
+                           int64_t R, const NormParams& prm, const NormOut& o, bool columnwise) {
+  if (columnwise) {
+    rmsnorm_bands_kernel<kFromFp32><<<R / kBlock, kBlockThreads, 0, stream>>>(x, gamma, prm, o);
+    return;
+  }
+  const int64_t blocks = ceil_div(R * kNormLanes, kBlockThreads);
+  const int64_t steps = ceil_div(prm.H, kNormStep);
+  if (steps <= 32)
+    rmsnorm_rows_kernel<32, kFromFp32><<<blocks, kBlockThreads, 0, stream>>>(x, gamma, R, prm, o);
+  else
+    rmsnorm_rows_kernel<0, kFromFp32><<<blocks, kBlockThreads, 0, stream>>>(x, gamma, R, prm, o);
+}
+
+static ffi::Error RmsnormQuantize(cudaStream_t stream, ffi::Buffer<ffi::BF16> x,
+                                  ffi::Buffer<ffi::BF16> gamma,
+                                  ffi::Result<ffi::Buffer<ffi::BF16>> normed,
+                                  ffi::Result<ffi::AnyBuffer> row_q,
+                                  ffi::Result<ffi::AnyBuffer> row_s,
+                                  ffi::Result<ffi::AnyBuffer> col_q,
+                                  ffi::Result<ffi::AnyBuffer> col_s, float eps,
+                                  float weight_offset, bool quantize_from_fp32, bool columnwise,
+                                  int32_t scale_rule) {
+  const auto dims = x.dimensions();
+  if (dims.size() != 2) return invalid("mxfp8_rmsnorm_quantize: x must be [R, H]");
+  const int64_t R = dims[0], H = dims[1];
+  if (H % kBlock) return invalid("mxfp8_rmsnorm_quantize: H must be a multiple of 32");
+  if (gamma.element_count() != static_cast<size_t>(H))
+    return invalid("mxfp8_rmsnorm_quantize: gamma must be [H]");
+  if (columnwise && R % kBlock)
+    return invalid("mxfp8_rmsnorm_quantize: R must be a multiple of 32 for columnwise output");
+  const size_t n = static_cast<size_t>(R * H);
+  if (normed->element_count() != n || row_q->size_bytes() != n ||
+      row_s->size_bytes() != n / kBlock ||
+      (columnwise && (col_q->size_bytes() != n || col_s->size_bytes() != n / kBlock)))
+    return invalid("mxfp8_rmsnorm_quantize: result sizes do not match x");
+  if (n == 0) return ffi::Error::Success();
+
+  NormParams prm;
+  prm.H = H;
+  prm.eps = eps;
+  prm.weight_offset = weight_offset;
+  prm.rule = static_cast<ScaleRule>(scale_rule);
+  NormOut o;
+  o.normed = reinterpret_cast<uint16_t*>(normed->typed_data());
+  o.row_q = bytes(row_q);
+  o.row_s = bytes(row_s);
+  if (columnwise) o.col_q = bytes(col_q), o.col_s = bytes(col_s);
+  const auto* xp = reinterpret_cast<const uint16_t*>(x.typed_data());
+  const auto* gp = reinterpret_cast<const uint16_t*>(gamma.typed_data());
+  if (quantize_from_fp32) launch_rmsnorm<true>(stream, xp, gp, R, prm, o, columnwise);
+  else launch_rmsnorm<false>(stream, xp, gp, R, prm, o, columnwise);
+  return launch_status("mxfp8_rmsnorm_quantize");
+}
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(RmsnormQuantizeHandler, RmsnormQuantize,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<ffi::Buffer<ffi::BF16>>()
+                                  .Arg<ffi::Buffer<ffi::BF16>>()
+                                  .Ret<ffi::Buffer<ffi::BF16>>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Attr<float>("eps")
+                                  .Attr<float>("weight_offset")
+                                  .Attr<bool>("quantize_from_fp32")
+                                  .Attr<bool>("columnwise")
+                                  .Attr<int32_t>("scale_rule"));
+
+}  // namespace mxfp8::gpu
