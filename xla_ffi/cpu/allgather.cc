@@ -109,14 +109,13 @@ void GatherNormQuantize(ffi::ThreadPool& pool, std::vector<Arrival>& ranks,
       p.columnwise ? kBlock : std::max<int64_t>(1, (int64_t{1} << 16) / (2 * H));
   const int64_t items = (R + rows_per_item - 1) / rows_per_item;
   const auto row_input = [&row_src](int64_t r) { return row_src[r]; };
-  const bool fp32_band = p.columnwise && p.quantize_from_fp32;
   parallel_for(pool, items, 1, [&](int64_t i) {
     ScopedIeeeFp ieee;
     const int64_t r0 = i * rows_per_item, r1 = std::min(R, r0 + rows_per_item);
     for (int k = 0; k < n; ++k)
       for (int64_t r = r0; r < r1; ++r)
         std::memcpy(ranks[k].residual + r * H, row_src[r], static_cast<size_t>(2 * H));
-    std::vector<uint32_t> scratch(fp32_band ? static_cast<size_t>(kBlock * H) : 0);
+    std::vector<uint32_t> scratch(rows_scratch_words(p));
     for (int l : leaders) {
       const NormOutputs& o = ranks[l].out;
       rmsnorm_quantize_rows(row_input, r0, r1, g[l].data(), p, o, scratch.data());

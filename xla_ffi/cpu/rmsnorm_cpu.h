@@ -74,35 +74,41 @@ inline float row_sum_of_squares(const uint16_t* x, int64_t H) {
   return norm_tree(part);
 }
 
-// One row: normed [H] bf16, rowwise q [H] and s [H/32]; fp32 (optional, [H] bits) receives the
-// unrounded (x*inv)*g for a columnwise plane quantized from fp32.
+// normed = bf16_rne((x * inv) * g) for one row; fp32 (optional) receives the unrounded bits.
+// Straight-line per element, so the compiler vectorises it (no FMA: -ffp-contract=off).
+inline void normalize_row(const uint16_t* x, const float* g, float inv, int64_t H,
+                          uint16_t* normed, uint32_t* fp32) {
+  for (int64_t e = 0; e < H; ++e) {
+    const uint32_t y = f32_to_bits(mul_rn(mul_rn(f32_from_bits(bf16_to_f32_bits(x[e])), inv), g[e]));
+    normed[e] = f32_bits_to_bf16_rne(y);
+    if (fp32) fp32[e] = y;
+  }
+}
+
+// One row: normed [H] bf16, then its rowwise MXFP8 q [H] and s [H/32] by the plain quantize
+// loop (so quant is the standalone quantize of normed by construction; its second read of the
+// row hits L1). With quantize_from_fp32, fp32 ([H] words, required) holds the unrounded values
+// that are quantized instead.
 inline void rmsnorm_quantize_row(const uint16_t* x, const float* g, const NormParams& p,
                                  uint16_t* normed, uint8_t* q, uint8_t* s, uint32_t* fp32) {
   const int64_t H = p.H;
   const float inv = rms_inverse(row_sum_of_squares(x, H), H, p.eps);
-  uint32_t src[kBlock];
-  for (int64_t b = 0; b < H / kBlock; ++b) {
-    uint32_t amax = 0;
-    for (int i = 0; i < kBlock; ++i) {
-      const int64_t e = b * kBlock + i;
-      const float xf = f32_from_bits(bf16_to_f32_bits(x[e]));
-      const uint32_t y = f32_to_bits(mul_rn(mul_rn(xf, inv), g[e]));
-      const uint16_t n = f32_bits_to_bf16_rne(y);
-      normed[e] = n;
-      if (fp32) fp32[e] = y;
-      src[i] = p.quantize_from_fp32 ? y : bf16_to_f32_bits(n);
-      amax = std::max(amax, abs_bits_or_zero_if_nan(src[i]));
-    }
-    const uint8_t scale = e8m0_scale(amax, p.rule);
-    s[b] = scale;
-    for (int i = 0; i < kBlock; ++i) q[b * kBlock + i] = e4m3_scaled(src[i], scale);
-  }
+  normalize_row(x, g, inv, H, normed, p.quantize_from_fp32 ? fp32 : nullptr);
+  if (p.quantize_from_fp32)
+    quantize_rowwise<InType::kF32>(fp32, 1, H, q, s, p.rule);
+  else
+    quantize_rowwise<InType::kBF16>(normed, 1, H, q, s, p.rule);
+}
+
+// Words of scratch one call of rmsnorm_quantize_rows needs (0: none).
+inline size_t rows_scratch_words(const NormParams& p) {
+  if (!p.quantize_from_fp32) return 0;
+  return static_cast<size_t>((p.columnwise ? kBlock : 1) * p.H);
 }
 
 // Rows [r0, r1) of the output; row r's input is row_input(r) (so a gather can read its rows
-// from several buffers). With columnwise output r0 and r1 are multiples of 32, each 32-row band
-// is quantized columnwise right after its rows, and scratch holds 32*H words when quantizing
-// from fp32 (otherwise it may be null).
+// from several buffers). With columnwise output r0 and r1 are multiples of 32 and each 32-row
+// band is quantized columnwise right after its rows. scratch holds rows_scratch_words(p) words.
 template <typename RowInput>
 void rmsnorm_quantize_rows(const RowInput& row_input, int64_t r0, int64_t r1, const float* g,
                            const NormParams& p, const NormOutputs& o, uint32_t* scratch) {
@@ -113,7 +119,7 @@ void rmsnorm_quantize_rows(const RowInput& row_input, int64_t r0, int64_t r1, co
     const int64_t b1 = std::min(r1, b0 + step);
     for (int64_t r = b0; r < b1; ++r)
       rmsnorm_quantize_row(row_input(r), g, p, o.normed + r * H, o.row_q + r * H,
-                           o.row_s + r * S, fp32_band ? scratch + (r - b0) * H : nullptr);
+                           o.row_s + r * S, scratch + (fp32_band ? (r - b0) * H : 0));
     if (!p.columnwise) continue;
     uint8_t* cq = o.col_q + b0 * H;
     uint8_t* cs = o.col_s + (b0 / kBlock) * H;

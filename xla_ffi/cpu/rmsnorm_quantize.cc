@@ -64,10 +64,9 @@ static ffi::Error RmsnormQuantize(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> x
       columnwise ? kBlock : std::max<int64_t>(1, (int64_t{1} << 16) / (2 * H));
   const int64_t items = (R + rows_per_item - 1) / rows_per_item;
   const auto row_input = [xp, H](int64_t r) { return xp + r * H; };
-  const bool fp32_band = columnwise && quantize_from_fp32;
   parallel_for(pool, items, 1, [&](int64_t i) {
     ScopedIeeeFp ieee;
-    std::vector<uint32_t> scratch(fp32_band ? static_cast<size_t>(kBlock * H) : 0);
+    std::vector<uint32_t> scratch(rows_scratch_words(p));
     const int64_t r0 = i * rows_per_item, r1 = std::min(R, r0 + rows_per_item);
     rmsnorm_quantize_rows(row_input, r0, r1, g.data(), p, o, scratch.data());
   });
