@@ -9,11 +9,14 @@
 // Attributes: scale_rule i32, rowwise bool, columnwise bool.
 //
 // The descriptor table lives on the device (it is data chosen per device under SPMD), so the
-// host never reads it. Tiles map one to one onto the segment: a piece of E elements is E / C
-// tiles of C = 32 * V elements (its rows are multiples of 32 and its offset a multiple of
-// 32 * row_len), so tile t covers segment elements [t*C, (t+1)*C) whichever piece holds them,
-// and a tile in no piece zero-fills that range and its scale bytes. Each thread block first
-// collects the pieces that meet its range into shared memory.
+// host never reads it. Two kernels:
+//   - pieces: the column groups (32 rows x V columns, two lanes each: tile.cuh) of all pieces
+//     are numbered piece after piece in table order; each thread block walks the table in
+//     chunks (a prefix sum of group counts in shared memory) to find the piece of each of its
+//     groups. A piece has (rows / 32) * (row_len / V) groups, a multiple of G, so the G lanes of
+//     a rowwise block always share a piece and a row.
+//   - gaps: one thread per 32 elements of the segment writes zero codes and a zero scale where
+//     no piece covers them (piece bounds fall on multiples of 32).
 //
 // The Python wrapper validates the table; here an entry that breaks the rules above (or would
 // reach past the segment) is ignored, so a bad table can never write out of bounds.
@@ -32,11 +35,8 @@ struct SegmentPlanes {
 
 struct Piece {
   int64_t offset, rows, row_len;
+  __device__ int64_t end() const { return offset + rows * row_len; }
 };
-
-// At most this many pieces meet one block's range (pieces are >= 1024 elements and disjoint, a
-// block covers (threads / 2) * C elements); extra entries (overlapping tables) are dropped.
-constexpr int kMaxPiecesPerBlock = kBlockThreads / 2 * kBlock * 8 / 1024 + 2;
 
 __device__ Piece read_piece(const void* desc, bool desc64, int64_t i) {
   if (desc64) {
@@ -49,107 +49,127 @@ __device__ Piece read_piece(const void* desc, bool desc64, int64_t i) {
 
 __device__ bool piece_ok(const Piece& p, int64_t S) {
   return p.rows > 0 && p.row_len > 0 && p.row_len % kBlock == 0 && p.rows % kBlock == 0 &&
-         p.offset >= 0 && p.offset % (kBlock * p.row_len) == 0 && p.offset <= S &&
+         p.offset >= 0 && p.offset % kBlock == 0 && p.offset <= S &&
          p.rows <= (S - p.offset) / p.row_len;
 }
 
-// Writes zero codes and scales for segment elements [b, e) (b a multiple of 32).
-__device__ void zero_fill(const SegmentPlanes& p, int64_t b, int64_t e) {
-  for (uint8_t* q : {p.row_q, p.col_q})
-    if (q)
-      for (int64_t i = b; i < e; ++i) q[i] = 0;
-  for (uint8_t* s : {p.row_s, p.col_s})
-    if (s)
-      for (int64_t i = b / kBlock; i < e / kBlock; ++i) s[i] = 0;
-}
-
-// Zero codes for elements [b, b + n) (n a multiple of 16, b aligned to 16) of the code planes.
-__device__ __forceinline__ void zero_codes(const SegmentPlanes& p, int64_t b, int n) {
-  const uint4 z = make_uint4(0, 0, 0, 0);
-  for (uint8_t* q : {p.row_q, p.col_q})
-    if (q)
-      for (int i = 0; i < n; i += 16) *reinterpret_cast<uint4*>(q + b + i) = z;
-}
+constexpr int kChunk = kBlockThreads;  // table entries staged per step
 
 }  // namespace
 
-// Column groups (32 rows x V columns, two lanes each: tile.cuh) map one to one onto segment
-// chunks of C = 32 * V elements. Planes with null pointers in p are skipped.
 template <InType T>
 __global__ void __launch_bounds__(kBlockThreads)
-    quantize_segments_kernel(const uint8_t* x, int64_t S, const void* desc, bool desc64,
-                             int64_t P, SegmentPlanes p, ScaleRule rule) {
-  constexpr int V = Elems<T>::kVec, G = kBlock / V, C = kBlock * V;
+    segment_pieces_kernel(const uint8_t* x, int64_t S, const void* desc, bool desc64, int64_t P,
+                          SegmentPlanes p, ScaleRule rule) {
+  constexpr int V = Elems<T>::kVec, G = kBlock / V;
   constexpr int64_t kElemBytes = 16 / V;
-  constexpr int kGroupsPerBlock = kBlockThreads / 2;
-  __shared__ Piece pieces[kMaxPiecesPerBlock];
-  __shared__ int count;
+  __shared__ Piece chunk[kChunk];
+  __shared__ int64_t first[kChunk + 1];  // group number of each staged piece's first group
 
   const int tid = thread_in_block();
-  const int64_t lo = block_index() * kGroupsPerBlock * C, hi = lo + kGroupsPerBlock * C;
-  if (tid == 0) count = 0;
-  block_sync();
-  for (int64_t i = tid; i < P; i += kBlockThreads) {
-    const Piece q = read_piece(desc, desc64, i);
-    if (!piece_ok(q, S) || q.offset >= hi || q.offset + q.rows * q.row_len <= lo) continue;
-    const int slot = atomicAdd(&count, 1);
-    if (slot < kMaxPiecesPerBlock) pieces[slot] = q;
-  }
-  block_sync();
-  const int n = count < kMaxPiecesPerBlock ? count : kMaxPiecesPerBlock;
-
   const int lane = tid % kGroupLanes;
   const bool upper = lane >= kTileCols;
-  const int64_t pos = lo + ((tid / kGroupLanes) * kTileCols + lane % kTileCols) * C;
-  int found = -1;
-  for (int j = 0; j < n && found < 0; ++j)
-    if (pieces[j].offset <= pos && pos < pieces[j].offset + pieces[j].rows * pieces[j].row_len)
-      found = j;
+  const int64_t g = (block_index() * kBlockThreads + tid) / kGroupLanes * kTileCols + lane % kTileCols;
 
-  // Lanes without a piece keep the plane bases (rows = 0): the planes' presence is uniform.
+  // Find the piece of group g: table chunk by chunk, a prefix sum of group counts.
+  Piece mine{0, 0, 0};
+  int64_t mine_first = 0;
+  int64_t base = 0;
+  for (int64_t c0 = 0; c0 < P; c0 += kChunk) {
+    const int64_t i = c0 + tid;
+    Piece q{0, 0, 0};
+    if (i < P) {
+      q = read_piece(desc, desc64, i);
+      if (!piece_ok(q, S)) q = Piece{0, 0, 0};
+    }
+    chunk[tid] = q;
+    block_sync();
+    if (tid == 0) {
+      first[0] = base;
+      for (int k = 0; k < kChunk; ++k)
+        first[k + 1] = first[k] + chunk[k].rows / kBlock * (chunk[k].row_len / V);
+    }
+    block_sync();
+    if (g >= first[0] && g < first[kChunk]) {  // binary search: last k with first[k] <= g
+      int lo = 0, hi = kChunk - 1;
+      while (lo < hi) {
+        const int mid = (lo + hi + 1) / 2;
+        if (first[mid] <= g) lo = mid;
+        else hi = mid - 1;
+      }
+      mine = chunk[lo];
+      mine_first = first[lo];
+    }
+    base = first[kChunk];
+    block_sync();
+  }
+
   TileDst d;
   d.upper = upper;
   d.row_q = p.row_q, d.row_s = p.row_s, d.col_q = p.col_q, d.col_s = p.col_s;
   uint4 w[kTileRows];
   MemorySource<T> src{x, 0};
-  if (found >= 0) {
-    const Piece q = pieces[found];
-    const int64_t per_band = q.row_len / V;
-    const int64_t local = (pos - q.offset) / C;
+  if (mine.rows > 0) {
+    const int64_t per_band = mine.row_len / V;
+    const int64_t local = g - mine_first;
     const int64_t band = local / per_band;
     const int64_t col0 = (local - band * per_band) * V;
     const int64_t row0 = band * kBlock + (upper ? kTileRows : 0);  // row in the piece
-    const int64_t e = q.offset + row0 * q.row_len + col0;         // tile's first element
+    const int64_t e = mine.offset + row0 * mine.row_len + col0;     // tile's first element
     d.rows = kTileRows;
-    d.ld = q.row_len;
-    d.lds = q.row_len / kBlock;
+    d.ld = mine.row_len;
+    d.lds = mine.row_len / kBlock;
     d.lane_in_group = static_cast<int>((col0 / V) % G);
-    const int64_t s0 = q.offset / kBlock;  // the piece's scales start here
+    const int64_t s0 = mine.offset / kBlock;  // the piece's scales start here
     if (p.row_q) d.row_q = p.row_q + e, d.row_s = p.row_s + s0 + row0 * d.lds + col0 / kBlock;
-    if (p.col_q) d.col_q = p.col_q + e, d.col_s = p.col_s + s0 + band * q.row_len + col0;
-    src = MemorySource<T>{x + e * kElemBytes, q.row_len};
-    load_tile(src.p, q.row_len * kElemBytes, kTileRows, w);
+    if (p.col_q) d.col_q = p.col_q + e, d.col_s = p.col_s + s0 + band * mine.row_len + col0;
+    src = MemorySource<T>{x + e * kElemBytes, mine.row_len};
+    load_tile(src.p, mine.row_len * kElemBytes, kTileRows, w);
   } else {
     load_tile(x, 0, 0, w);
-    if (pos + C <= S) {  // each lane of the pair clears half the codes, the lower the scales
-      zero_codes(p, pos + (upper ? C / 2 : 0), C / 2);
-      const uint32_t zs[V / 4] = {};
-      if (!upper)
-        for (uint8_t* s : {p.row_s, p.col_s})
-          if (s) store_codes<V>(s + pos / kBlock, zs);
-    } else if (pos < S && !upper) {
-      zero_fill(p, pos, S);
-    }
   }
   quantize_tile<T>(w, src, d, rule);  // every lane takes part in the exchanges
+}
+
+// Zero codes and scales for the 32-element blocks of the segment that no piece covers.
+__global__ void __launch_bounds__(kBlockThreads)
+    segment_gaps_kernel(int64_t S, const void* desc, bool desc64, int64_t P, SegmentPlanes p) {
+  constexpr int kMaxPieces = kBlockThreads * kBlock / 1024 + 2;  // pieces are >= 1024 elements
+  __shared__ Piece near[kMaxPieces];
+  __shared__ int count;
+  const int tid = thread_in_block();
+  const int64_t lo = block_index() * kBlockThreads * kBlock, hi = lo + kBlockThreads * kBlock;
+  if (tid == 0) count = 0;
+  block_sync();
+  for (int64_t i = tid; i < P; i += kBlockThreads) {
+    const Piece q = read_piece(desc, desc64, i);
+    if (!piece_ok(q, S) || q.offset >= hi || q.end() <= lo) continue;
+    const int slot = atomicAdd(&count, 1);
+    if (slot < kMaxPieces) near[slot] = q;  // more only with overlapping (invalid) tables
+  }
+  block_sync();
+  const int n = count < kMaxPieces ? count : kMaxPieces;
+  const int64_t pos = lo + static_cast<int64_t>(tid) * kBlock;
+  if (pos >= S) return;
+  for (int j = 0; j < n; ++j)
+    if (near[j].offset <= pos && pos < near[j].end()) return;
+  const uint4 z = make_uint4(0, 0, 0, 0);
+  for (uint8_t* q : {p.row_q, p.col_q})
+    if (q) reinterpret_cast<uint4*>(q + pos)[0] = z, reinterpret_cast<uint4*>(q + pos)[1] = z;
+  for (uint8_t* s : {p.row_s, p.col_s})
+    if (s) s[pos / kBlock] = 0;
 }
 
 template <InType T>
 static void launch_segments(cudaStream_t stream, const uint8_t* x, int64_t S, const void* desc,
                             bool desc64, int64_t P, const SegmentPlanes& p, ScaleRule rule) {
-  const int64_t groups = ceil_div(S, kBlock * Elems<T>::kVec);
-  const int64_t blocks = ceil_div(groups, kBlockThreads / 2);
-  quantize_segments_kernel<T><<<blocks, kBlockThreads, 0, stream>>>(x, S, desc, desc64, P, p, rule);
+  // Pieces are disjoint, so they hold at most S / (32 * V) groups.
+  const int64_t groups = S / (kBlock * Elems<T>::kVec);
+  const int64_t blocks = ceil_div(ceil_div(groups, kTileCols) * kGroupLanes, kBlockThreads);
+  if (blocks > 0)
+    segment_pieces_kernel<T><<<blocks, kBlockThreads, 0, stream>>>(x, S, desc, desc64, P, p, rule);
+  segment_gaps_kernel<<<ceil_div(S / kBlock, kBlockThreads), kBlockThreads, 0, stream>>>(
+      S, desc, desc64, P, p);
 }
 
 static ffi::Error QuantizeSegments(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer desc,

@@ -1,0 +1,276 @@
+"""The GPU kernels (CUDA or ROCm) byte for byte against the references, on a GPU.
+
+Run by bench/gpu_check.sh on a machine with a GPU (JAX_PLATFORMS must include it: conftest
+defaults to cpu). Every test is marked ``gpu`` and skipped, saying why, when jax has no GPU or
+the installed extension has no handler for it. References run on the CPU backend: the pure-JAX
+quantize reference (integer code, exact there), the independent numpy quantize oracle, and the
+numpy oracle of the canonical RMSNorm order (tests/rmsnorm_oracle.py). The compiled GPU program
+is checked to contain the custom call, so no test can pass through a silent fallback.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+from conftest import as_bytes
+
+import mxfp8_jax as mx
+from mxfp8_jax._src import _ffi
+from mxfp8_jax._src.quantized import _segment_reference
+from rmsnorm_oracle import BF16, canonical
+
+
+def gpu_platform():
+    """'cuda' or 'rocm' when jax's default device is a GPU, else None."""
+    try:
+        dev = jax.devices()[0]
+    except RuntimeError:
+        return None
+    if dev.platform not in ("gpu", "cuda", "rocm"):
+        return None
+    version = str(getattr(dev.client, "platform_version", "")).lower()
+    return "rocm" if ("rocm" in version or "hip" in version) else "cuda"
+
+
+PLATFORM = gpu_platform()
+TARGETS = ("mxfp8_quantize", "mxfp8_quantize_segments", "mxfp8_rmsnorm_quantize")
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(PLATFORM is None, reason="no GPU visible to jax (JAX_PLATFORMS=cuda,cpu?)"),
+    pytest.mark.skipif(
+        PLATFORM is not None and not all(_ffi.has_target(t, PLATFORM) for t in TARGETS),
+        reason=f"the installed extension has no {PLATFORM} handlers (build with MXFP8_CUDA=ON)",
+    ),
+]
+
+PLANES = ("rowwise_data", "rowwise_scale", "columnwise_data", "columnwise_scale")
+
+
+def _cpu():
+    return jax.devices("cpu")[0]
+
+
+def _gpu_jit(fn, target):
+    """jit for the GPU, refusing a program that does not call the GPU handler ``target``."""
+    jitted = jax.jit(fn)
+
+    @functools.wraps(fn)
+    def run(*args):
+        args = [jax.device_put(a, jax.devices()[0]) for a in args]
+        hlo = jitted.lower(*args).compile().as_text()
+        assert target in hlo, f"the GPU program does not call {target}"
+        return jitted(*args)
+
+    return run
+
+
+@functools.cache
+def _gpu_quantize(rule, rowwise, columnwise):
+    return _gpu_jit(
+        lambda x: mx.quantize(x, rowwise=rowwise, columnwise=columnwise, scale_rule=rule),
+        "mxfp8_quantize",
+    )
+
+
+@functools.cache
+def _cpu_quantize(rule, rowwise, columnwise):
+    return jax.jit(
+        lambda x: mx.quantize(x, rowwise=rowwise, columnwise=columnwise, scale_rule=rule, backend="jax")
+    )
+
+
+def _check_quantize(x, rule="rceil", rowwise=True, columnwise=True):
+    got = _gpu_quantize(rule, rowwise, columnwise)(x)
+    ref = _cpu_quantize(rule, rowwise, columnwise)(jax.device_put(x, _cpu()))
+    for name in PLANES:
+        a, b = getattr(got, name), getattr(ref, name)
+        assert (a is None) == (b is None), name
+        if a is not None:
+            np.testing.assert_array_equal(as_bytes(a), as_bytes(b), err_msg=f"{name} ({rule})")
+
+
+# ------------------------------------------------------------------------------------------------
+# mxfp8_quantize
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16, jnp.float32])
+@pytest.mark.parametrize("shape", [(32, 32), (64, 96), (256, 4128), (4, 96, 2048)])
+@pytest.mark.parametrize("rule", ["rceil", "floor"])
+def test_quantize_random(dtype, shape, rule):
+    rng = np.random.default_rng(hash((str(dtype), shape, rule)) % 2**32)
+    x = rng.standard_normal(shape) * np.exp2(rng.integers(-30, 30, shape[:-1] + (1,)))
+    _check_quantize(jnp.asarray(x, dtype), rule)
+
+
+@pytest.mark.parametrize("rows", [1, 7, 33, 1000])
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+def test_quantize_rowwise_any_rows(rows, dtype):
+    x = np.random.default_rng(rows).standard_normal((rows, 160))
+    _check_quantize(jnp.asarray(x, dtype), rowwise=True, columnwise=False)
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+def test_quantize_columnwise_only(dtype):
+    x = np.random.default_rng(5).standard_normal((96, 288))
+    _check_quantize(jnp.asarray(x, dtype), rowwise=False, columnwise=True)
+
+
+def _all_16bit(dtype, seed):
+    """All 65,536 bit patterns of a 16-bit float type, shuffled into a [2048, 32] matrix."""
+    bits = np.random.default_rng(seed).permutation(np.arange(65536, dtype=np.uint16))
+    return jnp.asarray(bits.view(dtype).reshape(2048, 32))
+
+
+@pytest.mark.parametrize("dtype", [ml_dtypes.bfloat16, np.float16])
+@pytest.mark.parametrize("rule", ["rceil", "floor"])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_quantize_all_16bit_patterns(dtype, rule, seed):
+    x = _all_16bit(dtype, seed)
+    _check_quantize(x, rule)
+    _check_quantize(x.reshape(256, 256), rule)  # other block mixes, both directions
+
+
+def _edge_blocks():
+    """Blocks whose amax sits on the scale boundaries 448 * 2^k (and just around them), zero,
+    subnormal, NaN-only, Inf and mixed blocks, as fp32 rows of 32."""
+    rows = []
+    for k in range(-140, 128, 3):
+        for mult in (1.0, np.nextafter(np.float32(1), np.float32(0)), np.nextafter(np.float32(1), np.float32(2))):
+            amax = np.float32(448.0) * np.float32(mult) * np.float32(2.0 ** max(k, -149))
+            row = np.linspace(-1, 1, 32, dtype=np.float32) * amax
+            row[3] = amax
+            rows.append(row)
+    rows.append(np.zeros(32, np.float32))
+    rows.append(-np.zeros(32, np.float32))
+    rows.append(np.full(32, np.float32(1e-45)))
+    rows.append(np.arange(32, dtype=np.float32) * np.float32(1e-45))
+    rows.append(np.full(32, np.nan, np.float32))
+    mixed = np.linspace(-3, 3, 32, dtype=np.float32)
+    for special in (np.inf, -np.inf, np.nan, -np.nan):
+        r = mixed.copy()
+        r[7] = special
+        rows.append(r)
+    rows.append(np.full(32, np.float32(3.4e38)))
+    x = np.stack(rows)
+    return x[: len(x) // 32 * 32]
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
+@pytest.mark.parametrize("rule", ["rceil", "floor"])
+def test_quantize_edge_cases(dtype, rule):
+    x = _edge_blocks()
+    _check_quantize(jnp.asarray(x, dtype), rule)
+    _check_quantize(jnp.asarray(np.ascontiguousarray(x.T), dtype), rule)
+
+
+def test_quantize_random_f32_bits():
+    """Arbitrary fp32 bit patterns: every exponent, subnormals, NaN payloads, both signs."""
+    bits = np.random.default_rng(11).integers(0, 2**32, (512, 256), dtype=np.uint64).astype(np.uint32)
+    _check_quantize(jnp.asarray(bits.view(np.float32)))
+
+
+# ------------------------------------------------------------------------------------------------
+# mxfp8_quantize_segments
+
+
+def _segment_case(rng, s, dtype):
+    pieces, at = [], 0
+    while True:
+        k = int(rng.choice([32, 96, 256, 4096]))
+        rows = 32 * int(rng.integers(1, 5))
+        off = at + 32 * int(rng.choice([0, 0, 1, 7, 40]))
+        if off + rows * k > s:
+            break
+        pieces.append((off, rows, k))
+        at = off + rows * k
+    # The kernel takes the table in any order (unused rows anywhere); the pure-JAX reference
+    # wants it sorted by offset, unused rows (s, 0, 32) last, as descriptor_table builds it.
+    order = rng.permutation(len(pieces))
+    shuffled = np.array([pieces[j] for j in order] + [(0, 0, 0)] * 2, np.int32)
+    ordered = np.array(sorted(pieces) + [(s, 0, 32)] * 2, np.int32)
+    x = (rng.standard_normal(s) * 4).astype(dtype)
+    return x, shuffled, ordered
+
+
+@pytest.mark.parametrize("dtype", [ml_dtypes.bfloat16, np.float16, np.float32])
+@pytest.mark.parametrize("rowwise,columnwise", [(True, True), (True, False), (False, True)])
+@pytest.mark.parametrize("seed", range(3))
+def test_quantize_segments(dtype, rowwise, columnwise, seed):
+    rng = np.random.default_rng(seed)
+    x, desc, ordered = _segment_case(rng, 1 << 17, dtype)
+    x = np.where(rng.random(x.shape) < 0.001, np.nan, x).astype(dtype)  # some NaN tiles
+    kernel = _gpu_jit(
+        lambda x, d: _ffi.quantize_segments(x, d, scale_rule=0, rowwise=rowwise, columnwise=columnwise),
+        "mxfp8_quantize_segments",
+    )
+    (rq, rs), (cq, cs) = kernel(jnp.asarray(x), jnp.asarray(desc))
+    got = [p for p in (rq, rs, cq, cs) if p is not None]
+    ref = jax.jit(
+        lambda x, d: _segment_reference(x, d, mx.ScaleRule.RCEIL, rowwise, columnwise)
+    )(jax.device_put(jnp.asarray(x), _cpu()), jax.device_put(jnp.asarray(ordered), _cpu()))
+    assert len(got) == len(ref)
+    for a, b in zip(got, ref):
+        np.testing.assert_array_equal(as_bytes(a), as_bytes(b))
+
+
+# ------------------------------------------------------------------------------------------------
+# mxfp8_rmsnorm_quantize
+
+
+@functools.cache
+def _gpu_norm(eps, offset, quantize_from, columnwise):
+    return _gpu_jit(
+        lambda x, g: mx.rmsnorm_quant(
+            x, g, eps=eps, weight_offset=offset, quantize_from=quantize_from, columnwise=columnwise
+        ),
+        "mxfp8_rmsnorm_quantize",
+    )
+
+
+@pytest.mark.parametrize(
+    "r,h", [(1, 32), (33, 96), (64, 288), (32, 4096), (96, 8192), (32, 8448), (8, 16384)]
+)
+@pytest.mark.parametrize("quantize_from", ["normed", "fp32"])
+@pytest.mark.parametrize("columnwise", [False, True])
+def test_rmsnorm_quantize(r, h, quantize_from, columnwise):
+    if columnwise and r % 32:
+        pytest.skip("columnwise planes need R % 32 == 0 (rejected by the wrapper, tested on CPU)")
+    rng = np.random.default_rng(r * h)
+    eps, offset = 1e-5, (1.0 if h % 64 else 0.0)
+    x = (rng.standard_normal((r, h)) * np.exp2(rng.integers(-20, 20, (r, 1)))).astype(BF16)
+    gamma = (rng.standard_normal(h) * 0.5 + 1.0).astype(BF16)
+    out = _gpu_norm(eps, offset, quantize_from, columnwise)(jnp.asarray(x), jnp.asarray(gamma))
+    normed_ref, y = canonical(x, gamma, eps=eps, offset=offset)
+    np.testing.assert_array_equal(as_bytes(out[0]), as_bytes(normed_ref))
+    src = jnp.asarray(y if quantize_from == "fp32" else normed_ref)
+    ref = _cpu_quantize("rceil", True, columnwise)(jax.device_put(src, _cpu()))
+    np.testing.assert_array_equal(as_bytes(out[1]), as_bytes(ref.rowwise_data))
+    np.testing.assert_array_equal(as_bytes(out[2]), as_bytes(ref.rowwise_scale))
+    if columnwise:
+        np.testing.assert_array_equal(as_bytes(out[3]), as_bytes(ref.columnwise_data))
+        np.testing.assert_array_equal(as_bytes(out[4]), as_bytes(ref.columnwise_scale))
+
+
+def test_rmsnorm_quantize_specials():
+    """Rows with zeros (inv = 1/sqrt(eps)), Inf, NaN and tiny values: NaN tiles take the exact
+    path, and every byte still matches."""
+    rng = np.random.default_rng(3)
+    x = (rng.standard_normal((64, 512))).astype(np.float32)
+    x[0] = 0
+    x[1, 5] = np.inf
+    x[2, 9] = np.nan
+    x[3] *= 1e-38
+    x = x.astype(BF16)
+    gamma = np.ones(512, BF16)
+    for quantize_from in ("normed", "fp32"):
+        out = _gpu_norm(1e-6, 0.0, quantize_from, True)(jnp.asarray(x), jnp.asarray(gamma))
+        normed_ref, y = canonical(x, gamma, eps=1e-6)
+        np.testing.assert_array_equal(as_bytes(out[0]), as_bytes(normed_ref))
+        src = jnp.asarray(y if quantize_from == "fp32" else normed_ref)
+        ref = _cpu_quantize("rceil", True, True)(jax.device_put(src, _cpu()))
+        for got, name in zip(out[1:], PLANES):
+            np.testing.assert_array_equal(as_bytes(got), as_bytes(getattr(ref, name)), err_msg=name)

@@ -1,0 +1,172 @@
+"""The jitted entry points lower for CUDA and ROCm on a CPU-only machine, with the right calls.
+
+Cross-platform lowering (``jax.jit(f).trace(...).lower(lowering_platforms=...)``) needs no GPU:
+it checks what a GPU would be handed. The thin FFI wrappers must emit their custom call with the
+operand and result types and attributes the GPU handlers (xla_ffi/cuda/) decode. The public
+functions with ``backend="auto"`` must call the GPU handler exactly when the installed extension
+carries it for that platform, and the pure-JAX reference (no custom call) otherwise.
+"""
+
+import glob
+import importlib
+import os
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import mxfp8_jax as mx
+from mxfp8_jax._src import _ffi
+
+PLATFORMS = ("cuda", "rocm")
+TARGETS = ("mxfp8_quantize", "mxfp8_quantize_segments", "mxfp8_rmsnorm_quantize")
+GPU_MODULES = {"cuda": "_mxfp8_cuda", "rocm": "_mxfp8_rocm"}
+
+
+def _lower(fn, *args, platform):
+    return jax.jit(fn).trace(*args).lower(lowering_platforms=(platform,)).as_text()
+
+
+_CALL = re.compile(r"stablehlo\.custom_call @(\w+)\(")
+
+
+def _custom_calls(text, target):
+    """[(operand types, result types, attribute text)] of every call of ``target``."""
+    calls = []
+    for line in text.splitlines():
+        m = _CALL.search(line)
+        if not m or m.group(1) != target:
+            continue
+        head, sig = line.rsplit(" : ", 1)
+        operands, results = sig.split(" -> ")
+        types = lambda s: re.findall(r"tensor<[^>]*>", s)  # noqa: E731
+        calls.append((types(operands), types(results), head))
+    return calls
+
+
+def _spec(shape, dtype):
+    return jax.ShapeDtypeStruct(shape, dtype)
+
+
+# ------------------------------------------------------------------------------------------------
+# the thin wrappers: exact operand/result types and attributes
+
+
+@pytest.mark.parametrize("platform", PLATFORMS)
+@pytest.mark.parametrize(
+    "dtype,tname", [(jnp.bfloat16, "bf16"), (jnp.float16, "f16"), (jnp.float32, "f32")]
+)
+@pytest.mark.parametrize("rowwise,columnwise", [(True, True), (True, False), (False, True)])
+def test_quantize_call(platform, dtype, tname, rowwise, columnwise):
+    m, k = 64, 96
+    fn = lambda x: _ffi.quantize(x, scale_rule=1, rowwise=rowwise, columnwise=columnwise)  # noqa: E731
+    (call,) = _custom_calls(_lower(fn, _spec((m, k), dtype), platform=platform), "mxfp8_quantize")
+    operands, results, attrs = call
+    assert operands == [f"tensor<{m}x{k}x{tname}>"]
+    row = [f"tensor<{m}x{k}xui8>", f"tensor<{m}x{k // 32}xui8>"] if rowwise else ["tensor<0xui8>"] * 2
+    col = [f"tensor<{m}x{k}xui8>", f"tensor<{m // 32}x{k}xui8>"] if columnwise else ["tensor<0xui8>"] * 2
+    assert results == row + col
+    assert "scale_rule = 1 : i32" in attrs
+    assert f"rowwise = {str(rowwise).lower()}" in attrs
+    assert f"columnwise = {str(columnwise).lower()}" in attrs
+
+
+@pytest.mark.parametrize("platform", PLATFORMS)
+@pytest.mark.parametrize("desc_dtype,dname", [(jnp.int32, "i32")])
+def test_quantize_segments_call(platform, desc_dtype, dname):
+    s, p = 4096, 3
+    fn = lambda x, d: _ffi.quantize_segments(  # noqa: E731
+        x, d, scale_rule=0, rowwise=True, columnwise=True
+    )
+    text = _lower(fn, _spec((s,), jnp.bfloat16), _spec((p, 3), desc_dtype), platform=platform)
+    (call,) = _custom_calls(text, "mxfp8_quantize_segments")
+    operands, results, attrs = call
+    assert operands == [f"tensor<{s}xbf16>", f"tensor<{p}x3x{dname}>"]
+    assert results == [f"tensor<{s}xui8>", f"tensor<{s // 32}xui8>"] * 2
+    assert "scale_rule = 0 : i32" in attrs
+
+
+@pytest.mark.parametrize("platform", PLATFORMS)
+@pytest.mark.parametrize("columnwise", [False, True])
+def test_rmsnorm_quantize_call(platform, columnwise):
+    r, h = 64, 288
+    fn = lambda x, g: _ffi.rmsnorm_quantize(  # noqa: E731
+        x, g, eps=1e-5, weight_offset=1.0, quantize_from_fp32=True, columnwise=columnwise,
+        scale_rule=0,
+    )
+    text = _lower(fn, _spec((r, h), jnp.bfloat16), _spec((h,), jnp.bfloat16), platform=platform)
+    (call,) = _custom_calls(text, "mxfp8_rmsnorm_quantize")
+    operands, results, attrs = call
+    assert operands == [f"tensor<{r}x{h}xbf16>", f"tensor<{h}xbf16>"]
+    col = [f"tensor<{r}x{h}xui8>", f"tensor<{r // 32}x{h}xui8>"] if columnwise else ["tensor<0xui8>"] * 2
+    assert results == [f"tensor<{r}x{h}xbf16>", f"tensor<{r}x{h}xui8>", f"tensor<{r}x{h // 32}xui8>"] + col
+    assert "quantize_from_fp32 = true" in attrs
+    assert f"columnwise = {str(columnwise).lower()}" in attrs
+    f32_attr = lambda name: np.float32(re.search(rf"{name} = (\S+) : f32", attrs).group(1))  # noqa: E731
+    assert f32_attr("eps") == np.float32(1e-5)
+    assert f32_attr("weight_offset") == np.float32(1.0)
+
+
+# ------------------------------------------------------------------------------------------------
+# the public functions: GPU handler iff the installed extension has it for the platform
+
+
+def _expect_call(text, target, platform):
+    calls = _custom_calls(text, target)
+    if _ffi.has_target(target, platform):
+        assert len(calls) == 1, f"{target} not called when lowered for {platform}"
+    else:
+        assert calls == [], f"{target} called for {platform}, whose handler is not installed"
+    return calls
+
+
+@pytest.mark.parametrize("platform", PLATFORMS)
+def test_public_quantize_dispatch(platform):
+    fn = lambda x: mx.quantize(x, backend="auto")  # noqa: E731
+    text = _lower(fn, _spec((4, 32, 64), jnp.bfloat16), platform=platform)
+    for call in _expect_call(text, "mxfp8_quantize", platform):
+        assert call[0] == ["tensor<128x64xbf16>"]
+    # whatever the path, the program returns E4M3 data and uint8 scales of the 2-D view
+    assert re.search(r"tensor<128x64xf8E4M3FN>", text)
+
+
+@pytest.mark.parametrize("platform", PLATFORMS)
+def test_public_rmsnorm_dispatch(platform):
+    fn = lambda x, g: mx.rmsnorm_quant(x, g, backend="auto")  # noqa: E731
+    text = _lower(fn, _spec((16, 256), jnp.bfloat16), _spec((256,), jnp.bfloat16), platform=platform)
+    _expect_call(text, "mxfp8_rmsnorm_quantize", platform)
+
+
+@pytest.mark.parametrize("platform", PLATFORMS)
+def test_reference_path_has_no_custom_call(platform):
+    fn = lambda x: mx.quantize(x, backend="jax")  # noqa: E731
+    text = _lower(fn, _spec((64, 64), jnp.float32), platform=platform)
+    assert not _CALL.search(text)
+
+
+# ------------------------------------------------------------------------------------------------
+# built GPU modules import cleanly on a machine without GPU and carry every target
+
+
+def _built_modules():
+    pkg = os.path.dirname(mx.__file__)
+    return [
+        platform
+        for platform, name in GPU_MODULES.items()
+        if glob.glob(os.path.join(pkg, f"{name}*.so"))
+    ]
+
+
+@pytest.mark.parametrize("platform", PLATFORMS)
+def test_built_gpu_module_imports_and_registers(platform):
+    if platform not in _built_modules():
+        # Not a pass in disguise: the module file is absent, so there is nothing to import.
+        pytest.skip(f"{GPU_MODULES[platform]} was not built here (no {platform} toolchain)")
+    mod = importlib.import_module(f"mxfp8_jax.{GPU_MODULES[platform]}")
+    regs = mod.registrations()
+    assert set(TARGETS) <= set(regs)
+    assert platform in mx.available_backends()
+    for t in TARGETS:
+        assert _ffi.has_target(t, platform)
