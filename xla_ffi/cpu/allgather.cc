@@ -108,7 +108,6 @@ void GatherNormQuantize(ffi::ThreadPool& pool, std::vector<Arrival>& ranks,
   const int64_t rows_per_item =
       p.columnwise ? kBlock : std::max<int64_t>(1, (int64_t{1} << 16) / (2 * H));
   const int64_t items = (R + rows_per_item - 1) / rows_per_item;
-  const auto row_input = [&row_src](int64_t r) { return row_src[r]; };
   parallel_for(pool, items, 1, [&](int64_t i) {
     ScopedIeeeFp ieee;
     const int64_t r0 = i * rows_per_item, r1 = std::min(R, r0 + rows_per_item);
@@ -118,7 +117,7 @@ void GatherNormQuantize(ffi::ThreadPool& pool, std::vector<Arrival>& ranks,
     std::vector<uint32_t> scratch(rows_scratch_words(p));
     for (int l : leaders) {
       const NormOutputs& o = ranks[l].out;
-      rmsnorm_quantize_rows(row_input, r0, r1, g[l].data(), p, o, scratch.data());
+      rmsnorm_quantize_rows_simd(row_src.data(), r0, r1, g[l].data(), p, o, scratch.data());
       for (int k = 0; k < n; ++k) {
         if (k == l || leader[k] != l) continue;
         const NormOutputs& d = ranks[k].out;

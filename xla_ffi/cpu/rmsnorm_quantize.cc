@@ -16,6 +16,18 @@
 
 namespace mxfp8::cpu {
 
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#define MXFP8_ROW_CLONES __attribute__((target_clones("avx2", "default")))
+#else
+#define MXFP8_ROW_CLONES
+#endif
+
+MXFP8_ROW_CLONES void rmsnorm_quantize_rows_simd(const uint16_t* const* rows, int64_t r0,
+                                                 int64_t r1, const float* g, const NormParams& p,
+                                                 const NormOutputs& o, uint32_t* scratch) {
+  rmsnorm_quantize_rows(rows, r0, r1, g, p, o, scratch);
+}
+
 static ffi::Error RmsnormQuantize(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> x,
                                   ffi::Buffer<ffi::BF16> gamma,
                                   ffi::Result<ffi::Buffer<ffi::BF16>> normed,
@@ -63,12 +75,13 @@ static ffi::Error RmsnormQuantize(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> x
   const int64_t rows_per_item =
       columnwise ? kBlock : std::max<int64_t>(1, (int64_t{1} << 16) / (2 * H));
   const int64_t items = (R + rows_per_item - 1) / rows_per_item;
-  const auto row_input = [xp, H](int64_t r) { return xp + r * H; };
+  std::vector<const uint16_t*> rows(static_cast<size_t>(R));
+  for (int64_t r = 0; r < R; ++r) rows[r] = xp + r * H;
   parallel_for(pool, items, 1, [&](int64_t i) {
     ScopedIeeeFp ieee;
     std::vector<uint32_t> scratch(rows_scratch_words(p));
     const int64_t r0 = i * rows_per_item, r1 = std::min(R, r0 + rows_per_item);
-    rmsnorm_quantize_rows(row_input, r0, r1, g.data(), p, o, scratch.data());
+    rmsnorm_quantize_rows_simd(rows.data(), r0, r1, g.data(), p, o, scratch.data());
   });
   return ffi::Error::Success();
 }
