@@ -33,7 +33,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from jax.sharding import Mesh
+from jax.sharding import Mesh, NamedSharding
 
 from mxfp8_jax._src import _ffi
 from mxfp8_jax._src import format as fmt
@@ -120,18 +120,21 @@ def descriptor_table(mesh: Mesh, placements: tuple, layout: GlobalLayout) -> np.
     """``[num_shards, P, 3]`` int64: per shard, rows ``(offset, rows, row_len)`` of its pieces.
 
     Offsets count from the start of the shard's local buffer (its segments back to back, each
-    ``layout.segment_capacity`` long). Shards with fewer pieces are padded with ``(0, 0, 0)``.
+    ``layout.segment_capacity`` long); rows are sorted by offset. Shards with fewer pieces are
+    padded with unused rows ``(local_size, 0, 32)`` (past every piece, so the order holds).
     """
     cap = layout.segment_capacity
+    n_shards = pl.num_shards(mesh, placements)
+    local_size = layout.physical_size // n_shards
     shards = []
-    for s in range(pl.num_shards(mesh, placements)):
+    for s in range(n_shards):
         rows = []
         for j, k in enumerate(pl.segments_of_shard(mesh, placements, s)):
             for i, _, n_rows, off in layout.pieces(k):
                 rows.append((j * cap + off, n_rows, layout.row_size(i)))
-        shards.append(rows)
+        shards.append(sorted(rows))
     p = max(1, max(len(r) for r in shards))
-    table = np.zeros((len(shards), p, 3), np.int64)
+    table = np.tile(np.array([local_size, 0, BLOCK], np.int64), (n_shards, p, 1))
     for s, rows in enumerate(shards):
         if rows:
             table[s, : len(rows)] = rows
@@ -147,35 +150,51 @@ def _shard_position(mesh: Mesh, axes: Sequence[str]):
     return idx
 
 
-def _local_reference(x, pieces, rule, rowwise: bool, columnwise: bool):
-    """Pure-JAX planes of one local segment whose pieces are static ``(offset, rows, row_len)``."""
+def _segment_reference(x, desc, rule, rowwise: bool, columnwise: bool):
+    """Pure-JAX ``mxfp8_quantize_segments``: the same descriptor logic, as integer index maps.
+
+    ``desc`` rows are sorted by offset. Every piece starts on a multiple of 32 and has rows of a
+    multiple of 32 elements, so the segment's flat 32-element blocks are exactly the pieces'
+    rowwise blocks, in scale order. Columnwise block ``p`` (scale position, offset/32 + R*K + c
+    within its piece) gathers elements ``o + (32R + i)K + c``, i < 32. Uncovered bytes are 0.
+    """
     n = x.shape[0]
-    out = {"rq": [], "rs": [], "cq": [], "cs": []}
-    at = 0
+    off, rows, k = desc[:, 0], desc[:, 1], desc[:, 2]
+    as_u8 = lambda q: lax.bitcast_convert_type(q, jnp.uint8)
 
-    def gap(lo, hi):
-        if hi > lo:
-            for key, div in (("rq", 1), ("rs", BLOCK), ("cq", 1), ("cs", BLOCK)):
-                out[key].append(jnp.zeros(((hi - lo) // div,), jnp.uint8))
+    def piece_of(pos, scale):  # (piece start, row length, covered) at element / scale positions
+        d = BLOCK if scale else 1
+        # index of the last piece starting at or before each position (rows sorted by offset;
+        # unused rows start at n, past the end, and drop out of the scatter)
+        starts = jnp.zeros(pos.shape, jnp.int32).at[off // d].add(1, mode="drop")
+        j = jnp.clip(jnp.cumsum(starts) - 1, 0, desc.shape[0] - 1)
+        o, kk = off[j], k[j]
+        return o, kk, (pos >= o // d) & (pos < (o + rows[j] * kk) // d)
 
-    for off, rows, k in sorted(p for p in pieces if p[1]):
-        gap(at, off)
-        x2d = x[off : off + rows * k].reshape(rows, k)
-        as_u8 = lambda q: lax.bitcast_convert_type(q, jnp.uint8).reshape(-1)
-        if rowwise:
-            q, s = fmt.quantize_rowwise(x2d, rule)
-            out["rq"].append(as_u8(q)), out["rs"].append(s.reshape(-1))
-        if columnwise:
-            q, s = fmt.quantize_columnwise(x2d, rule)
-            out["cq"].append(as_u8(q)), out["cs"].append(s.reshape(-1))
-        at = off + rows * k
-    gap(at, n)
-    cat = lambda parts, m: jnp.concatenate(parts) if parts else jnp.zeros((m,), jnp.uint8)
+    e = jnp.arange(n, dtype=desc.dtype)
+    o, kk, covered = piece_of(e, False)
+    nb = n // BLOCK
+    blocks = []  # every requested block as one row of 32, quantized in one pass
+    if rowwise:
+        blocks.append(x.reshape(nb, BLOCK))
+    if columnwise:
+        p = jnp.arange(nb, dtype=desc.dtype)
+        po, pk, pcov = piece_of(p, True)
+        local = p - po // BLOCK
+        first = po + (local // pk) * BLOCK * pk + local % pk
+        members = first[:, None] + jnp.arange(BLOCK, dtype=desc.dtype)[None, :] * pk[:, None]
+        blocks.append(x[jnp.where(pcov[:, None], members, 0)])
+    q, s = fmt.quantize_rowwise(jnp.concatenate(blocks) if len(blocks) > 1 else blocks[0], rule)
+    q = as_u8(q).reshape(-1, BLOCK * nb)
+    s = s.reshape(-1, nb)
     planes = []
     if rowwise:
-        planes += [cat(out["rq"], n), cat(out["rs"], n // BLOCK)]
+        planes += [jnp.where(covered, q[0], 0), jnp.where(covered[::BLOCK], s[0], 0)]
     if columnwise:
-        planes += [cat(out["cq"], n), cat(out["cs"], n // BLOCK)]
+        # element e = o + rK + c sits at index r % 32 of columnwise block o/32 + (r // 32)K + c
+        r, c = (e - o) // kk, (e - o) % kk
+        at = (o // BLOCK + (r // BLOCK) * kk + c) * BLOCK + r % BLOCK
+        planes += [jnp.where(covered, q[-1][jnp.where(covered, at, 0)], 0), jnp.where(pcov, s[-1], 0)]
     return tuple(planes)
 
 
@@ -190,35 +209,38 @@ def _quantize_fn(mesh, placements, layout, rule, rowwise, columnwise, backend):
             f"local segments of {layout.segment_capacity} elements do not fit int32 descriptors; "
             f"enable jax_enable_x64 for buffers this large"
         )
+    table = table.astype(desc_dtype)
 
-    def reference(x, shard):
-        branches = [
-            functools.partial(_local_reference, pieces=tuple(map(tuple, t)), rule=rule,
-                              rowwise=rowwise, columnwise=columnwise)
-            for t in table.tolist()
-        ]
-        return branches[0](x) if len(branches) == 1 else lax.switch(shard, branches, x)
+    def reference(x, desc):
+        return _segment_reference(x, desc, rule, rowwise, columnwise)
 
-    def kernel(x, shard):
-        desc = jnp.asarray(table.astype(desc_dtype))[shard]
+    def kernel(x, desc):
         (rq, rs), (cq, cs) = _ffi.quantize_segments(
             x, desc, scale_rule=rule.code, rowwise=rowwise, columnwise=columnwise
         )
         return tuple(p for p in (rq, rs, cq, cs) if p is not None)
 
     def local(x):
-        shard = _shard_position(mesh, axes)
+        desc = jnp.asarray(table)[_shard_position(mesh, axes)]  # this device's row of the table
         if backend == "jax":
-            return reference(x, shard)
+            return reference(x, desc)
         if backend == "ffi":
-            return kernel(x, shard)
-        return _ffi.platform_dispatch(_TARGET, kernel, reference, x, shard)
+            return kernel(x, desc)
+        return _ffi.platform_dispatch(_TARGET, kernel, reference, x, desc)
 
     spec = pl.partition_spec(mesh, placements)
     n_out = 2 * (int(rowwise) + int(columnwise))
     return jax.jit(
         jax.shard_map(local, mesh=mesh, in_specs=spec, out_specs=(spec,) * n_out, check_vma=False)
     )
+
+
+@functools.lru_cache(maxsize=None)
+def _zeros_fn(mesh: Mesh, geometries: tuple):
+    """One jitted program making zero-filled uint8 planes for ``(layout, placements)`` pairs."""
+    shardings = tuple(NamedSharding(mesh, pl.partition_spec(mesh, p)) for _, p in geometries)
+    sizes = tuple(lay.physical_size for lay, _ in geometries)
+    return jax.jit(lambda: tuple(jnp.zeros((n,), jnp.uint8) for n in sizes), out_shardings=shardings)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -259,19 +281,15 @@ class QuantizedDBuffer:
                 f"layout.dp_size={self.layout.dp_size} must equal mesh.size={self.mesh.size} "
                 f"(one layout segment per device)"
             )
-        expected = {
-            "rowwise_data": (self.layout, self.rowwise_placements),
-            "rowwise_scale": (rowwise_scale_layout(self.layout), self.rowwise_placements),
-            "columnwise_data": (self.layout, self.columnwise_placements),
-            "columnwise_scale": (
-                columnwise_scale_layout(self.layout),
-                columnwise_scale_placements(self.columnwise_placements),
-            ),
-        }
         for direction in ("rowwise", "columnwise"):
             data, scale = getattr(self, f"{direction}_data"), getattr(self, f"{direction}_scale")
             if (data is None) != (scale is None):
                 raise ValueError(f"{direction} data and scale planes must both be present or both be None")
+        expected = {
+            f"{d}_{kind}": geometry
+            for d in ("rowwise", "columnwise")
+            for kind, geometry in zip(("data", "scale"), self._geometry(d))
+        }
         for name, (layout, placements) in expected.items():
             plane = getattr(self, name)
             if plane is None:
@@ -378,22 +396,18 @@ class QuantizedDBuffer:
     def reallocate_storage(self, *, rowwise: bool = True, columnwise: bool = True) -> QuantizedDBuffer:
         """Released planes of the selected directions back, zero-filled (contents undefined until
         re-quantized or re-gathered); allocated planes are kept as they are."""
-        new = {}
-        if rowwise and not self.is_rowwise_allocated:
-            p = self.rowwise_placements
-            new.update(
-                rowwise_data=DBuffer.zeros(self.mesh, p, self.layout, jnp.uint8),
-                rowwise_scale=DBuffer.zeros(self.mesh, p, rowwise_scale_layout(self.layout), jnp.uint8),
-            )
-        if columnwise and not self.is_columnwise_allocated:
-            p = self.columnwise_placements
-            new.update(
-                columnwise_data=DBuffer.zeros(self.mesh, p, self.layout, jnp.uint8),
-                columnwise_scale=DBuffer.zeros(
-                    self.mesh, columnwise_scale_placements(p), columnwise_scale_layout(self.layout), jnp.uint8
-                ),
-            )
-        return dataclasses.replace(self, **new) if new else self
+        missing = [
+            (f"{d}_{kind}", geometry)
+            for d, sel, alloc in (("rowwise", rowwise, self.is_rowwise_allocated),
+                                  ("columnwise", columnwise, self.is_columnwise_allocated))
+            if sel and not alloc
+            for kind, geometry in zip(("data", "scale"), self._geometry(d))
+        ]
+        if not missing:
+            return self
+        arrays = _zeros_fn(self.mesh, tuple(g for _, g in missing))()
+        new = {name: DBuffer(a, self.mesh, p, lay) for (name, (lay, p)), a in zip(missing, arrays)}
+        return dataclasses.replace(self, **new)
 
     # -- quantization --------------------------------------------------------------------------
 
@@ -438,53 +452,56 @@ class QuantizedDBuffer:
         if backend == "ffi":
             _ffi.require(_TARGET, _ffi.default_platform())
         fn = _quantize_fn(self.mesh, main_weight.placements, self.layout, rule, rowwise, columnwise, backend)
-        outs = list(fn(main_weight.data))
-        new = {}
-        p = main_weight.placements
-        if rowwise:
-            new.update(
-                rowwise_data=DBuffer(outs.pop(0), self.mesh, p, self.layout),
-                rowwise_scale=DBuffer(outs.pop(0), self.mesh, p, rowwise_scale_layout(self.layout)),
-            )
-        if columnwise:
-            new.update(
-                columnwise_data=DBuffer(outs.pop(0), self.mesh, p, self.layout),
-                columnwise_scale=DBuffer(
-                    outs.pop(0), self.mesh, columnwise_scale_placements(p), columnwise_scale_layout(self.layout)
-                ),
-            )
+        outs = iter(fn(main_weight.data))
+        new = {
+            f"{d}_{kind}": DBuffer(next(outs), self.mesh, placements, layout)
+            for d, alloc in (("rowwise", rowwise), ("columnwise", columnwise))
+            if alloc
+            for kind, (layout, placements) in zip(("data", "scale"), self._geometry(d))
+        }
         return dataclasses.replace(self, **new)
 
     # -- reading -------------------------------------------------------------------------------
 
-    def get_tensor_view(self, i: int) -> MXFP8Tensor:
-        """Tensor ``i`` as a compact, unswizzled ``MXFP8Tensor`` of its allocated planes.
+    def get_tensor_view(
+        self, i: int, *, rowwise: bool | None = None, columnwise: bool | None = None
+    ) -> MXFP8Tensor:
+        """Tensor ``i`` as a compact, unswizzled ``MXFP8Tensor``.
 
-        Needs the allocated planes replicated along the flat dimension (``allgather`` first).
+        A direction is included when selected (``True``), or by default (``None``) when its planes
+        are allocated and replicated along the flat dimension (gathered): after
+        ``allgather(rowwise=True, columnwise=False)`` the view holds the rowwise planes only.
+        A selected direction must be allocated and gathered; at least one must be included.
         """
         self._check_index(i)
         planes = {}
-        for direction in ("rowwise", "columnwise"):
-            data = getattr(self, f"{direction}_data")
-            if data is None:
+        for direction, sel in (("rowwise", rowwise), ("columnwise", columnwise)):
+            data, scale = getattr(self, f"{direction}_data"), getattr(self, f"{direction}_scale")
+            gathered = data is not None and data.num_shards == 1
+            if sel and not gathered:
+                state = "released" if data is None else f"sharded ({getattr(self, f'{direction}_placements')})"
+                raise ValueError(
+                    f"get_tensor_view({i}, {direction}=True): the {direction} planes are {state}; "
+                    f"allgather them first, or use local_tensor_view for one device's rows"
+                )
+            if sel is False or not gathered:
                 planes.update({f"{direction}_data": None, f"{direction}_scale": None})
                 continue
-            if data.num_shards != 1:
-                raise ValueError(
-                    f"get_tensor_view({i}): the {direction} planes are sharded "
-                    f"({getattr(self, f'{direction}_placements')}); allgather them first, or use "
-                    f"local_tensor_view for one device's rows"
-                )
-            q = data.get_tensor(i)
-            planes[f"{direction}_data"] = lax.bitcast_convert_type(q, jnp.float8_e4m3fn)
-            planes[f"{direction}_scale"] = getattr(self, f"{direction}_scale").get_tensor(i)
+            planes[f"{direction}_data"] = lax.bitcast_convert_type(data.get_tensor(i), jnp.float8_e4m3fn)
+            planes[f"{direction}_scale"] = scale.get_tensor(i)
         if planes["rowwise_data"] is None and planes["columnwise_data"] is None:
-            raise ValueError(f"get_tensor_view({i}): no plane is allocated")
+            raise ValueError(
+                f"get_tensor_view({i}): no allocated plane is gathered (rowwise "
+                f"{self.rowwise_placements}, columnwise {self.columnwise_placements}); allgather "
+                f"first, or use local_tensor_view for one device's rows"
+            )
         return MXFP8Tensor(**planes, shape=self.layout.tensor_shapes[i], dtype=jnp.bfloat16)
 
-    def get_tensor(self, i: int) -> TEPaddedMXFP8:
-        """Tensor ``i`` with its scales in TE's physical (padded, unswizzled) shapes, padding 0."""
-        view = self.get_tensor_view(i)
+    def get_tensor(
+        self, i: int, *, rowwise: bool | None = None, columnwise: bool | None = None
+    ) -> TEPaddedMXFP8:
+        """``get_tensor_view`` with the scales in TE's physical (padded, unswizzled) shapes."""
+        view = self.get_tensor_view(i, rowwise=rowwise, columnwise=columnwise)
         row, col = view.padded_scales()
         return TEPaddedMXFP8(view.rowwise_data, row, view.columnwise_data, col, shape=view.shape)
 
@@ -545,18 +562,25 @@ class QuantizedDBuffer:
 
     # -- helpers -------------------------------------------------------------------------------
 
+    def _geometry(self, direction: str, placements=None):
+        """``((layout, placements) of data, (layout, placements) of scale)`` for a direction, at
+        ``placements`` (default: the direction's own)."""
+        p = getattr(self, f"{direction}_placements") if placements is None else placements
+        if direction == "rowwise":
+            return (self.layout, p), (rowwise_scale_layout(self.layout), p)
+        return (self.layout, p), (columnwise_scale_layout(self.layout), columnwise_scale_placements(p))
+
     def _move(self, new, *, rowwise: bool, columnwise: bool, how: str) -> QuantizedDBuffer:
+        """``DBuffer.view``/``redistribute`` of the selected directions' planes to ``new``."""
         changes = {}
         for direction, sel in (("rowwise", rowwise), ("columnwise", columnwise)):
             if not sel:
                 continue
             changes[f"{direction}_placements"] = new
-            for kind in ("data", "scale"):
+            for kind, (_, target) in zip(("data", "scale"), self._geometry(direction, new)):
                 plane = getattr(self, f"{direction}_{kind}")
-                if plane is None:
-                    continue
-                target = columnwise_scale_placements(new) if (direction, kind) == ("columnwise", "scale") else new
-                changes[f"{direction}_{kind}"] = getattr(plane, how)(target)
+                if plane is not None:
+                    changes[f"{direction}_{kind}"] = getattr(plane, how)(target)
         return dataclasses.replace(self, **changes)
 
     def _require(self, rowwise: bool, columnwise: bool, what: str) -> None:

@@ -77,8 +77,8 @@ static ffi::Error QuantizeSegments(ffi::ThreadPool pool, ffi::AnyBuffer x,
     if (p.rows == 0) continue;
     if (p.rows < 0 || p.row_len <= 0 || p.row_len % kBlock || p.rows % kBlock)
       return invalid(piece_error(i, p, "needs rows and row_len positive multiples of 32"));
-    if (p.offset < 0 || p.offset % (kBlock * p.row_len) || p.rows > (S - p.offset) / p.row_len)
-      return invalid(piece_error(i, p, "must start at a multiple of 32 * row_len inside the segment"));
+    if (p.offset < 0 || p.offset % kBlock || p.rows > (S - p.offset) / p.row_len)
+      return invalid(piece_error(i, p, "must start at a multiple of 32 and lie inside the segment"));
     pieces.push_back(p);
   }
   std::sort(pieces.begin(), pieces.end(),
