@@ -1,0 +1,88 @@
+"""The ``mxfp8-jax`` command: the demo end to end in a subprocess, info, bench dispatch, errors."""
+
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+import mxfp8_jax as mx
+from mxfp8_jax import cli, demo
+
+
+def command():
+    """The installed console script when it is on PATH, else the module."""
+    script = shutil.which("mxfp8-jax")
+    return [script] if script else [sys.executable, "-m", "mxfp8_jax.cli"]
+
+
+def test_demo_end_to_end(tmp_path):
+    out = tmp_path / "report.json"
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    proc = subprocess.run(
+        [*command(), "demo", "--steps", "3", "--hidden", "32", "--devices", "2", "--seed", "3", "--json", str(out)],
+        capture_output=True, text=True, env=env, timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "bits per weight" in proc.stdout and "16.50" in proc.stdout and "32.00" in proc.stdout
+    report = json.loads(out.read_text())
+    assert (report["devices"], report["platform"], report["steps"], report["hidden"]) == (2, "cpu", 3, 32)
+    mxfp8, bf16 = report["runs"]["mxfp8"], report["runs"]["bf16"]
+    for run in (mxfp8, bf16):
+        assert len(run["losses"]) == 3 and all(math.isfinite(v) for v in run["losses"])
+    # Same initial weights and data: the first losses differ only by the weights' precision.
+    assert abs(mxfp8["first_loss"] - bf16["first_loss"]) < 0.05 * bf16["first_loss"]
+    # 8 + 8/32 bits per weight for each of the forward and backward gathers, vs 16 + 16.
+    assert mxfp8["weight_bits_per_element"] == 16.5 and bf16["weight_bits_per_element"] == 32.0
+    assert {tuple(o[0] for o in c["outputs"]) for c in mxfp8["collectives"] if c["op"] == "all-gather"} == {("u8",), ("f32",)}
+    assert mxfp8["reduce_scatter_bytes"] == bf16["reduce_scatter_bytes"] > 0
+
+
+def test_info_prints_versions_devices_and_backends(capsys):
+    assert cli.main(["info"]) == 0
+    out = capsys.readouterr().out
+    assert f"mxfp8_jax {mx.__version__}" in out
+    import jax
+
+    assert f"jax {jax.__version__}" in out and f"devices ({len(jax.devices())})" in out
+    backends = mx.available_backends()
+    assert f"mxfp8 kernel backends: {', '.join(backends)}" in out if backends else "extension not built" in out
+
+
+def test_bench_dispatch(capsys, monkeypatch):
+    assert "quantize" in cli.bench_names()
+    with pytest.raises(SystemExit, match="unknown benchmark 'nope'.*quantize"):
+        cli.main(["bench", "nope"])
+    assert cli.main(["bench"]) == 2
+    assert "available:" in capsys.readouterr().out
+    seen = []
+    import mxfp8_jax.bench.quantize as bq
+
+    monkeypatch.setattr(bq, "main", lambda argv: seen.append(argv))
+    assert cli.main(["bench", "quantize", "--m", "64", "--k", "64"]) == 0
+    assert seen == [["--m", "64", "--k", "64"]]
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--hidden", "48"], "--hidden=48 must be a positive multiple of 32"),
+        (["--steps", "0"], "--steps=0 must be at least 1"),
+        (["--devices", "0"], "--devices=0 must be at least 1"),
+    ],
+)
+def test_demo_flag_errors(argv, message, capsys):
+    with pytest.raises(SystemExit) as e:
+        demo.main(argv)
+    assert e.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_demo_run_checks_arguments():
+    with pytest.raises(ValueError, match="hidden=40 must be a positive multiple of 32"):
+        demo.run(steps=1, hidden=40, show_progress=False)
+    with pytest.raises(ValueError, match="--devices=99: must be between 1 and the 8 cpu devices"):
+        demo.run(steps=1, devices=99, show_progress=False)
