@@ -14,7 +14,7 @@ cross-device amax. ``quantize`` therefore runs inside ``jax.shard_map`` with no 
 Each device's local buffer packs different tensor pieces, but the SPMD program is the same on
 every device: a static per-shard descriptor table (rows ``(offset, rows, row_len)``), indexed by
 the device's shard position, drives ONE ``mxfp8_quantize_segments`` kernel call over the whole
-segment (``backend="ffi"``), or a per-shard ``lax.switch`` over the same pieces (``"jax"``).
+segment (``backend="ffi"``), or the same descriptor logic written as jnp index maps (``"jax"``).
 
 The two directions move independently: the forward pass gathers the rowwise planes, the backward
 the columnwise ones (gathering both costs 16.5 bits per element, more than bf16). A direction's
@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 from collections.abc import Iterable, Sequence
 
 import jax
@@ -199,15 +198,16 @@ def _segment_reference(x, desc, rule, rowwise: bool, columnwise: bool):
 
 
 @functools.lru_cache(maxsize=None)
-def _quantize_fn(mesh, placements, layout, rule, rowwise, columnwise, backend):
+def _quantize_fn(mesh, placements, layout, rule, rowwise, columnwise, backend, x64):
     """The jitted SPMD quantize: local segment -> allocated planes, no collective."""
     table = descriptor_table(mesh, placements, layout)
     axes = pl.shard_axes(mesh, placements)
-    desc_dtype = np.int64 if jax.config.jax_enable_x64 else np.int32
-    if table.max(initial=0) + layout.segment_capacity > np.iinfo(desc_dtype).max:
+    desc_dtype = np.int64 if x64 else np.int32  # jax without x64 has no int64 arrays
+    local_size = layout.physical_size // pl.num_shards(mesh, placements)
+    if local_size > np.iinfo(desc_dtype).max:
         raise ValueError(
-            f"local segments of {layout.segment_capacity} elements do not fit int32 descriptors; "
-            f"enable jax_enable_x64 for buffers this large"
+            f"local buffers of {local_size} elements do not fit int32 descriptors; enable "
+            f"jax_enable_x64 for buffers this large"
         )
     table = table.astype(desc_dtype)
 
@@ -451,7 +451,8 @@ class QuantizedDBuffer:
             raise TypeError(f"main_weight has dtype {dt}; MXFP8 quantize takes bfloat16, float16 or float32")
         if backend == "ffi":
             _ffi.require(_TARGET, _ffi.default_platform())
-        fn = _quantize_fn(self.mesh, main_weight.placements, self.layout, rule, rowwise, columnwise, backend)
+        fn = _quantize_fn(self.mesh, main_weight.placements, self.layout, rule, rowwise, columnwise,
+                          backend, bool(jax.config.jax_enable_x64))
         outs = iter(fn(main_weight.data))
         new = {
             f"{d}_{kind}": DBuffer(next(outs), self.mesh, placements, layout)

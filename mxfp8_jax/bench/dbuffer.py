@@ -48,7 +48,6 @@ def run(hidden: int = 2048, mlp: int = 8192, devices: int = 8, dtype: str = "flo
         shard_layout: str = "padded", iters: int = 5, json_path: str | None = None) -> dict:
     import jax
     import jax.numpy as jnp
-    import numpy as np
     from jax.sharding import NamedSharding, PartitionSpec as P
 
     import mxfp8_jax as mx
