@@ -86,3 +86,25 @@ def test_demo_run_checks_arguments():
         demo.run(steps=1, hidden=40, show_progress=False)
     with pytest.raises(ValueError, match="--devices=99: must be between 1 and the 8 cpu devices"):
         demo.run(steps=1, devices=99, show_progress=False)
+
+
+def test_hlo_collective_accounting():
+    from mxfp8_jax._src import hlo
+
+    text = "\n".join([
+        "  %ag = u8[16384]{0} all-gather(u8[2048]{0} %p), channel_id=1, dimensions={0}",
+        "  %ags = (bf16[8]{0}, bf16[64]{0}) all-gather-start(bf16[8]{0} %q), dimensions={0}",
+        "  %agd = bf16[64]{0} all-gather-done((bf16[8]{0}, bf16[64]{0}) %ags)",
+        "  %rs = f32[120]{0} reduce-scatter(f32[960]{0} %g), dimensions={0}, to_apply=%add",
+        "  %ar = (f32[], f32[3]{0}) all-reduce(f32[] %l, f32[3]{0} %m), to_apply=%add",
+        "  %d = f32[8,8]{1,0} dot(f32[8,8]{1,0} %a, f32[8,8]{1,0} %b)",
+    ])
+    found = hlo.collectives(text)
+    assert [(c.op, c.outputs) for c in found] == [
+        ("all-gather", (("u8", (16384,)),)),
+        ("all-gather", (("bf16", (64,)),)),
+        ("reduce-scatter", (("f32", (120,)),)),
+        ("all-reduce", (("f32", ()), ("f32", (3,)))),
+    ]
+    assert hlo.bytes_by_op(text) == {"all-gather": 16384 + 128, "reduce-scatter": 480, "all-reduce": 16}
+    assert [hlo.dtype_bytes(d) for d in ("pred", "u8", "f8e4m3fn", "bf16", "f32", "s64")] == [1, 1, 1, 2, 4, 8]

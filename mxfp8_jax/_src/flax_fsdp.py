@@ -152,7 +152,7 @@ class Linear(nnx.Module):
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class TrainState:
-    """Everything a step updates. Invariant: ``quantized == master``'s quantization (mxfp8 only).
+    """Everything a step updates. Invariant: ``quantized`` is the quantization of ``master``.
 
     ``master``: fp32 DBuffer of the eligible kernels, transposed ``[out, in]``, BlockAtomic(32).
     ``quantized``: its MXFP8 planes (QuantizedDBuffer), or None under ``precision="bf16"``.
@@ -169,12 +169,16 @@ class TrainState:
 
 @dataclasses.dataclass(frozen=True)
 class ParamInfo:
-    """One model parameter as the plan sees it."""
+    """One model parameter as the plan sees it; ``path`` as in ``nnx.to_flat_state``."""
 
-    path: tuple
+    path: tuple[str | int, ...]
     shape: tuple[int, ...]
     dtype: Any
     eligible: bool
+
+    @property
+    def name(self) -> str:
+        return "/".join(map(str, self.path))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -217,7 +221,7 @@ class FSDP:
         self._treedef = jax.tree.structure(params)  # one leaf per Variable: its value
         with_paths = jax.tree_util.tree_flatten_with_path(params, is_leaf=_is_variable)[0]
         self.params = tuple(
-            ParamInfo(tuple(path), tuple(v.get_value().shape), v.get_value().dtype, _eligible(v))
+            ParamInfo(_path_names(path), tuple(v.get_value().shape), v.get_value().dtype, _eligible(v))
             for path, v in with_paths
         )
         self.eligible = tuple(j for j, p in enumerate(self.params) if p.eligible)
@@ -272,6 +276,16 @@ class FSDP:
         return self._merge(values)
 
     # -- steps ---------------------------------------------------------------------------------
+
+    def place_batch(self, batch):
+        """``batch`` with every leaf's leading axis split over the mesh (as a step takes it)."""
+        for leaf in jax.tree.leaves(batch):
+            if np.ndim(leaf) == 0 or np.shape(leaf)[0] % self.mesh.size:
+                raise ValueError(
+                    f"batch leaf of shape {np.shape(leaf)}: its leading (batch) axis must be "
+                    f"divisible by the mesh's {self.mesh.size} devices"
+                )
+        return jax.device_put(batch, NamedSharding(self.mesh, PartitionSpec(self._axes)))
 
     def loss_and_grads(self, loss_fn: Callable) -> Callable:
         """``fn(state, batch) -> (loss, master_grad, plain_grad)``, jitted: the step's gradients as
@@ -375,16 +389,6 @@ class FSDP:
         flat, replicated = NamedSharding(self.mesh, PartitionSpec(self._axes)), NamedSharding(self.mesh, PartitionSpec())
         return jax.tree.map(lambda a: flat if np.ndim(a) == 1 and np.shape(a)[0] in sharded else replicated, state)
 
-    def place_batch(self, batch):
-        """``batch`` with every leaf's leading axis split over the mesh (as a step takes it)."""
-        for leaf in jax.tree.leaves(batch):
-            if np.ndim(leaf) == 0 or np.shape(leaf)[0] % self.mesh.size:
-                raise ValueError(
-                    f"batch leaf of shape {np.shape(leaf)}: its leading (batch) axis must be "
-                    f"divisible by the mesh's {self.mesh.size} devices"
-                )
-        return jax.device_put(batch, NamedSharding(self.mesh, PartitionSpec(self._axes)))
-
     def _values_of(self, model: nnx.Module) -> list:
         _, params, _ = nnx.split(model, nnx.Param, ...)
         variables = jax.tree.leaves(params, is_leaf=_is_variable)
@@ -406,6 +410,10 @@ class FSDP:
         for j, o in zip(self.others, others):
             values[j] = o.astype(self.params[j].dtype)
         return values
+
+
+def _path_names(path) -> tuple[str | int, ...]:
+    return tuple(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k))) for k in path)
 
 
 def _is_variable(x) -> bool:
