@@ -62,6 +62,8 @@ def quantize(
     ``[M, K]`` with ``M = prod(shape[:-1])``. Returns an ``MXFP8Tensor`` holding the requested
     planes; ``shape`` and ``dtype`` record the input.
     """
+    # the dtype is checked before jnp.asarray, which would turn float64 into float32 silently
+    check_input(x if hasattr(x, "dtype") else jnp.asarray(x), rowwise=rowwise, columnwise=columnwise)
     x = jnp.asarray(x)
     m, k = check_input(x, rowwise=rowwise, columnwise=columnwise)
     rule = fmt.ScaleRule.parse(scale_rule)
