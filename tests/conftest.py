@@ -6,6 +6,11 @@ top of the first module pytest imports.
 
 import os
 
+# The GPU tests (test_gpu.py, run by bench/gpu_check.sh) need a GPU platform asked for in
+# JAX_PLATFORMS; without one they are not collected at all (rather than reported as skips).
+_GPU_REQUESTED = any(p in os.environ.get("JAX_PLATFORMS", "") for p in ("cuda", "rocm", "gpu"))
+collect_ignore = [] if _GPU_REQUESTED else ["test_gpu.py"]
+
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import jax  # noqa: E402
@@ -31,3 +36,10 @@ def cpu_devices():
     devs = jax.devices("cpu")
     assert len(devs) == 8, "tests expect 8 simulated CPU devices (jax_num_cpu_devices)"
     return devs
+
+
+def pytest_report_header(config):
+    if not _GPU_REQUESTED:
+        return ("tests/test_gpu.py not collected: JAX_PLATFORMS asks for no GPU "
+                "(bench/gpu_check.sh runs it on a GPU machine)")
+    return None

@@ -1,8 +1,9 @@
 """The GPU kernels (CUDA or ROCm) byte for byte against the references, on a GPU.
 
-Run by bench/gpu_check.sh on a machine with a GPU (JAX_PLATFORMS must include it: conftest
-defaults to cpu). Every test is marked ``gpu`` and skipped, saying why, when jax has no GPU or
-the installed extension has no handler for it. References run on the CPU backend: the pure-JAX
+Run by bench/gpu_check.sh on a machine with a GPU (JAX_PLATFORMS must include it; without a
+GPU platform in JAX_PLATFORMS conftest does not collect this file). Every test is marked ``gpu``
+and skipped, saying why, when jax still sees no GPU or the installed extension has no handler
+for it. References run on the CPU backend: the pure-JAX
 quantize reference (integer code, exact there), the independent numpy quantize oracle, and the
 numpy oracle of the canonical RMSNorm order (tests/rmsnorm_oracle.py). The compiled GPU program
 is checked to contain the custom call, so no test can pass through a silent fallback.
