@@ -140,3 +140,40 @@ def test_quant_and_scales_carry_no_gradient(cpu_devices):
 
     gx, gg = jax.jit(jax.grad(loss, argnums=(0, 1)))(x, gamma)
     assert not np.asarray(gx, np.float32).any() and not np.asarray(gg, np.float32).any()
+
+
+@pytest.mark.parametrize("strategy", ["xla", "p2p"])
+@pytest.mark.parametrize("gamma_spec", [P(), P("x")])
+def test_local_form_under_checked_shard_map(cpu_devices, strategy, gamma_spec):
+    """Inside a user's shard_map with its default varying-axes checking (check_vma=True), the
+    per-device form traces, and its outputs and gradients are those of check_vma=False: a
+    replicated (invariant) gamma gets the sum of the devices' cotangents either way."""
+    mesh = Mesh(np.array(cpu_devices[:N]), ("x",))
+    rng = np.random.default_rng(4)
+    x = jnp.asarray((rng.standard_normal((N * 4, H)) * 2).astype(BF16))
+    gamma = jnp.asarray((rng.standard_normal((N * H,) if gamma_spec == P("x") else (H,)) * 0.5 + 1).astype(BF16))
+    w = jnp.asarray(rng.standard_normal((N * 2 * 4, H)), jnp.float32)  # each group gathers 8 rows
+
+    def run(check_vma):
+        def local(xl, gl, wl):
+            normed, quant, scales, residual = mx.allgather_rmsnorm_quant_local(
+                xl, gl, axis_name="x", group_size=2, strategy=strategy)
+            loss = jnp.sum(normed.astype(jnp.float32) * wl) + jnp.sum(residual.astype(jnp.float32) * wl)
+            return jax.lax.psum(loss, "x"), (normed, quant, scales)
+
+        f = jax.shard_map(local, mesh=mesh, in_specs=(P("x"), gamma_spec, P("x")),
+                          out_specs=(P(), P("x")), check_vma=check_vma)
+        (loss, outs), grads = jax.jit(jax.value_and_grad(f, argnums=(0, 1), has_aux=True))(x, gamma, w)
+        return loss, outs, grads
+
+    (loss, outs, (dx, dg)), (loss0, outs0, (dx0, dg0)) = run(True), run(False)
+    for a, b in zip(jax.tree.leaves((loss, outs, dx)), jax.tree.leaves((loss0, outs0, dx0))):
+        np.testing.assert_array_equal(np.atleast_1d(a).view(np.uint8), np.atleast_1d(b).view(np.uint8))
+    dg, dg0 = np.asarray(dg, np.float32), np.asarray(dg0, np.float32)
+    assert np.abs(dg).sum() > 0
+    if gamma_spec == P("x"):
+        np.testing.assert_array_equal(dg, dg0)
+    else:
+        # the unchecked transpose sums the devices' bf16-rounded shares; the checked one sums
+        # in fp32 and rounds once: equal up to bf16 rounding of a 4-term sum
+        np.testing.assert_allclose(dg, dg0, rtol=2.0**-6, atol=2.0**-6 * np.abs(dg0).max())

@@ -15,6 +15,8 @@ import warnings
 import jax
 import numpy as np
 
+from mxfp8_jax._src import vma
+
 # platform name as jax spells it for register_ffi_target -> extension module
 _MODULES = {"cpu": "_mxfp8_cpu", "cuda": "_mxfp8_cuda", "rocm": "_mxfp8_rocm"}
 _FFI_PLATFORM = {"cpu": "cpu", "cuda": "CUDA", "rocm": "ROCM"}
@@ -110,10 +112,14 @@ def platform_dispatch(target: str, kernel, reference, *args):
     platforms picks correctly on each.
     """
     loaded, _ = _load()
-    branches = {p: kernel for p, regs in loaded.items() if target in regs}
-    if not branches:
+    if not any(target in regs for regs in loaded.values()):
         return reference(*args)
-    return jax.lax.platform_dependent(*args, default=reference, **branches)
+    # Under shard_map(check_vma=True) both branches must give the same types: each result is
+    # typed as varying along every axis its inputs vary along.
+    axes = vma.union(*args)
+    kernel_, reference_ = (lambda *a: vma.vary_tree(kernel(*a), axes)), (lambda *a: vma.vary_tree(reference(*a), axes))
+    branches = {p: kernel_ for p, regs in loaded.items() if target in regs}
+    return jax.lax.platform_dependent(*args, default=reference_, **branches)
 
 
 def quantize_segments(

@@ -52,7 +52,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, PartitionSpec as P
 
-from mxfp8_jax._src import _ffi
+from mxfp8_jax._src import _ffi, vma
 from mxfp8_jax._src import format as fmt
 
 STRATEGIES = ("auto", "xla", "p2p")
@@ -257,7 +257,8 @@ def _rmsnorm_reference(x, gamma, cfg: _NormConfig):
     # step (i, v) adds x[256 i + 8 j + v]^2 to partial j, in increasing i then v
     n_i = sq.shape[1] // 256
     steps = sq.reshape(r, n_i, 32, 8).transpose(1, 3, 0, 2).reshape(n_i * 8, r, 32)
-    part, _ = jax.lax.scan(lambda p, s: (p + s, None), jnp.zeros((r, 32), f32), steps)
+    init = jnp.zeros_like(steps[0]) if steps.shape[0] else jnp.zeros((r, 32), f32)
+    part, _ = jax.lax.scan(lambda p, s: (p + s, None), init, steps)
     for s in (16, 8, 4, 2, 1):
         part = part[:, :s] + part[:, s: 2 * s]
     # The barriers keep XLA from rewriting sumsq / H as sumsq * (1/H) and 1/sqrt(v) as rsqrt,
@@ -333,6 +334,7 @@ def _local_fused_fwd(x, gamma, cfg, backend):
 def _local_fused_bwd(cfg, backend, res, cts):
     x, gamma = res
     dx, d_gamma = _rmsnorm_vjp(x, gamma, _ct(cts[0], x), cfg)
+    dx, d_gamma = vma.cotangent_like(dx, x), vma.cotangent_like(d_gamma, gamma)
     return dx.astype(x.dtype), d_gamma.astype(gamma.dtype)
 
 
@@ -421,7 +423,10 @@ def _fused_forward(x, gamma, cfg: _GatherConfig):
             quantize_from_fp32=n.quantize_from_fp32, columnwise=n.columnwise,
             scale_rule=n.rule.code, timeout_ms=cfg.timeout_ms,
         )
-        return normed, _as_e4m3(rq), rs, _as_e4m3(cq), cs, residual
+        out = (normed, _as_e4m3(rq), rs, _as_e4m3(cq), cs, residual)
+        # the results differ between groups (and gammas): say so to shard_map's checker
+        axes = vma.union(x, gamma) | ({cfg.axis_name} if vma.tracked(cfg.axis_name) else set())
+        return tuple(None if o is None else vma.vary(o, axes) for o in out)
     residual = _gather_rows(x, cfg)
     return _norm_quant(residual, gamma, n, "auto") + (residual,)
 
@@ -433,29 +438,24 @@ def _fused(x, gamma, cfg: _GatherConfig):
 
 def _fused_fwd(x, gamma, cfg):
     out = _fused_forward(x, gamma, cfg)
-    return out, (out[-1], gamma)  # the residual output is the gathered x
+    # the residual output is the gathered x; x[:0] keeps only x's type (its varying axes)
+    return out, (out[-1], gamma, x[:0])
 
 
 def _fused_bwd(cfg: _GatherConfig, res, cts):
-    residual, gamma = res
+    residual, gamma, x_type = res
+    f32 = jnp.float32
     d_normed, d_residual = cts[0], cts[-1]
     dx_rows, d_gamma = _rmsnorm_vjp(residual, gamma, _ct(d_normed, residual), cfg.norm)
     dx_rows = dx_rows + _ct(d_residual, residual)
-    # The transpose of the gather: a reduce-scatter over the group (scatter-add of ragged rows).
-    x_aval = jax.ShapeDtypeStruct((cfg.rows_max, cfg.hidden), jnp.float32)
-    (dx,) = jax.linear_transpose(functools.partial(_gather_rows, cfg=cfg), x_aval)(dx_rows)
-    d_gamma = _psum_if_invariant(d_gamma, gamma, cfg.axis_name)
+    # The transpose of the gather: a reduce-scatter over the group (scatter-add of ragged rows),
+    # taken at a zero x of x's type so that shard_map's checker sees the types of the forward.
+    x_zero = jnp.zeros((cfg.rows_max, cfg.hidden), f32) + jnp.sum(x_type.astype(f32))
+    gathered, gather_vjp = jax.vjp(functools.partial(_gather_rows, cfg=cfg), x_zero)
+    (dx,) = gather_vjp(vma.cotangent_like(dx_rows, gathered))
+    dx = vma.cotangent_like(dx, x_type)
+    d_gamma = vma.cotangent_like(d_gamma, gamma)
     return dx.astype(jnp.bfloat16), d_gamma.astype(gamma.dtype)
-
-
-def _psum_if_invariant(d_gamma, gamma, axis_name):
-    """Under shard_map(check_vma=True) a gamma that is the same on every device of the axis
-    (not varying) gets the sum of the devices' cotangents."""
-    try:
-        vma = jax.typeof(gamma).vma
-    except AttributeError:  # no varying-axes tracking (check_vma=False or an older jax)
-        return d_gamma
-    return d_gamma if axis_name in vma else jax.lax.psum(d_gamma, axis_name)
 
 
 _fused.defvjp(_fused_fwd, _fused_bwd)
