@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Compilers for the GPU parts of the extension, so that CI builds (and so checks) both:
-#   - CUDA: nvcc, found on PATH if the machine has it (not installed here);
+#   - CUDA: nvcc, found on PATH (or CUDACXX) where the machine has a CUDA toolkit; it is not an
+#     apt package here, so this script does not install it;
 #   - ROCm/HIP: Debian's clang 22 (knows gfx942/gfx950), lld, the HIP headers and libamdhip64.
 #     The kernels use compiler builtins only, so no ROCm device library is needed (-nogpulib);
 #     rocm-device-libs and hipcc come along for completeness of the toolchain.

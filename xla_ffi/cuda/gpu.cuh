@@ -1,6 +1,6 @@
 // The GPU platform layer shared by the CUDA and HIP builds of the kernels in this folder:
 // runtime API names, lane exchange and votes with explicit widths, thread indices, and the
-// FFI-side helpers every handler uses (dtype dispatch, error mapping).
+// launch-status helper of the launchers declared in launch.h.
 //
 // Built as CUDA by nvcc (_mxfp8_cuda) and as HIP by clang -x hip (_mxfp8_rocm, through
 // hip/compat.h). Kernels use 32-lane groups at most, so they behave the same on 32-lane warps
@@ -16,12 +16,10 @@
 #include <cstdint>
 #include <string>
 
+#include "cuda/launch.h"
 #include "mxfp8/numerics.h"
-#include "xla/ffi/api/ffi.h"
 
 namespace mxfp8::gpu {
-
-namespace ffi = xla::ffi;
 
 #if !defined(__HIPCC__)
 template <typename T>
@@ -65,31 +63,10 @@ __device__ __forceinline__ uint32_t bits(float f) { return __float_as_uint(f); }
 // ---------------------------------------------------------------------------------------------
 // Host side.
 
-enum class InType : int { kF32, kBF16, kF16 };
-
-inline bool input_type(ffi::DataType t, InType* out) {
-  switch (t) {
-    case ffi::DataType::F32: *out = InType::kF32; return true;
-    case ffi::DataType::BF16: *out = InType::kBF16; return true;
-    case ffi::DataType::F16: *out = InType::kF16; return true;
-    default: return false;
-  }
-}
-
-inline ffi::Error invalid(const std::string& msg) {
-  return ffi::Error(ffi::ErrorCode::kInvalidArgument, msg);
-}
-
-// The launch status of the kernels just enqueued on the stream.
-inline ffi::Error launch_status(const char* target) {
+// nullptr when the kernels just enqueued launched, else the runtime's message.
+inline const char* launch_error() {
   const cudaError_t e = cudaGetLastError();
-  if (e == cudaSuccess) return ffi::Error::Success();
-  return ffi::Error(ffi::ErrorCode::kInternal,
-                    std::string(target) + ": kernel launch failed: " + cudaGetErrorString(e));
-}
-
-inline uint8_t* bytes(ffi::Result<ffi::AnyBuffer>& r) {
-  return static_cast<uint8_t*>(r->untyped_data());
+  return e == cudaSuccess ? nullptr : cudaGetErrorString(e);
 }
 
 inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }

@@ -1,6 +1,6 @@
 // The GPU extension module (_mxfp8_cuda, or _mxfp8_rocm when the same handlers are built as
 // HIP): hands XLA FFI handler capsules to Python for registration. Compiled by the host C++
-// compiler; the handlers live in the .cu files.
+// compiler; the handlers live in handlers.cc, the kernels in the .cu files.
 #include <nanobind/nanobind.h>
 
 #include "xla/ffi/api/c_api.h"

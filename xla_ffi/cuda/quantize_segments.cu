@@ -1,5 +1,6 @@
 // mxfp8_quantize_segments (CUDA / ROCm): the MXFP8 planes of one device's packed flat segment,
-// in one kernel. Operands, results and attributes as the CPU handler (cpu/quantize_segments.cc):
+// in one kernel. The FFI handler (handlers.cc) takes the operands, results and attributes of the
+// CPU one (cpu/quantize_segments.cc):
 //
 // Operands: x [S] (f32 / bf16 / f16), desc [P, 3] i64 or i32 rows (offset, rows, row_len);
 //           a row with rows == 0 is unused.
@@ -26,12 +27,7 @@ namespace mxfp8::gpu {
 
 namespace {
 
-struct SegmentPlanes {
-  uint8_t* row_q;
-  uint8_t* row_s;
-  uint8_t* col_q;
-  uint8_t* col_s;
-};
+using SegmentPlanes = Planes;
 
 struct Piece {
   int64_t offset, rows, row_len;
@@ -172,56 +168,16 @@ static void launch_segments(cudaStream_t stream, const uint8_t* x, int64_t S, co
       S, desc, desc64, P, p);
 }
 
-static ffi::Error QuantizeSegments(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer desc,
-                                   ffi::Result<ffi::AnyBuffer> row_q,
-                                   ffi::Result<ffi::AnyBuffer> row_s,
-                                   ffi::Result<ffi::AnyBuffer> col_q,
-                                   ffi::Result<ffi::AnyBuffer> col_s, int32_t scale_rule,
-                                   bool rowwise, bool columnwise) {
-  InType t;
-  if (!input_type(x.element_type(), &t))
-    return invalid("mxfp8_quantize_segments: input must be f32, bf16 or f16");
-  if (x.dimensions().size() != 1) return invalid("mxfp8_quantize_segments: x must be 1-D");
-  const int64_t S = static_cast<int64_t>(x.element_count());
-  if (S % kBlock)
-    return invalid("mxfp8_quantize_segments: segment length must be a multiple of 32");
-  const auto ddims = desc.dimensions();
-  if (ddims.size() != 2 || ddims[1] != 3)
-    return invalid("mxfp8_quantize_segments: desc must have shape [P, 3]");
-  const bool desc64 = desc.element_type() == ffi::DataType::S64;
-  if (!desc64 && desc.element_type() != ffi::DataType::S32)
-    return invalid("mxfp8_quantize_segments: desc must be int64 or int32");
-  const size_t n = static_cast<size_t>(S);
-  if ((rowwise && (row_q->size_bytes() != n || row_s->size_bytes() != n / kBlock)) ||
-      (columnwise && (col_q->size_bytes() != n || col_s->size_bytes() != n / kBlock)))
-    return invalid("mxfp8_quantize_segments: result sizes do not match the segment");
-  if (S == 0 || !(rowwise || columnwise)) return ffi::Error::Success();
-
-  SegmentPlanes p{rowwise ? bytes(row_q) : nullptr, rowwise ? bytes(row_s) : nullptr,
-                  columnwise ? bytes(col_q) : nullptr, columnwise ? bytes(col_s) : nullptr};
-  const auto* xp = static_cast<const uint8_t*>(x.untyped_data());
-  const int64_t P = ddims[0];
-  const ScaleRule rule = static_cast<ScaleRule>(scale_rule);
-  const void* dp = desc.untyped_data();
+const char* launch_quantize_segments(void* stream, InType t, const uint8_t* x, int64_t S,
+                                     const void* desc, bool desc64, int64_t P, const Planes& p,
+                                     ScaleRule rule) {
+  const auto st = static_cast<cudaStream_t>(stream);
   switch (t) {
-    case InType::kF32: launch_segments<InType::kF32>(stream, xp, S, dp, desc64, P, p, rule); break;
-    case InType::kBF16: launch_segments<InType::kBF16>(stream, xp, S, dp, desc64, P, p, rule); break;
-    case InType::kF16: launch_segments<InType::kF16>(stream, xp, S, dp, desc64, P, p, rule); break;
+    case InType::kF32: launch_segments<InType::kF32>(st, x, S, desc, desc64, P, p, rule); break;
+    case InType::kBF16: launch_segments<InType::kBF16>(st, x, S, desc, desc64, P, p, rule); break;
+    case InType::kF16: launch_segments<InType::kF16>(st, x, S, desc, desc64, P, p, rule); break;
   }
-  return launch_status("mxfp8_quantize_segments");
+  return launch_error();
 }
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(QuantizeSegmentsHandler, QuantizeSegments,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Attr<int32_t>("scale_rule")
-                                  .Attr<bool>("rowwise")
-                                  .Attr<bool>("columnwise"));
 
 }  // namespace mxfp8::gpu

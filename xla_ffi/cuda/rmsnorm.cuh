@@ -13,21 +13,6 @@ namespace mxfp8::gpu {
 
 constexpr int kNormStep = kNormLanes * kNormVec;  // elements of a row per step (256)
 
-struct NormOut {
-  uint16_t* normed = nullptr;  // [R, H] bf16 bits
-  uint8_t* row_q = nullptr;    // [R, H]
-  uint8_t* row_s = nullptr;    // [R, H/32]
-  uint8_t* col_q = nullptr;    // [R, H] (columnwise only)
-  uint8_t* col_s = nullptr;    // [R/32, H] (columnwise only)
-};
-
-struct NormParams {
-  int64_t H = 0;
-  float eps = 0.f;
-  float weight_offset = 0.f;
-  ScaleRule rule = ScaleRule::kRceil;
-};
-
 // Adds x^2 of the 8 bf16 of v to the lane's partial sum, in element order.
 __device__ __forceinline__ float add_squares(float p, const uint4& v) {
 #pragma unroll

@@ -1,5 +1,6 @@
 // mxfp8_rmsnorm_quantize (CUDA / ROCm): RMSNorm of each row, then MXFP8 of the result.
-// Operands, results and attributes as the CPU handler (cpu/rmsnorm_quantize.cc):
+// The FFI handler (handlers.cc) takes the operands, results and attributes of the CPU one
+// (cpu/rmsnorm_quantize.cc):
 //
 // Operands: x [R, H] bf16, gamma [H] bf16.
 // Results:  normed [R, H] bf16, row_q [R, H] u8, row_s [R, H/32] u8,
@@ -187,61 +188,13 @@ static void launch_rmsnorm(cudaStream_t stream, const uint16_t* x, const uint16_
     rmsnorm_rows_kernel<0, kFromFp32><<<blocks, kBlockThreads, 0, stream>>>(x, gamma, R, prm, o);
 }
 
-static ffi::Error RmsnormQuantize(cudaStream_t stream, ffi::Buffer<ffi::BF16> x,
-                                  ffi::Buffer<ffi::BF16> gamma,
-                                  ffi::Result<ffi::Buffer<ffi::BF16>> normed,
-                                  ffi::Result<ffi::AnyBuffer> row_q,
-                                  ffi::Result<ffi::AnyBuffer> row_s,
-                                  ffi::Result<ffi::AnyBuffer> col_q,
-                                  ffi::Result<ffi::AnyBuffer> col_s, float eps,
-                                  float weight_offset, bool quantize_from_fp32, bool columnwise,
-                                  int32_t scale_rule) {
-  const auto dims = x.dimensions();
-  if (dims.size() != 2) return invalid("mxfp8_rmsnorm_quantize: x must be [R, H]");
-  const int64_t R = dims[0], H = dims[1];
-  if (H % kBlock) return invalid("mxfp8_rmsnorm_quantize: H must be a multiple of 32");
-  if (gamma.element_count() != static_cast<size_t>(H))
-    return invalid("mxfp8_rmsnorm_quantize: gamma must be [H]");
-  if (columnwise && R % kBlock)
-    return invalid("mxfp8_rmsnorm_quantize: R must be a multiple of 32 for columnwise output");
-  const size_t n = static_cast<size_t>(R * H);
-  if (normed->element_count() != n || row_q->size_bytes() != n ||
-      row_s->size_bytes() != n / kBlock ||
-      (columnwise && (col_q->size_bytes() != n || col_s->size_bytes() != n / kBlock)))
-    return invalid("mxfp8_rmsnorm_quantize: result sizes do not match x");
-  if (n == 0) return ffi::Error::Success();
-
-  NormParams prm;
-  prm.H = H;
-  prm.eps = eps;
-  prm.weight_offset = weight_offset;
-  prm.rule = static_cast<ScaleRule>(scale_rule);
-  NormOut o;
-  o.normed = reinterpret_cast<uint16_t*>(normed->typed_data());
-  o.row_q = bytes(row_q);
-  o.row_s = bytes(row_s);
-  if (columnwise) o.col_q = bytes(col_q), o.col_s = bytes(col_s);
-  const auto* xp = reinterpret_cast<const uint16_t*>(x.typed_data());
-  const auto* gp = reinterpret_cast<const uint16_t*>(gamma.typed_data());
-  if (quantize_from_fp32) launch_rmsnorm<true>(stream, xp, gp, R, prm, o, columnwise);
-  else launch_rmsnorm<false>(stream, xp, gp, R, prm, o, columnwise);
-  return launch_status("mxfp8_rmsnorm_quantize");
+const char* launch_rmsnorm_quantize(void* stream, const uint16_t* x, const uint16_t* gamma,
+                                    int64_t R, const NormParams& prm, const NormOut& o,
+                                    bool columnwise, bool quantize_from_fp32) {
+  const auto st = static_cast<cudaStream_t>(stream);
+  if (quantize_from_fp32) launch_rmsnorm<true>(st, x, gamma, R, prm, o, columnwise);
+  else launch_rmsnorm<false>(st, x, gamma, R, prm, o, columnwise);
+  return launch_error();
 }
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(RmsnormQuantizeHandler, RmsnormQuantize,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<ffi::Buffer<ffi::BF16>>()
-                                  .Arg<ffi::Buffer<ffi::BF16>>()
-                                  .Ret<ffi::Buffer<ffi::BF16>>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Attr<float>("eps")
-                                  .Attr<float>("weight_offset")
-                                  .Attr<bool>("quantize_from_fp32")
-                                  .Attr<bool>("columnwise")
-                                  .Attr<int32_t>("scale_rule"));
 
 }  // namespace mxfp8::gpu

@@ -109,6 +109,18 @@ __device__ __forceinline__ void store_codes(uint8_t* p, const uint32_t (&c)[V / 
   else *reinterpret_cast<uint32_t*>(p) = c[0];
 }
 
+// V scale bytes at p, which need not be aligned (a packed segment's pieces start on any
+// multiple of 32 elements, so their scales on any byte).
+template <int V>
+__device__ __forceinline__ void store_scales(uint8_t* p, const uint32_t (&c)[V / 4]) {
+  if ((reinterpret_cast<uintptr_t>(p) & (V - 1)) == 0) {
+    store_codes<V>(p, c);
+  } else {
+#pragma unroll
+    for (int i = 0; i < V; ++i) p[i] = static_cast<uint8_t>(c[i / 4] >> (8 * (i % 4)));
+  }
+}
+
 // ---------------------------------------------------------------------------------------------
 // A lane's tile: 16 rows x V columns. Pointers address the tile's first element (or, for
 // rowwise scales, the scale of its first row's block); planes with null pointers are skipped.
@@ -222,7 +234,7 @@ __device__ __forceinline__ bool quantize_tile_fast(const uint4 (&w)[kTileRows], 
       m[i] = inverse_scale(scale);
       packed[i / 4] |= static_cast<uint32_t>(scale) << (8 * (i % 4));
     }
-    if (d.rows && !d.upper) store_codes<V>(d.col_s, packed);
+    if (d.rows && !d.upper) store_scales<V>(d.col_s, packed);
 #pragma unroll
     for (int r = 0; r < kTileRows; ++r) {
       uint32_t c[V / 4];
