@@ -158,7 +158,13 @@ def main(argv=None) -> None:
     p.add_argument("--shard-layout", default="padded", choices=["padded", "unpadded"])
     p.add_argument("--iters", type=int, default=5)
     p.add_argument("--json", dest="json_path")
+    p.add_argument("--fresh-pages", action="store_true",
+                   help="let freed XLA:CPU buffers go back to the OS (each call then page-faults "
+                        "its outputs in); by default they are kept for reuse, for every path alike")
     a = p.parse_args(argv)
+    from mxfp8_jax.bench._timing import reuse_freed_memory
+
+    reuse_freed_memory(not a.fresh_pages)
     import jax
 
     jax.config.update("jax_num_cpu_devices", a.devices)  # before the CPU backend starts
