@@ -4,6 +4,7 @@
 #pragma once
 
 #include <algorithm>
+#include <climits>
 #include <cstdint>
 #include <cstring>
 
@@ -35,68 +36,433 @@ struct Input<InType::kF16> {
   static uint32_t bits(Elem v) { return f16_to_f32_bits(v); }
 };
 
-// Rowwise blocks of `rows` rows of length K: q [rows, K], s [rows, K/32].
+// Scalar reference loops: used for blocks that hold an fp32 subnormal, an Inf or a NaN, and for
+// a columnwise tail narrower than 32 columns.
 template <InType T>
-MXFP8_CPU_LOOP void quantize_rowwise(const typename Input<T>::Elem* x, int64_t rows, int64_t K, uint8_t* q,
-                      uint8_t* s, ScaleRule rule) {
-  uint32_t buf[kBlock];
-  for (int64_t r = 0; r < rows; ++r) {
-    const auto* xr = x + r * K;
-    for (int64_t b = 0; b < K / kBlock; ++b) {
-      uint32_t amax = 0, subnormal = 0;
-      for (int i = 0; i < kBlock; ++i) {
-        buf[i] = Input<T>::bits(xr[b * kBlock + i]);
-        amax = std::max(amax, abs_bits_or_zero_if_nan(buf[i]));
-        subnormal |= mask_if(is_f32_subnormal(buf[i]));
+MXFP8_CPU_LOOP void quantize_block_scalar(const typename Input<T>::Elem* x, uint8_t* q, uint8_t* s,
+                                          ScaleRule rule) {
+  uint32_t amax = 0;
+  for (int i = 0; i < kBlock; ++i) amax = std::max(amax, abs_bits_or_zero_if_nan(Input<T>::bits(x[i])));
+  *s = e8m0_scale(amax, rule);
+  for (int i = 0; i < kBlock; ++i) q[i] = e4m3_scaled(Input<T>::bits(x[i]), *s);
+}
+
+template <InType T>
+MXFP8_CPU_LOOP void quantize_columns_scalar(const typename Input<T>::Elem* x, int64_t K, int64_t n,
+                                            uint8_t* q, uint8_t* s, ScaleRule rule) {
+  for (int64_t c = 0; c < n; ++c) {
+    uint32_t amax = 0;
+    for (int r = 0; r < kBlock; ++r)
+      amax = std::max(amax, abs_bits_or_zero_if_nan(Input<T>::bits(x[r * K + c])));
+    s[c] = e8m0_scale(amax, rule);
+    for (int r = 0; r < kBlock; ++r) q[r * K + c] = e4m3_scaled(Input<T>::bits(x[r * K + c]), s[c]);
+  }
+}
+
+// The fast path works on 32 consecutive elements at a time held in four 8-lane vectors of fp32
+// bits (GCC/Clang vector extensions: one AVX2 register each in the AVX2 clone, two SSE registers
+// in the baseline). Only integer operations and exactly rounded float operations on normal
+// operands, as in e4m3_scaled_normal_input.
+namespace vec {
+typedef uint32_t u32x8 __attribute__((vector_size(32)));
+typedef int32_t i32x8 __attribute__((vector_size(32)));
+typedef float f32x8 __attribute__((vector_size(32)));
+typedef uint16_t u16x16 __attribute__((vector_size(32)));
+typedef int16_t i16x16 __attribute__((vector_size(32)));
+typedef uint8_t u8x32 __attribute__((vector_size(32)));
+
+MXFP8_HD i32x8 splat(int32_t v) { return i32x8{} + v; }
+MXFP8_HD i32x8 vmax(i32x8 a, i32x8 b) { return a > b ? a : b; }
+MXFP8_HD i32x8 vmin(i32x8 a, i32x8 b) { return a < b ? a : b; }
+MXFP8_HD int32_t hmax(i32x8 v) {
+  v = vmax(v, __builtin_shuffle(v, i32x8{4, 5, 6, 7, 0, 1, 2, 3}));
+  v = vmax(v, __builtin_shuffle(v, i32x8{2, 3, 0, 1, 6, 7, 4, 5}));
+  v = vmax(v, __builtin_shuffle(v, i32x8{1, 0, 3, 2, 5, 4, 7, 6}));
+  return v[0];
+}
+MXFP8_HD int32_t hmin(i32x8 v) {
+  v = vmin(v, __builtin_shuffle(v, i32x8{4, 5, 6, 7, 0, 1, 2, 3}));
+  v = vmin(v, __builtin_shuffle(v, i32x8{2, 3, 0, 1, 6, 7, 4, 5}));
+  v = vmin(v, __builtin_shuffle(v, i32x8{1, 0, 3, 2, 5, 4, 7, 6}));
+  return v[0];
+}
+
+// Element order inside the four vectors: for 16-bit inputs one 32-bit load carries elements 2i and
+// 2i+1, so v[0] = even elements of the first 16, v[1] = odd ones, v[2], v[3] the same for the
+// next 16 (no widening shuffles). For fp32, v[j] lane i is element 8j + i.
+template <InType T>
+MXFP8_HD void load32(const typename Input<T>::Elem* x, u32x8 v[4]) {
+  if constexpr (T == InType::kBF16) {
+    u32x8 a, b;
+    __builtin_memcpy(&a, x, sizeof a);
+    __builtin_memcpy(&b, x + 16, sizeof b);
+    v[0] = a << 16;
+    v[1] = a & 0xFFFF0000u;
+    v[2] = b << 16;
+    v[3] = b & 0xFFFF0000u;
+  } else if constexpr (T == InType::kF32) {
+    __builtin_memcpy(v, x, 4 * sizeof(u32x8));
+  } else {
+    uint32_t buf[kBlock];
+    for (int i = 0; i < kBlock; ++i) buf[i] = Input<T>::bits(x[i]);
+    __builtin_memcpy(v, buf, sizeof buf);
+  }
+}
+
+// Inverse of load32's order: four vectors of codes -> 32 consecutive bytes. Only the low byte of
+// each lane is stored, and bits 8..23 must be zero (cast leaves junk in the top byte only).
+template <InType T>
+MXFP8_HD void store32(const u32x8 c[4], uint8_t* q) {
+  if constexpr (T == InType::kBF16) {
+    const u32x8 lo = c[0] | (c[1] << 8), hi = c[2] | (c[3] << 8);
+    const u16x16 out = __builtin_shuffle(reinterpret_cast<const u16x16&>(lo),
+                                         reinterpret_cast<const u16x16&>(hi),
+                                         u16x16{0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30});
+    __builtin_memcpy(q, &out, sizeof out);
+  } else {
+    // c[1..3] lose their top byte in the shifts; c[0] keeps it and is masked.
+    const u32x8 w = (c[0] & 0xFFu) | (c[1] << 8) | (c[2] << 16) | (c[3] << 24);  // lane i: 8j + i in byte j
+    const u8x32 out = __builtin_shuffle(
+        reinterpret_cast<const u8x32&>(w),
+        u8x32{0, 4, 8, 12, 16, 20, 24, 28, 1, 5, 9, 13, 17, 21, 25, 29,
+              2, 6, 10, 14, 18, 22, 26, 30, 3, 7, 11, 15, 19, 23, 27, 31});
+    __builtin_memcpy(q, &out, sizeof out);
+  }
+}
+
+// Per-lane constants of the cast for k = 127 - scale byte (see cast below).
+struct CastK {
+  i32x8 kk, thr_r;
+  MXFP8_HD CastK(i32x8 kk_, i32x8 thr_r_) : kk(kk_), thr_r(thr_r_) {}
+  MXFP8_HD explicit CastK(i32x8 k) {
+    const u32x8 ku = reinterpret_cast<const u32x8&>(k);
+    kk = reinterpret_cast<i32x8>(ku << 23);
+    thr_r = vmax(reinterpret_cast<i32x8>((1u - ku) << 23), splat(1));
+  }
+};
+
+// e4m3_scaled_normal_input for a block free of fp32 subnormals, Infs and NaNs, whose scale byte
+// came from the block's amax (so |x| <= amax). With a = |x| bits, yb = a + (k << 23) is the bits
+// of |y| = |x| * 2^k when its biased exponent ey = (a >> 23) + k is >= 1, and as an int32 it never
+// wraps (k >= -127, and ey <= 136 because the scale is at least floor(log2(amax)) - 8):
+//   ey >= 1 and a != 0  <=>  a >= max((1 - k) << 23, 1)        (thr_r; else the code is 0)
+//   ey >= 121 (E4M3 normal)  <=>  yb >= 121 << 23
+// The normal code rebiases yb by 120 and keeps 3 mantissa bits (RNE); it is monotone in |y| and
+// 0x7E at 448, so saturation is a min with 0x7E. The subnormal code round(|y| * 2^9) is the low
+// byte of the bits of |y| * 512 + 2^23 (exact, in [2^23, 2^23 + 8]); the 0x4B of its top byte is
+// left for store32 to drop.
+MXFP8_HD u32x8 cast(u32x8 x, const CastK& c) {
+  const i32x8 a = reinterpret_cast<i32x8>(x & 0x7FFFFFFFu);
+  const i32x8 yb = a + c.kk;
+  const u32x8 ybu = reinterpret_cast<u32x8>(yb);
+  const u32x8 cn = (ybu + (0x7FFFFu - (120u << 23)) + ((ybu >> 20) & 1u)) >> 20;
+  const i32x8 cns = vmin(reinterpret_cast<i32x8>(cn), splat(0x7E));
+  const f32x8 t = reinterpret_cast<const f32x8&>(yb) * 512.0f + 8388608.0f;
+  i32x8 code = yb >= splat(121 << 23) ? cns : reinterpret_cast<const i32x8&>(t);
+  code = a >= c.thr_r ? code : i32x8{};
+  return reinterpret_cast<u32x8>(code) | ((x >> 24) & 0x80u);
+}
+
+// Running block statistics: max |x| bits, and min of (|x| + 0x7FFFFFFF) as int32, which is below
+// INT32_MIN + 0x7FFFFF exactly when the block holds a non-zero fp32 subnormal.
+MXFP8_HD void accumulate(const u32x8 v, i32x8& mx, i32x8& mn) {
+  const u32x8 a = v & 0x7FFFFFFFu;
+  mx = vmax(mx, reinterpret_cast<i32x8>(a));
+  mn = vmin(mn, reinterpret_cast<i32x8>(a + 0x7FFFFFFFu));
+}
+constexpr int32_t kSubnormalBelow = INT32_MIN + 0x7FFFFF;
+
+// The same statistics for bf16 on the raw 16-bit values, 16 elements per vector: max of
+// |h| = h & 0x7FFF, and min of |h| + 0x7FFF as int16, below INT16_MIN + 0x7F exactly when the
+// block holds a non-zero bf16 (so fp32) subnormal. |h| << 16 is the fp32 |x| bits.
+MXFP8_HD i16x16 vmax16(i16x16 a, i16x16 b) { return a > b ? a : b; }
+MXFP8_HD i16x16 vmin16(i16x16 a, i16x16 b) { return a < b ? a : b; }
+MXFP8_HD i16x16 load16(const uint16_t* x) {
+  i16x16 v;
+  __builtin_memcpy(&v, x, sizeof v);
+  return v;
+}
+MXFP8_HD void accumulate16(const i16x16 h, i16x16& mx, i16x16& mn) {
+  const i16x16 a = h & 0x7FFF;
+  mx = vmax16(mx, a);
+  mn = vmin16(mn, reinterpret_cast<i16x16>(reinterpret_cast<u16x16>(a) + 0x7FFFu));
+}
+constexpr int16_t kSubnormalBelow16 = INT16_MIN + 0x7F;
+MXFP8_HD int16_t hmin16(i16x16 v) {
+  v = vmin16(v, __builtin_shuffle(v, i16x16{8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7}));
+  v = vmin16(v, __builtin_shuffle(v, i16x16{4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11}));
+  v = vmin16(v, __builtin_shuffle(v, i16x16{2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13}));
+  v = vmin16(v, __builtin_shuffle(v, i16x16{1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14}));
+  return v[0];
+}
+// Maxima of 16-bit |h| -> fp32 |x| bits in load32's order: lanes of the even elements, then of
+// the odd ones.
+MXFP8_HD i32x8 even32(i16x16 m) { return reinterpret_cast<i32x8>(reinterpret_cast<u32x8>(m) << 16); }
+MXFP8_HD i32x8 odd32(i16x16 m) { return reinterpret_cast<i32x8>(reinterpret_cast<u32x8>(m) & 0xFFFF0000u); }
+// The same split for the int16 minima, sign-extended (even, odd).
+MXFP8_HD i32x8 even32s(i16x16 m) { return reinterpret_cast<i32x8>(reinterpret_cast<u32x8>(m) << 16) >> 16; }
+MXFP8_HD i32x8 odd32s(i16x16 m) { return reinterpret_cast<i32x8>(m) >> 16; }
+
+// bf16 blocks whose non-zero elements all land on E4M3 normals (ey >= 121, checked per block by
+// normal_only) are cast on the raw 16-bit values, 16 per vector. In bf16 bits the normal code is
+// (yb - (120 << 7)) rounded to nearest even at bit 4, yb = |h| + (k << 7), which equals the fp32
+// formula of cast (bits 0..15 of the fp32 value are zero). yb is clamped to [120 << 7, 448]:
+// 448 (0x43E0) gives 0x7E and the code is monotone, so the upper clamp is the saturation; the
+// lower one sends |h| = 0, where yb = k << 7 <= 120 << 7 (k <= 120 is checked too), to code 0.
+// Its constants, built once per call and hidden from the optimiser (Cast16K::make) so that the
+// loops read them from memory rather than rebuilding each one with a move and a broadcast.
+struct Cast16K {
+  i16x16 abs, lo, hi, one, bias, sign;
+  MXFP8_HD static Cast16K make() {
+    Cast16K c{i16x16{} + 0x7FFF, i16x16{} + (120 << 7), i16x16{} + 0x43E0, i16x16{} + 1,
+              i16x16{} + static_cast<int16_t>(7 - (120 << 7)), i16x16{} + 0x80};
+    __asm__("" : "+m"(c));
+    return c;
+  }
+};
+MXFP8_HD i16x16 cast16(i16x16 h, i16x16 kk, const Cast16K& c) {
+  i16x16 yb = (h & c.abs) + kk;
+  yb = vmin16(vmax16(yb, c.lo), c.hi);
+  const u16x16 z = reinterpret_cast<u16x16>(yb);
+  const u16x16 cn = (z + reinterpret_cast<u16x16>(c.bias) + ((z >> 4) & reinterpret_cast<u16x16>(c.one))) >> 4;
+  return reinterpret_cast<i16x16>(cn | ((reinterpret_cast<const u16x16&>(h) >> 8) & reinterpret_cast<u16x16>(c.sign)));
+}
+// Two vectors of 16 codes (0..255) -> 32 consecutive bytes.
+MXFP8_HD void store16x2(i16x16 c0, i16x16 c1, uint8_t* q) {
+  const u8x32 out = __builtin_shuffle(reinterpret_cast<const u8x32&>(c0), reinterpret_cast<const u8x32&>(c1),
+                                      u8x32{0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30,
+                                            32, 34, 36, 38, 40, 42, 44, 46, 48, 50, 52, 54, 56, 58, 60, 62});
+  __builtin_memcpy(q, &out, sizeof out);
+}
+// Lanes (-1) where a bf16 block with per-lane k = 127 - scale and min statistic mn (32-bit,
+// from accumulate16: -32769 + the least non-zero |h|, or 32767 if there is none) may take
+// cast16: every non-zero |h| >= (121 - k) << 7, and k <= 120.
+MXFP8_HD i32x8 normal_only(i32x8 mn, i32x8 k) {
+  return (mn >= ((121 - k) << 7) - 32769) & (k <= 120);
+}
+
+// Lane-wise maxima (Max) or minima of eight vectors in one: lane b of the result reduces
+// m[s(b)], with s = {0, 4, 2, 6, 1, 5, 3, 7} (its own inverse), so callers put block b's vector
+// at m[s(b)].
+constexpr int kReduceSlot[8] = {0, 4, 2, 6, 1, 5, 3, 7};
+template <bool Max>
+MXFP8_HD i32x8 reduce8(const i32x8 m[8]) {
+  auto op = [](i32x8 a, i32x8 b) { return Max ? vmax(a, b) : vmin(a, b); };
+  i32x8 r[4], t[2];
+  for (int p = 0; p < 4; ++p)
+    r[p] = op(__builtin_shuffle(m[2 * p], m[2 * p + 1], i32x8{0, 1, 2, 3, 8, 9, 10, 11}),
+              __builtin_shuffle(m[2 * p], m[2 * p + 1], i32x8{4, 5, 6, 7, 12, 13, 14, 15}));
+  for (int p = 0; p < 2; ++p)
+    t[p] = op(__builtin_shuffle(r[2 * p], r[2 * p + 1], i32x8{0, 1, 8, 9, 4, 5, 12, 13}),
+              __builtin_shuffle(r[2 * p], r[2 * p + 1], i32x8{2, 3, 10, 11, 6, 7, 14, 15}));
+  return op(__builtin_shuffle(t[0], t[1], i32x8{0, 8, 2, 10, 4, 12, 6, 14}),
+            __builtin_shuffle(t[0], t[1], i32x8{1, 9, 3, 11, 5, 13, 7, 15}));
+}
+
+// Scale bytes of eight finite amax values (e8m0_scale_finite lane by lane). rceil: for amax with
+// biased exponent E >= 16 the product amax * fp32(1/448) is a normal float whose exponent is
+// E - 9 below mantissa 0x600000 and E - 8 from it on (0x600000 lands exactly on a power of two),
+// so byte = E - 8 + (mantissa > 0x600000); smaller amax takes the general routine.
+MXFP8_HD i32x8 scales(i32x8 amax, ScaleRule rule) {
+  const u32x8 m = reinterpret_cast<u32x8>(amax);
+  const i32x8 e = reinterpret_cast<i32x8>(m >> 23);
+  if (rule == ScaleRule::kFloor) return vmax(e - 8, splat(0));
+  i32x8 sc = (e - 8) - ((m & 0x7FFFFFu) > 0x600000u);  // a true comparison is -1
+  if (hmin(e) < 16)
+    for (int l = 0; l < 8; ++l)
+      if (e[l] < 16) sc[l] = e8m0_rceil(m[l]);
+  return sc;
+}
+}  // namespace vec
+
+// e8m0_scale for a finite amax: vec::scales for one value.
+MXFP8_HD uint8_t e8m0_scale_finite(uint32_t amax, ScaleRule rule) {
+  if (rule == ScaleRule::kFloor) return e8m0_floor(amax);
+  const uint32_t e = amax >> 23;
+  if (e < 16) return e8m0_rceil(amax);
+  return static_cast<uint8_t>(e - 8 + ((amax & 0x7FFFFFu) > 0x600000u ? 1u : 0u));
+}
+
+// One rowwise block on its own: the fast path, or the scalar loop when it holds an fp32
+// subnormal, an Inf or a NaN.
+template <InType T>
+MXFP8_CPU_LOOP void quantize_block(const typename Input<T>::Elem* x, uint8_t* q, uint8_t* s,
+                                   ScaleRule rule) {
+  using namespace vec;
+  u32x8 v[4];
+  load32<T>(x, v);
+  i32x8 mx = splat(0), mn = splat(INT32_MAX);
+  for (int j = 0; j < 4; ++j) accumulate(v[j], mx, mn);
+  const int32_t amax = hmax(mx);
+  if (amax >= 0x7F800000 || hmin(mn) < kSubnormalBelow) {
+    quantize_block_scalar<T>(x, q, s, rule);
+    return;
+  }
+  const uint8_t scale = e8m0_scale_finite(static_cast<uint32_t>(amax), rule);
+  *s = scale;
+  const CastK ck(splat(127 - static_cast<int32_t>(scale)));
+  u32x8 c[4];
+  for (int j = 0; j < 4; ++j) c[j] = cast(v[j], ck);
+  store32<T>(c, q);
+}
+
+// quantize_block out of line, for the rare groups that hold special values and bf16 blocks that
+// cannot take cast16: kept out of the group loop so that its constants are not set up for every
+// group. It is compiled for the
+// baseline ISA only, which changes no result.
+template <InType T>
+__attribute__((noinline)) void quantize_block_outlined(const typename Input<T>::Elem* x, uint8_t* q,
+                                                       uint8_t* s, ScaleRule rule) {
+  quantize_block<T>(x, q, s, rule);
+}
+
+// Up to eight consecutive rowwise blocks (n of them) of one row. Their maxima are reduced
+// together (one lane per block), the scales computed lane-wise, and the blocks cast in a second
+// sweep that rereads them from L1. A group holding an fp32 subnormal, an Inf or a NaN goes
+// block by block.
+template <InType T>
+MXFP8_CPU_LOOP void quantize_row_group(const typename Input<T>::Elem* x, int n, uint8_t* q,
+                                       uint8_t* s, ScaleRule rule, const vec::Cast16K& c16) {
+  using namespace vec;
+  i32x8 m[8], mnb[8];
+  bool subnormal;
+  if constexpr (T == InType::kBF16) {
+#pragma GCC unroll 8
+    for (int b = 0; b < 8; ++b) {
+      i16x16 mx = i16x16{}, mn = i16x16{} + INT16_MAX;
+      if (b < n) {
+        accumulate16(load16(x + b * kBlock), mx, mn);
+        accumulate16(load16(x + b * kBlock + 16), mx, mn);
       }
-      const uint8_t scale = e8m0_scale(amax, rule);
-      s[r * (K / kBlock) + b] = scale;
-      uint8_t* qb = q + r * K + b * kBlock;
-      if (subnormal) {
-        for (int i = 0; i < kBlock; ++i) qb[i] = e4m3_scaled(buf[i], scale);
-      } else {
-        const int32_t k = 127 - static_cast<int32_t>(scale);
-        for (int i = 0; i < kBlock; ++i) qb[i] = e4m3_scaled_normal_input(buf[i], k);
+      m[kReduceSlot[b]] = vmax(even32(mx), odd32(mx));
+      mnb[kReduceSlot[b]] = vmin(even32s(mn), odd32s(mn));
+    }
+    subnormal = hmin(reduce8<false>(mnb)) < kSubnormalBelow16;
+  } else {
+    i32x8 mn = splat(INT32_MAX);
+#pragma GCC unroll 8
+    for (int b = 0; b < 8; ++b) {
+      i32x8 mx = splat(0);
+      if (b < n) {
+        u32x8 v[4];
+        load32<T>(x + b * kBlock, v);
+        for (int j = 0; j < 4; ++j) accumulate(v[j], mx, mn);
       }
+      m[kReduceSlot[b]] = mx;
+    }
+    subnormal = hmin(mn) < kSubnormalBelow;
+  }
+  const i32x8 amax = reduce8<true>(m);
+  if (hmax(amax) >= 0x7F800000 || subnormal) {
+    for (int b = 0; b < n; ++b) quantize_block_outlined<T>(x + b * kBlock, q + b * kBlock, s + b, rule);
+    return;
+  }
+  const i32x8 sc = scales(amax, rule);
+  if constexpr (T == InType::kBF16) {
+    int32_t k[8], fast[8];
+    const i32x8 kv = 127 - sc, f = normal_only(reduce8<false>(mnb), kv);
+    __builtin_memcpy(k, &kv, sizeof k);
+    __builtin_memcpy(fast, &f, sizeof fast);
+    for (int b = 0; b < n; ++b) {
+      if (!fast[b]) {
+        quantize_block_outlined<T>(x + b * kBlock, q + b * kBlock, s + b, rule);
+        continue;
+      }
+      s[b] = static_cast<uint8_t>(sc[b]);
+      const i16x16 kk16 = i16x16{} + static_cast<int16_t>(k[b] << 7);
+      store16x2(cast16(load16(x + b * kBlock), kk16, c16), cast16(load16(x + b * kBlock + 16), kk16, c16),
+                q + b * kBlock);
+    }
+  } else {
+    const CastK ck(127 - sc);
+    int32_t kk[8], thr_r[8];
+    __builtin_memcpy(kk, &ck.kk, sizeof kk);
+    __builtin_memcpy(thr_r, &ck.thr_r, sizeof thr_r);
+    for (int b = 0; b < n; ++b) {
+      s[b] = static_cast<uint8_t>(sc[b]);
+      const CastK cb(splat(kk[b]), splat(thr_r[b]));
+      u32x8 v[4], c[4];
+      load32<T>(x + b * kBlock, v);
+      for (int j = 0; j < 4; ++j) c[j] = cast(v[j], cb);
+      store32<T>(c, q + b * kBlock);
     }
   }
 }
 
+// Rowwise blocks of `rows` rows of length K: q [rows, K], s [rows, K/32].
+template <InType T>
+MXFP8_CPU_LOOP void quantize_rowwise(const typename Input<T>::Elem* x, int64_t rows, int64_t K, uint8_t* q,
+                      uint8_t* s, ScaleRule rule) {
+  const int64_t nb = K / kBlock;
+  const vec::Cast16K c16 = vec::Cast16K::make();
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t b = 0; b < nb; b += 8)
+      quantize_row_group<T>(x + r * K + b * kBlock, nb - b < 8 ? static_cast<int>(nb - b) : 8,
+                            q + r * K + b * kBlock, s + r * nb + b, rule, c16);
+}
+
 // Columnwise blocks of one 32-row band starting at x (row stride K): q [32, K] (same layout as
-// the input), s [K] (this band's row of the [M/32, K] scale plane).
+// the input), s [K] (this band's row of the [M/32, K] scale plane). Columns go 32 at a time, each
+// lane of the four vectors one column.
 template <InType T>
 MXFP8_CPU_LOOP void quantize_columnwise_band(const typename Input<T>::Elem* x, int64_t K, uint8_t* q,
                               uint8_t* s, ScaleRule rule) {
-  constexpr int64_t kChunk = 64;
-  uint32_t amax[kChunk];
-  uint8_t scale[kChunk];
-  int32_t k[kChunk];
-  for (int64_t c0 = 0; c0 < K; c0 += kChunk) {
-    const int64_t n = std::min(kChunk, K - c0);
-    std::fill(amax, amax + n, 0u);
-    uint32_t subnormal = 0;
-    for (int r = 0; r < kBlock; ++r) {
-      const auto* xr = x + r * K + c0;
-      for (int64_t c = 0; c < n; ++c) {
-        const uint32_t bits = Input<T>::bits(xr[c]);
-        amax[c] = std::max(amax[c], abs_bits_or_zero_if_nan(bits));
-        subnormal |= mask_if(is_f32_subnormal(bits));
+  using namespace vec;
+  const Cast16K c16 = Cast16K::make();
+  int64_t c0 = 0;
+  for (; c0 + kBlock <= K; c0 += kBlock) {
+    i32x8 mx[4], mn[4];
+    bool subnormal;
+    if constexpr (T == InType::kBF16) {
+      i16x16 mx16[2] = {}, mn16[2] = {i16x16{} + INT16_MAX, i16x16{} + INT16_MAX};
+      for (int r = 0; r < kBlock; ++r)
+        for (int h = 0; h < 2; ++h) accumulate16(load16(x + r * K + c0 + 16 * h), mx16[h], mn16[h]);
+      for (int h = 0; h < 2; ++h) {
+        mx[2 * h] = even32(mx16[h]), mx[2 * h + 1] = odd32(mx16[h]);
+        mn[2 * h] = even32s(mn16[h]), mn[2 * h + 1] = odd32s(mn16[h]);
+      }
+      subnormal = hmin16(vmin16(mn16[0], mn16[1])) < kSubnormalBelow16;
+    } else {
+      for (int j = 0; j < 4; ++j) mx[j] = splat(0), mn[j] = splat(INT32_MAX);
+      for (int r = 0; r < kBlock; ++r) {
+        u32x8 v[4];
+        load32<T>(x + r * K + c0, v);
+        for (int j = 0; j < 4; ++j) accumulate(v[j], mx[j], mn[j]);
+      }
+      subnormal = hmin(vmin(vmin(mn[0], mn[1]), vmin(mn[2], mn[3]))) < kSubnormalBelow;
+    }
+    const i32x8 mxa = vmax(vmax(mx[0], mx[1]), vmax(mx[2], mx[3]));
+    if (hmax(mxa) >= 0x7F800000 || subnormal) {
+      quantize_columns_scalar<T>(x + c0, K, kBlock, q + c0, s + c0, rule);
+      continue;
+    }
+    u32x8 sc[4];
+    for (int j = 0; j < 4; ++j) sc[j] = reinterpret_cast<u32x8>(scales(mx[j], rule));
+    store32<T>(sc, s + c0);
+    if constexpr (T == InType::kBF16) {
+      i32x8 ok = normal_only(mn[0], 127 - reinterpret_cast<i32x8>(sc[0]));
+      for (int j = 1; j < 4; ++j) ok &= normal_only(mn[j], 127 - reinterpret_cast<i32x8>(sc[j]));
+      if (hmax(ok) < 0) {  // every lane -1
+        // k << 7 per column, back in column order: even columns in the low halves.
+        i16x16 kk16[2];
+        for (int h = 0; h < 2; ++h)
+          kk16[h] = reinterpret_cast<i16x16>((((127u - sc[2 * h]) << 7) & 0xFFFFu) | ((127u - sc[2 * h + 1]) << 23));
+        for (int r = 0; r < kBlock; ++r)
+          store16x2(cast16(load16(x + r * K + c0), kk16[0], c16), cast16(load16(x + r * K + c0 + 16), kk16[1], c16),
+                    q + r * K + c0);
+        continue;
       }
     }
-    for (int64_t c = 0; c < n; ++c) {
-      scale[c] = s[c0 + c] = e8m0_scale(amax[c], rule);
-      k[c] = 127 - static_cast<int32_t>(scale[c]);
-    }
+    const CastK ck[4] = {CastK(127 - reinterpret_cast<i32x8>(sc[0])), CastK(127 - reinterpret_cast<i32x8>(sc[1])),
+                         CastK(127 - reinterpret_cast<i32x8>(sc[2])), CastK(127 - reinterpret_cast<i32x8>(sc[3]))};
     for (int r = 0; r < kBlock; ++r) {
-      const auto* xr = x + r * K + c0;
-      uint8_t* qr = q + r * K + c0;
-      if (subnormal) {
-        for (int64_t c = 0; c < n; ++c) qr[c] = e4m3_scaled(Input<T>::bits(xr[c]), scale[c]);
-      } else {
-        for (int64_t c = 0; c < n; ++c) qr[c] = e4m3_scaled_normal_input(Input<T>::bits(xr[c]), k[c]);
-      }
+      u32x8 v[4], c[4];
+      load32<T>(x + r * K + c0, v);
+      for (int j = 0; j < 4; ++j) c[j] = cast(v[j], ck[j]);
+      store32<T>(c, q + r * K + c0);
     }
   }
+  if (c0 < K) quantize_columns_scalar<T>(x + c0, K, K - c0, q + c0, s + c0, rule);
 }
 
 // Planes of one quantize call; a null data pointer means the plane is not requested.
@@ -108,14 +474,20 @@ struct Planes {
 };
 
 // Rows [r0, r1) of an [M, K] matrix. For columnwise output r0 and r1 must be multiples of 32.
+// With both planes each 32-row band is done rowwise and then columnwise, so that the second
+// sweep reads the band from cache.
 template <InType T>
 MXFP8_CPU_LOOP void quantize_rows(const typename Input<T>::Elem* x, int64_t r0, int64_t r1, int64_t K,
                    const Planes& p, ScaleRule rule) {
-  if (p.row_q) quantize_rowwise<T>(x + r0 * K, r1 - r0, K, p.row_q + r0 * K,
-                                   p.row_s + r0 * (K / kBlock), rule);
-  if (p.col_q)
-    for (int64_t r = r0; r < r1; r += kBlock)
-      quantize_columnwise_band<T>(x + r * K, K, p.col_q + r * K, p.col_s + (r / kBlock) * K, rule);
+  if (!p.col_q) {
+    if (p.row_q) quantize_rowwise<T>(x + r0 * K, r1 - r0, K, p.row_q + r0 * K,
+                                     p.row_s + r0 * (K / kBlock), rule);
+    return;
+  }
+  for (int64_t r = r0; r < r1; r += kBlock) {
+    if (p.row_q) quantize_rowwise<T>(x + r * K, kBlock, K, p.row_q + r * K, p.row_s + r * (K / kBlock), rule);
+    quantize_columnwise_band<T>(x + r * K, K, p.col_q + r * K, p.col_s + (r / kBlock) * K, rule);
+  }
 }
 
 // quantize_rows for a runtime input type, built for AVX2 and for the baseline ISA and chosen

@@ -107,24 +107,23 @@ static ffi::Error QuantizeSegments(ffi::ThreadPool pool, ffi::AnyBuffer x,
   uint8_t* cq = columnwise ? bytes(col_q) : nullptr;
   uint8_t* cs = columnwise ? bytes(col_s) : nullptr;
   const ScaleRule rule = static_cast<ScaleRule>(scale_rule);
-  dispatch(t, [&]<InType T>() {
-    const auto* xp = static_cast<const typename Input<T>::Elem*>(x.untyped_data());
-    parallel_for(pool, static_cast<int64_t>(tasks.size()), 1, [&](int64_t i) {
-      const Task& k = tasks[i];
-      if (k.row_len == 0) {  // zero-fill [offset, offset + r1) and its scale bytes
-        const int64_t b = k.offset, len = k.r1;
-        for (uint8_t* q : {rq, cq})
-          if (q) std::memset(q + b, 0, len);
-        for (uint8_t* s : {rs, cs})
-          if (s) std::memset(s + b / kBlock, 0, len / kBlock);
-        return;
-      }
-      Planes p;
-      const int64_t o = k.offset, os = k.offset / kBlock;
-      if (rq) p.row_q = rq + o, p.row_s = rs + os;
-      if (cq) p.col_q = cq + o, p.col_s = cs + os;
-      quantize_rows<T>(xp + o, k.r0, k.r1, k.row_len, p, rule);
-    });
+  const auto* xb = static_cast<const uint8_t*>(x.untyped_data());
+  parallel_for(pool, static_cast<int64_t>(tasks.size()), 1, [&](int64_t i) {
+    const Task& k = tasks[i];
+    if (k.row_len == 0) {  // zero-fill [offset, offset + r1) and its scale bytes
+      const int64_t b = k.offset, len = k.r1;
+      for (uint8_t* q : {rq, cq})
+        if (q) std::memset(q + b, 0, len);
+      for (uint8_t* s : {rs, cs})
+        if (s) std::memset(s + b / kBlock, 0, len / kBlock);
+      return;
+    }
+    Planes p;
+    const int64_t o = k.offset, os = k.offset / kBlock;
+    if (rq) p.row_q = rq + o, p.row_s = rs + os;
+    if (cq) p.col_q = cq + o, p.col_s = cs + os;
+    // the piece as an [rows, row_len] matrix, through the per-ISA clones of the quantize loop
+    quantize_rows_simd(t, xb + o * elem, k.r0, k.r1, k.row_len, p, rule);
   });
   return ffi::Error::Success();
 }
