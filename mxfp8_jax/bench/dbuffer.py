@@ -158,12 +158,10 @@ def main(argv=None) -> None:
     p.add_argument("--shard-layout", default="padded", choices=["padded", "unpadded"])
     p.add_argument("--iters", type=int, default=5)
     p.add_argument("--json", dest="json_path")
-    p.add_argument("--fresh-pages", action="store_true",
-                   help="let freed XLA:CPU buffers go back to the OS (each call then page-faults "
-                        "its outputs in); by default they are kept for reuse, for every path alike")
-    a = p.parse_args(argv)
-    from mxfp8_jax.bench._timing import reuse_freed_memory
+    from mxfp8_jax.bench._timing import add_fresh_pages_flag, reuse_freed_memory
 
+    add_fresh_pages_flag(p)
+    a = p.parse_args(argv)
     reuse_freed_memory(not a.fresh_pages)
     import jax
 

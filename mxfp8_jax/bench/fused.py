@@ -136,12 +136,10 @@ def main(argv=None) -> None:
     p.add_argument("--devices", type=int, default=8)
     p.add_argument("--min-time", type=float, default=1.0, help="seconds of timing per point")
     p.add_argument("--json", default=None, help="also write the results as JSON here")
-    p.add_argument("--fresh-pages", action="store_true",
-                   help="let freed XLA:CPU buffers go back to the OS (each call then page-faults "
-                        "its outputs in); by default they are kept for reuse, for every path alike")
-    a = p.parse_args(argv)
-    from mxfp8_jax.bench._timing import reuse_freed_memory
+    from mxfp8_jax.bench._timing import add_fresh_pages_flag, reuse_freed_memory
 
+    add_fresh_pages_flag(p)
+    a = p.parse_args(argv)
     reuse_freed_memory(not a.fresh_pages)
     _setup_devices(a.devices)
     run(tuple(int(v) for v in a.rows.split(",")), a.hidden, a.devices, a.min_time, a.json)

@@ -16,7 +16,9 @@ import jax.numpy as jnp
 
 import mxfp8_jax as mx
 from mxfp8_jax._src import _ffi
-from mxfp8_jax.bench._timing import environment, print_table, reuse_freed_memory, time_fn, write_json
+from mxfp8_jax.bench._timing import (
+    add_fresh_pages_flag, environment, print_table, reuse_freed_memory, time_fn, write_json,
+)
 
 
 def run(m: int = 4096, k: int = 4096, dtype: str = "bfloat16", rowwise: bool = True,
@@ -71,9 +73,7 @@ def main(argv=None) -> None:
     p.add_argument("--planes", default="both", choices=["rowwise", "columnwise", "both"])
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--json", dest="json_path")
-    p.add_argument("--fresh-pages", action="store_true",
-                   help="let freed XLA:CPU buffers go back to the OS (each call then page-faults "
-                        "its outputs in); by default they are kept for reuse, for every path alike")
+    add_fresh_pages_flag(p)
     a = p.parse_args(argv)
     reuse_freed_memory(not a.fresh_pages)
     run(a.m, a.k, a.dtype, a.planes in ("rowwise", "both"), a.planes in ("columnwise", "both"), a.iters, a.json_path)
