@@ -24,19 +24,7 @@ from mxfp8_jax._src.quantized import _segment_reference
 from rmsnorm_oracle import BF16, canonical
 
 
-def gpu_platform():
-    """'cuda' or 'rocm' when jax's default device is a GPU, else None."""
-    try:
-        dev = jax.devices()[0]
-    except RuntimeError:
-        return None
-    if dev.platform not in ("gpu", "cuda", "rocm"):
-        return None
-    version = str(getattr(dev.client, "platform_version", "")).lower()
-    return "rocm" if ("rocm" in version or "hip" in version) else "cuda"
-
-
-PLATFORM = gpu_platform()
+PLATFORM = _ffi.gpu_platform()
 TARGETS = ("mxfp8_quantize", "mxfp8_quantize_segments", "mxfp8_rmsnorm_quantize")
 
 pytestmark = [

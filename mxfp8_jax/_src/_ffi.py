@@ -77,6 +77,18 @@ def default_platform() -> str:
     return jax.default_backend()
 
 
+def gpu_platform() -> str | None:
+    """'cuda' or 'rocm' when jax's default device is a GPU, else None."""
+    try:
+        dev = jax.devices()[0]
+    except RuntimeError:
+        return None
+    if dev.platform not in ("gpu", "cuda", "rocm"):
+        return None
+    version = str(getattr(dev.client, "platform_version", "")).lower()
+    return "rocm" if ("rocm" in version or "hip" in version) else "cuda"
+
+
 # ------------------------------------------------------------------------------------------------
 # thin ffi_call wrappers (validation and policy live in the callers)
 

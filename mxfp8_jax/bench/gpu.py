@@ -33,18 +33,6 @@ H = 8192   # hidden size of the RMSNorm inputs
 SEGMENT_ROW_LENS = (4096, 1024, 11008 // 32 * 32, 512)  # pieces of the packed segment
 
 
-def gpu_platform() -> str | None:
-    """'cuda' or 'rocm' when jax's default device is a GPU, else None."""
-    try:
-        dev = jax.devices()[0]
-    except RuntimeError:
-        return None
-    if dev.platform not in ("gpu", "cuda", "rocm"):
-        return None
-    version = str(getattr(dev.client, "platform_version", "")).lower()
-    return "rocm" if ("rocm" in version or "hip" in version) else "cuda"
-
-
 def _checked(fn, target: str | None, *args):
     """Jit fn for the GPU; refuse a program that does not call ``target`` (when given)."""
     jitted = jax.jit(fn)
@@ -115,7 +103,7 @@ def _copy(x):
 
 
 def run(sizes_mb, *, iters: int, json_path: str | None) -> list[dict]:
-    platform = gpu_platform()
+    platform = _ffi.gpu_platform()
     if platform is None:
         sys.exit("no GPU visible to jax: this benchmark measures the GPU kernels only")
     for t in ("mxfp8_quantize", "mxfp8_quantize_segments", "mxfp8_rmsnorm_quantize"):
