@@ -64,8 +64,9 @@ def test_quantize_call(platform, dtype, tname, rowwise, columnwise):
     (call,) = _custom_calls(_lower(fn, _spec((m, k), dtype), platform=platform), "mxfp8_quantize")
     operands, results, attrs = call
     assert operands == [f"tensor<{m}x{k}x{tname}>"]
-    row = [f"tensor<{m}x{k}xui8>", f"tensor<{m}x{k // 32}xui8>"] if rowwise else ["tensor<0xui8>"] * 2
-    col = [f"tensor<{m}x{k}xui8>", f"tensor<{m // 32}x{k}xui8>"] if columnwise else ["tensor<0xui8>"] * 2
+    # codes come out as E4M3 (no bitcast pass after the call), scales as bytes
+    row = [f"tensor<{m}x{k}xf8E4M3FN>", f"tensor<{m}x{k // 32}xui8>"] if rowwise else ["tensor<0xui8>"] * 2
+    col = [f"tensor<{m}x{k}xf8E4M3FN>", f"tensor<{m // 32}x{k}xui8>"] if columnwise else ["tensor<0xui8>"] * 2
     assert results == row + col
     assert "scale_rule = 1 : i32" in attrs
     assert f"rowwise = {str(rowwise).lower()}" in attrs

@@ -98,13 +98,18 @@ _EMPTY = jax.ShapeDtypeStruct((0,), jnp.uint8)
 
 
 def quantize(x2d: jax.Array, *, scale_rule: int, rowwise: bool, columnwise: bool):
-    """``mxfp8_quantize``: (row_q, row_s, col_q, col_s) as uint8; unrequested planes are None."""
+    """``mxfp8_quantize``: (row_q, row_s, col_q, col_s); codes as float8_e4m3fn, scales as
+    uint8; unrequested planes are None.
+
+    The kernel writes E4M3 codes straight into float8_e4m3fn results: a uint8 result bitcast
+    afterwards is a separate pass over the plane on XLA:CPU (a loop fusion, not a free view).
+    """
     m, k = x2d.shape
-    u8 = jnp.uint8
+    u8, e4m3 = jnp.uint8, jnp.float8_e4m3fn
     shapes = (
-        jax.ShapeDtypeStruct((m, k), u8) if rowwise else _EMPTY,
+        jax.ShapeDtypeStruct((m, k), e4m3) if rowwise else _EMPTY,
         jax.ShapeDtypeStruct((m, k // 32), u8) if rowwise else _EMPTY,
-        jax.ShapeDtypeStruct((m, k), u8) if columnwise else _EMPTY,
+        jax.ShapeDtypeStruct((m, k), e4m3) if columnwise else _EMPTY,
         jax.ShapeDtypeStruct((m // 32, k), u8) if columnwise else _EMPTY,
     )
     out = jax.ffi.ffi_call("mxfp8_quantize", shapes, vmap_method="broadcast_all")(

@@ -47,15 +47,16 @@ MXFP8_CPU_LOOP void quantize_block_scalar(const typename Input<T>::Elem* x, uint
   for (int i = 0; i < kBlock; ++i) q[i] = e4m3_scaled(Input<T>::bits(x[i]), *s);
 }
 
+// n columns of 32 rows: x rows xs elements apart, q rows qs bytes apart, s [n].
 template <InType T>
-MXFP8_CPU_LOOP void quantize_columns_scalar(const typename Input<T>::Elem* x, int64_t K, int64_t n,
-                                            uint8_t* q, uint8_t* s, ScaleRule rule) {
+MXFP8_CPU_LOOP void quantize_columns_scalar(const typename Input<T>::Elem* x, int64_t xs, int64_t n,
+                                            uint8_t* q, int64_t qs, uint8_t* s, ScaleRule rule) {
   for (int64_t c = 0; c < n; ++c) {
     uint32_t amax = 0;
     for (int r = 0; r < kBlock; ++r)
-      amax = std::max(amax, abs_bits_or_zero_if_nan(Input<T>::bits(x[r * K + c])));
+      amax = std::max(amax, abs_bits_or_zero_if_nan(Input<T>::bits(x[r * xs + c])));
     s[c] = e8m0_scale(amax, rule);
-    for (int r = 0; r < kBlock; ++r) q[r * K + c] = e4m3_scaled(Input<T>::bits(x[r * K + c]), s[c]);
+    for (int r = 0; r < kBlock; ++r) q[r * qs + c] = e4m3_scaled(Input<T>::bits(x[r * xs + c]), s[c]);
   }
 }
 
@@ -359,8 +360,24 @@ MXFP8_CPU_LOOP void quantize_row_group(const typename Input<T>::Elem* x, int n, 
   }
   const i32x8 sc = scales(amax, rule);
   if constexpr (T == InType::kBF16) {
-    int32_t k[8], fast[8];
     const i32x8 kv = 127 - sc, f = normal_only(reduce8<false>(mnb), kv);
+    if (n == 8 && hmax(f) < 0) {  // every lane -1
+      // The common case: eight blocks, all taking cast16. The scales go out as one 8-byte
+      // store, and each block's k << 7 (|k| <= 127, so the low 16 bits of its int32 lane) is
+      // broadcast from that lane.
+      const u8x32 sb = __builtin_shuffle(reinterpret_cast<const u8x32&>(sc),
+                                         u8x32{0, 4, 8, 12, 16, 20, 24, 28});
+      __builtin_memcpy(s, &sb, 8);
+      const i16x16 k2 = reinterpret_cast<i16x16>(kv << 7);
+#pragma GCC unroll 8
+      for (int b = 0; b < 8; ++b) {
+        const i16x16 kk16 = __builtin_shuffle(k2, i16x16{} + static_cast<int16_t>(2 * b));
+        store16x2(cast16(load16(x + b * kBlock), kk16, c16), cast16(load16(x + b * kBlock + 16), kk16, c16),
+                  q + b * kBlock);
+      }
+      return;
+    }
+    int32_t k[8], fast[8];
     __builtin_memcpy(k, &kv, sizeof k);
     __builtin_memcpy(fast, &f, sizeof fast);
     for (int b = 0; b < n; ++b) {
@@ -401,22 +418,22 @@ MXFP8_CPU_LOOP void quantize_rowwise(const typename Input<T>::Elem* x, int64_t r
                             q + r * K + b * kBlock, s + r * nb + b, rule, c16);
 }
 
-// Columnwise blocks of one 32-row band starting at x (row stride K): q [32, K] (same layout as
-// the input), s [K] (this band's row of the [M/32, K] scale plane). Columns go 32 at a time, each
+// Columnwise blocks of a 32-row tile of n columns: x rows xs elements apart, q rows qs bytes
+// apart, s [n] (a piece of one row of the [M/32, K] scale plane). Columns go 32 at a time, each
 // lane of the four vectors one column.
 template <InType T>
-MXFP8_CPU_LOOP void quantize_columnwise_band(const typename Input<T>::Elem* x, int64_t K, uint8_t* q,
-                              uint8_t* s, ScaleRule rule) {
+MXFP8_CPU_LOOP void quantize_columnwise_tile(const typename Input<T>::Elem* x, int64_t xs, int64_t n,
+                                             uint8_t* q, int64_t qs, uint8_t* s, ScaleRule rule) {
   using namespace vec;
   const Cast16K c16 = Cast16K::make();
   int64_t c0 = 0;
-  for (; c0 + kBlock <= K; c0 += kBlock) {
+  for (; c0 + kBlock <= n; c0 += kBlock) {
     i32x8 mx[4], mn[4];
     bool subnormal;
     if constexpr (T == InType::kBF16) {
       i16x16 mx16[2] = {}, mn16[2] = {i16x16{} + INT16_MAX, i16x16{} + INT16_MAX};
       for (int r = 0; r < kBlock; ++r)
-        for (int h = 0; h < 2; ++h) accumulate16(load16(x + r * K + c0 + 16 * h), mx16[h], mn16[h]);
+        for (int h = 0; h < 2; ++h) accumulate16(load16(x + r * xs + c0 + 16 * h), mx16[h], mn16[h]);
       for (int h = 0; h < 2; ++h) {
         mx[2 * h] = even32(mx16[h]), mx[2 * h + 1] = odd32(mx16[h]);
         mn[2 * h] = even32s(mn16[h]), mn[2 * h + 1] = odd32s(mn16[h]);
@@ -426,14 +443,14 @@ MXFP8_CPU_LOOP void quantize_columnwise_band(const typename Input<T>::Elem* x, i
       for (int j = 0; j < 4; ++j) mx[j] = splat(0), mn[j] = splat(INT32_MAX);
       for (int r = 0; r < kBlock; ++r) {
         u32x8 v[4];
-        load32<T>(x + r * K + c0, v);
+        load32<T>(x + r * xs + c0, v);
         for (int j = 0; j < 4; ++j) accumulate(v[j], mx[j], mn[j]);
       }
       subnormal = hmin(vmin(vmin(mn[0], mn[1]), vmin(mn[2], mn[3]))) < kSubnormalBelow;
     }
     const i32x8 mxa = vmax(vmax(mx[0], mx[1]), vmax(mx[2], mx[3]));
     if (hmax(mxa) >= 0x7F800000 || subnormal) {
-      quantize_columns_scalar<T>(x + c0, K, kBlock, q + c0, s + c0, rule);
+      quantize_columns_scalar<T>(x + c0, xs, kBlock, q + c0, qs, s + c0, rule);
       continue;
     }
     u32x8 sc[4];
@@ -448,8 +465,8 @@ MXFP8_CPU_LOOP void quantize_columnwise_band(const typename Input<T>::Elem* x, i
         for (int h = 0; h < 2; ++h)
           kk16[h] = reinterpret_cast<i16x16>((((127u - sc[2 * h]) << 7) & 0xFFFFu) | ((127u - sc[2 * h + 1]) << 23));
         for (int r = 0; r < kBlock; ++r)
-          store16x2(cast16(load16(x + r * K + c0), kk16[0], c16), cast16(load16(x + r * K + c0 + 16), kk16[1], c16),
-                    q + r * K + c0);
+          store16x2(cast16(load16(x + r * xs + c0), kk16[0], c16), cast16(load16(x + r * xs + c0 + 16), kk16[1], c16),
+                    q + r * qs + c0);
         continue;
       }
     }
@@ -457,12 +474,12 @@ MXFP8_CPU_LOOP void quantize_columnwise_band(const typename Input<T>::Elem* x, i
                          CastK(127 - reinterpret_cast<i32x8>(sc[2])), CastK(127 - reinterpret_cast<i32x8>(sc[3]))};
     for (int r = 0; r < kBlock; ++r) {
       u32x8 v[4], c[4];
-      load32<T>(x + r * K + c0, v);
+      load32<T>(x + r * xs + c0, v);
       for (int j = 0; j < 4; ++j) c[j] = cast(v[j], ck[j]);
-      store32<T>(c, q + r * K + c0);
+      store32<T>(c, q + r * qs + c0);
     }
   }
-  if (c0 < K) quantize_columns_scalar<T>(x + c0, K, K - c0, q + c0, s + c0, rule);
+  if (c0 < n) quantize_columns_scalar<T>(x + c0, xs, n - c0, q + c0, qs, s + c0, rule);
 }
 
 // Planes of one quantize call; a null data pointer means the plane is not requested.
@@ -473,9 +490,53 @@ struct Planes {
   uint8_t* col_s = nullptr;
 };
 
-// Rows [r0, r1) of an [M, K] matrix. For columnwise output r0 and r1 must be multiples of 32.
-// With both planes each 32-row band is done rowwise and then columnwise, so that the second
-// sweep reads the band from cache.
+// Columns per tile of the band loop below: 32 rows of 256 columns are 16 KiB of 16-bit input or
+// 32 KiB of fp32, and the tile's columnwise codes 8 KiB, all held in L1.
+constexpr int64_t kTileCols = 256;
+
+// One 32-row band starting at x (row stride K): rowwise blocks into row_q [32, K] / row_s
+// [32, K/32] when row_q is set, columnwise blocks into col_q [32, K] / col_s [K], tile by tile.
+// Each tile is first copied into a small contiguous buffer and both planes are computed from
+// there; the columnwise codes are collected in a second one and written out row by row. Working
+// on the band in place instead (32 rows K elements apart, read twice, written 32 bytes at a time
+// K bytes apart) puts every row of a column chunk in the same few cache sets whenever K is a
+// multiple of a large power of two, and the two output streams then evict each other's lines
+// before they are complete.
+template <InType T>
+MXFP8_CPU_LOOP void quantize_band(const typename Input<T>::Elem* x, int64_t K, uint8_t* row_q,
+                                  uint8_t* row_s, uint8_t* col_q, uint8_t* col_s, ScaleRule rule) {
+  using Elem = typename Input<T>::Elem;
+  alignas(64) Elem in[kBlock * kTileCols];
+  alignas(64) uint8_t out[kBlock * kTileCols];
+  const int64_t nb = K / kBlock;
+  const vec::Cast16K c16 = vec::Cast16K::make();
+  for (int64_t c0 = 0; c0 < K; c0 += kTileCols) {
+    const int64_t w = std::min(kTileCols, K - c0);
+    for (int r = 0; r < kBlock; ++r)
+      std::memcpy(in + r * kTileCols, x + r * K + c0, static_cast<size_t>(w) * sizeof(Elem));
+    if (row_q) {  // K (so w) is a multiple of 32 here
+      const int64_t wb = w / kBlock;
+      for (int r = 0; r < kBlock; ++r)
+        for (int64_t b = 0; b < wb; b += 8)
+          quantize_row_group<T>(in + r * kTileCols + b * kBlock, wb - b < 8 ? static_cast<int>(wb - b) : 8,
+                                row_q + r * K + c0 + b * kBlock, row_s + r * nb + c0 / kBlock + b, rule, c16);
+    }
+    quantize_columnwise_tile<T>(in, kTileCols, w, out, kTileCols, col_s + c0, rule);
+    for (int r = 0; r < kBlock; ++r)
+      std::memcpy(col_q + r * K + c0, out + r * kTileCols, static_cast<size_t>(w));
+  }
+}
+
+// Columnwise blocks of one 32-row band starting at x (row stride K): q [32, K] (same layout as
+// the input), s [K] (this band's row of the [M/32, K] scale plane).
+template <InType T>
+MXFP8_CPU_LOOP void quantize_columnwise_band(const typename Input<T>::Elem* x, int64_t K, uint8_t* q,
+                                             uint8_t* s, ScaleRule rule) {
+  quantize_band<T>(x, K, nullptr, nullptr, q, s, rule);
+}
+
+// Rows [r0, r1) of an [M, K] matrix. For columnwise output r0 and r1 must be multiples of 32:
+// each 32-row band gives both planes from one read (quantize_band).
 template <InType T>
 MXFP8_CPU_LOOP void quantize_rows(const typename Input<T>::Elem* x, int64_t r0, int64_t r1, int64_t K,
                    const Planes& p, ScaleRule rule) {
@@ -484,10 +545,10 @@ MXFP8_CPU_LOOP void quantize_rows(const typename Input<T>::Elem* x, int64_t r0, 
                                      p.row_s + r0 * (K / kBlock), rule);
     return;
   }
-  for (int64_t r = r0; r < r1; r += kBlock) {
-    if (p.row_q) quantize_rowwise<T>(x + r * K, kBlock, K, p.row_q + r * K, p.row_s + r * (K / kBlock), rule);
-    quantize_columnwise_band<T>(x + r * K, K, p.col_q + r * K, p.col_s + (r / kBlock) * K, rule);
-  }
+  for (int64_t r = r0; r < r1; r += kBlock)
+    quantize_band<T>(x + r * K, K, p.row_q ? p.row_q + r * K : nullptr,
+                     p.row_q ? p.row_s + r * (K / kBlock) : nullptr, p.col_q + r * K,
+                     p.col_s + (r / kBlock) * K, rule);
 }
 
 // quantize_rows for a runtime input type, built for AVX2 and for the baseline ISA and chosen
