@@ -27,6 +27,7 @@ from mxfp8_jax._src.placement import (
 from mxfp8_jax._src.dbuffer import DBuffer
 from mxfp8_jax._src.quantized import QuantizedDBuffer
 from mxfp8_jax._src.fused import (
+    ExperimentalGpuP2PWarning,
     allgather_rmsnorm_quant,
     allgather_rmsnorm_quant_local,
     rmsnorm_quant,
@@ -49,6 +50,7 @@ __all__ = [
     "partition_spec",
     "segments_of_shard",
     "BLOCK",
+    "ExperimentalGpuP2PWarning",
     "ExtensionMissingError",
     "MXFP8Tensor",
     "ScaleRule",

@@ -7,6 +7,9 @@ for it. References run on the CPU backend: the pure-JAX
 quantize reference (integer code, exact there), the independent numpy quantize oracle, and the
 numpy oracle of the canonical RMSNorm order (tests/rmsnorm_oracle.py). The compiled GPU program
 is checked to contain the custom call, so no test can pass through a silent fallback.
+
+The experimental p2p gather (strategy="p2p") is compared with strategy="xla" on the same GPUs
+and with the CPU kernel: on one GPU always, on 2, 4 and 8 GPUs where this process has them.
 """
 
 import functools
@@ -17,6 +20,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 from conftest import as_bytes
+from jax.sharding import Mesh, PartitionSpec as P
 
 import mxfp8_jax as mx
 from mxfp8_jax._src import _ffi
@@ -263,3 +267,175 @@ def test_rmsnorm_quantize_specials():
         ref = _cpu_quantize("rceil", True, True)(jax.device_put(src, _cpu()))
         for got, name in zip(out[1:], PLANES):
             np.testing.assert_array_equal(as_bytes(got), as_bytes(getattr(ref, name)), err_msg=name)
+
+
+# ------------------------------------------------------------------------------------------------
+# mxfp8_allgather_rmsnorm_quantize: strategy="p2p" on GPUs (experimental)
+#
+# The p2p outputs must equal, byte for byte, those of strategy="xla" on the same GPUs and those
+# of the CPU kernel on as many CPU devices. A one-GPU mesh is a group of one: it still runs the
+# gather kernel, the events and both meetings of the rendezvous.
+
+P2P_TARGET = "mxfp8_allgather_rmsnorm_quantize"
+needs_p2p = pytest.mark.skipif(
+    PLATFORM is not None
+    and not (_ffi.has_target(P2P_TARGET, PLATFORM) and _ffi.has_target(P2P_TARGET, "cpu")),
+    reason=f"the installed extension lacks the {P2P_TARGET} handler for {PLATFORM} or cpu",
+)
+# The warning is checked once, by test_p2p_warns_once; elsewhere it is expected noise.
+quiet_p2p = pytest.mark.filterwarnings("ignore::mxfp8_jax.ExperimentalGpuP2PWarning")
+
+
+def _gpus(n):
+    gpus = [d for d in jax.devices() if d.platform != "cpu"]
+    if len(gpus) < n:
+        pytest.skip(f"needs {n} GPUs in this process, jax sees {len(gpus)}")
+    return gpus[:n]
+
+
+def _gather(devices, x, gamma, strategy, **kw):
+    mesh = Mesh(np.array(devices), ("x",))
+    return mx.allgather_rmsnorm_quant(x, gamma, mesh=mesh, axis="x", strategy=strategy, **kw)
+
+
+def _gather_hlo(devices, x, gamma, **kw):
+    mesh = Mesh(np.array(devices), ("x",))
+    fn = lambda x, g: mx.allgather_rmsnorm_quant(x, g, mesh=mesh, axis="x", **kw)  # noqa: E731
+    return jax.jit(fn).lower(x, gamma).compile().as_text()
+
+
+def _check_p2p(n, rows_max, h, counts, *, group_size=None, per_device_gamma=False, seed=0, **kw):
+    gpus = _gpus(n)
+    rng = np.random.default_rng(seed)
+    x = (rng.standard_normal((n * rows_max, h)) * np.exp2(rng.integers(-8, 8, (n * rows_max, 1)))).astype(BF16)
+    gamma = (rng.standard_normal((n, h) if per_device_gamma else (h,)) * 0.5 + 1.0).astype(BF16)
+    kw = dict(kw, row_counts=counts, group_size=group_size)
+    hlo = _gather_hlo(gpus, x, gamma, strategy="p2p", **kw)
+    assert P2P_TARGET in hlo, "the GPU program does not call the p2p handler"
+    for op in ("all-gather", "all-reduce", "collective-permute"):
+        assert op not in hlo, op
+    p2p = _gather(gpus, x, gamma, "p2p", **kw)
+    refs = {
+        "xla on the GPUs": _gather(gpus, x, gamma, "xla", **kw),
+        "p2p on CPU devices": _gather(jax.devices("cpu")[:n], x, gamma, "p2p", **kw),
+    }
+    names = ("normed", "quant", "scales", "residual", "col_quant", "col_scales")
+    for ref_name, ref in refs.items():
+        assert len(p2p) == len(ref)
+        for name, a, b in zip(names, p2p, ref):
+            assert a.shape == b.shape and a.dtype == b.dtype, (name, ref_name)
+            np.testing.assert_array_equal(as_bytes(a), as_bytes(b), err_msg=f"{name} vs {ref_name}")
+    # the residual is the gathered x itself
+    g = group_size or n
+    rows = np.concatenate([x[k * rows_max: k * rows_max + counts[k]] for k in range(g)])
+    res = np.asarray(p2p[3])
+    np.testing.assert_array_equal(as_bytes(res[: len(rows)]), as_bytes(rows))
+    return p2p
+
+
+@needs_p2p
+@quiet_p2p
+@pytest.mark.parametrize("columnwise", [False, True])
+@pytest.mark.parametrize("scale_rule", ["rceil", "floor"])
+@pytest.mark.parametrize("quantize_from", ["normed", "fp32"])
+def test_p2p_one_gpu(columnwise, scale_rule, quantize_from):
+    # ragged: 64 valid rows of 72 (columnwise needs R % 32 == 0), else 37 of 40
+    rows_max, count = (72, 64) if columnwise else (40, 37)
+    _check_p2p(1, rows_max, 4096, (count,), columnwise=columnwise, scale_rule=scale_rule,
+               quantize_from=quantize_from, eps=1e-5, weight_offset=1.0)
+
+
+@needs_p2p
+@quiet_p2p
+@pytest.mark.parametrize("h", [32, 288, 8448])
+def test_p2p_one_gpu_widths(h):
+    """Rows held in registers (H <= 8192) and re-read (wider); H not a multiple of 256."""
+    _check_p2p(1, 33, h, (33,))
+
+
+@needs_p2p
+@quiet_p2p
+def test_p2p_one_gpu_repeated_in_a_scan():
+    """Many calls of one op in one program and across executions: events and meetings are per
+    call, and every step must see its own rows."""
+    gpus = _gpus(1)
+    mesh = Mesh(np.array(gpus), ("x",))
+    steps, h = 50, 256
+    xs = (np.random.default_rng(9).standard_normal((steps, 8, h))).astype(BF16)
+    gamma = np.ones(h, BF16)
+
+    def run(strategy):
+        def body(carry, xk):
+            normed, _, _, res = mx.allgather_rmsnorm_quant_local(xk, gamma, axis_name="x",
+                                                                 strategy=strategy)
+            return carry, (normed, res)
+
+        f = jax.shard_map(lambda xl: jax.lax.scan(body, 0, xl)[1], mesh=mesh,
+                          in_specs=P(None, "x"), out_specs=P(None, "x"), check_vma=False)
+        return jax.jit(f)(xs)
+
+    for _ in range(2):  # a second execution: new run id, same op ids
+        p2p, xla = run("p2p"), run("xla")
+        for a, b in zip(p2p, xla):
+            np.testing.assert_array_equal(as_bytes(a), as_bytes(b))
+        np.testing.assert_array_equal(as_bytes(p2p[1]), as_bytes(xs))
+
+
+@needs_p2p
+def test_p2p_warns_once(monkeypatch):
+    from mxfp8_jax._src import fused as fused_impl
+
+    monkeypatch.setattr(fused_impl, "_warned_gpu_p2p", False)
+    gpus = _gpus(1)
+    x, gamma = np.ones((32, 64), BF16), np.ones(64, BF16)
+    with pytest.warns(mx.ExperimentalGpuP2PWarning, match="untested on multi-GPU"):
+        _gather(gpus, x, gamma, "p2p")
+    # "auto" never picks the GPU p2p path
+    assert P2P_TARGET not in _gather_hlo(gpus, x, gamma, strategy="auto")
+
+
+@needs_p2p
+@quiet_p2p
+@pytest.mark.parametrize("n", [2, 4, 8])
+@pytest.mark.parametrize("columnwise,scale_rule", [(False, "rceil"), (True, "floor")])
+def test_p2p_gpus(n, columnwise, scale_rule):
+    counts = ((16, 48, 0, 32, 8, 24, 40, 24) if columnwise else (3, 0, 17, 1, 9, 2, 0, 5))[:n]
+    if columnwise and sum(counts) % 32:
+        counts = (32,) * n
+    _check_p2p(n, max(counts), 1024, counts, columnwise=columnwise, scale_rule=scale_rule)
+
+
+@needs_p2p
+@quiet_p2p
+@pytest.mark.parametrize("n", [4, 8])
+def test_p2p_gpus_groups_and_per_device_gamma(n):
+    g = n // 2
+    # ragged, a rank with no rows, the same total per group (16 rows, or 8 for n = 4)
+    counts = (5, 0, 3, 8, 4, 4, 8, 0) if n == 8 else (5, 3, 4, 4)
+    _check_p2p(n, 8, 512, counts, group_size=g, per_device_gamma=True, weight_offset=1.0)
+
+
+@needs_p2p
+@quiet_p2p
+def test_p2p_gpus_missing_peer_fails_with_deadline():
+    gpus = _gpus(2)
+    mesh = Mesh(np.array(gpus), ("x",))
+    h = 64
+    gamma = np.ones(h, BF16)
+
+    def local(xl):
+        def call(v):
+            return mx.allgather_rmsnorm_quant_local(v, gamma, axis_name="x", strategy="p2p",
+                                                    p2p_timeout_s=1.0)[0][:4]
+
+        # rank 1 never reaches the gather
+        return jax.lax.cond(jax.lax.axis_index("x") == 0, call,
+                            lambda v: jnp.zeros((4, h), jnp.bfloat16), xl)
+
+    f = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=P("x"), out_specs=P("x"),
+                              check_vma=False))
+    x = np.ones((8, h), BF16)
+    with pytest.raises(Exception, match=r"ranks \[1\].*did not arrive") as info:
+        jax.block_until_ready(f(x))
+    assert "DEADLINE" in str(info.value).upper()
+    _check_p2p(2, 4, h, (4, 4))  # the process is still usable

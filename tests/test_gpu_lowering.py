@@ -10,17 +10,26 @@ carries it for that platform, and the pure-JAX reference (no custom call) otherw
 import importlib
 import importlib.util
 import re
+import warnings
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jax.sharding import Mesh
+
 import mxfp8_jax as mx
 from mxfp8_jax._src import _ffi
+from mxfp8_jax._src import fused as fused_impl
 
 PLATFORMS = ("cuda", "rocm")
-TARGETS = ("mxfp8_quantize", "mxfp8_quantize_segments", "mxfp8_rmsnorm_quantize")
+TARGETS = (
+    "mxfp8_quantize",
+    "mxfp8_quantize_segments",
+    "mxfp8_rmsnorm_quantize",
+    "mxfp8_allgather_rmsnorm_quantize",
+)
 GPU_MODULES = {"cuda": "_mxfp8_cuda", "rocm": "_mxfp8_rocm"}
 
 
@@ -107,6 +116,66 @@ def test_rmsnorm_quantize_call(platform, columnwise):
     f32_attr = lambda name: np.float32(re.search(rf"{name} = (\S+) : f32", attrs).group(1))  # noqa: E731
     assert f32_attr("eps") == np.float32(1e-5)
     assert f32_attr("weight_offset") == np.float32(1.0)
+
+
+@pytest.mark.parametrize("platform", PLATFORMS)
+@pytest.mark.parametrize("columnwise", [False, True])
+def test_allgather_rmsnorm_quantize_call(platform, columnwise):
+    rows_max, h, counts = 24, 96, (24, 0, 8, 0, 16, 16, 24, 8)  # groups of 4, R = 32 each
+    r = sum(counts[:4])
+    fn = lambda x, g, w: _ffi.allgather_rmsnorm_quantize(  # noqa: E731
+        x, g, w, rows=r, op_id=7, group_size=4, row_counts=counts, eps=1e-5, weight_offset=1.0,
+        quantize_from_fp32=False, columnwise=columnwise, scale_rule=1, timeout_ms=2500,
+    )
+    text = _lower(fn, _spec((rows_max, h), jnp.bfloat16), _spec((h,), jnp.bfloat16),
+                  _spec((3,), jnp.int32), platform=platform)
+    (call,) = _custom_calls(text, "mxfp8_allgather_rmsnorm_quantize")
+    operands, results, attrs = call
+    assert operands == [f"tensor<{rows_max}x{h}xbf16>", f"tensor<{h}xbf16>", "tensor<3xi32>"]
+    col = [f"tensor<{r}x{h}xui8>", f"tensor<{r // 32}x{h}xui8>"] if columnwise else ["tensor<0xui8>"] * 2
+    assert results == (
+        [f"tensor<{r}x{h}xbf16>", f"tensor<{r}x{h}xui8>", f"tensor<{r}x{h // 32}xui8>"]
+        + col + [f"tensor<{r}x{h}xbf16>"]
+    )
+    for attr in ("op_id = 7 : i64", "group_size = 4 : i64", "timeout_ms = 2500 : i64",
+                 "row_counts = dense<[24, 0, 8, 0, 16, 16, 24, 8]> : tensor<8xi64>",
+                 "scale_rule = 1 : i32", "quantize_from_fp32 = false",
+                 f"columnwise = {str(columnwise).lower()}"):
+        assert attr in attrs, attr
+
+
+@pytest.mark.parametrize("platform", PLATFORMS)
+def test_public_p2p_lowers_to_the_gather_call(platform, cpu_devices):
+    """The global wrapper with strategy="p2p": one gather call per device, no collective."""
+    if not _ffi.has_target("mxfp8_allgather_rmsnorm_quantize", "cpu"):
+        pytest.skip("the mesh is on CPU here, whose p2p handler is not installed")
+    mesh = Mesh(np.array(cpu_devices[:4]), ("x",))
+    fn = lambda x, g: mx.allgather_rmsnorm_quant(  # noqa: E731
+        x, g, mesh=mesh, axis="x", strategy="p2p", row_counts=(2, 0, 1, 2))
+    text = _lower(fn, _spec((8, 64), jnp.bfloat16), _spec((64,), jnp.bfloat16), platform=platform)
+    (call,) = _custom_calls(text, "mxfp8_allgather_rmsnorm_quantize")
+    assert call[0] == ["tensor<2x64xbf16>", "tensor<64xbf16>", "tensor<3xi32>"]
+    assert call[1][0] == call[1][-1] == "tensor<5x64xbf16>"  # normed and residual: R = 5 rows
+    assert "all_gather" not in text
+
+
+@pytest.mark.parametrize("platform", ["gpu", "cuda", "rocm"])
+def test_gpu_strategy_resolution(platform, monkeypatch):
+    """"auto" stays "xla" on GPUs; an explicit "p2p" needs the GPU handler and warns once."""
+    assert fused_impl._resolve_strategy("auto", platform, True, "x") == "xla"
+    kernel_platform = _ffi.extension_platform(platform)
+    if not _ffi.has_target("mxfp8_allgather_rmsnorm_quantize", kernel_platform):
+        with pytest.raises(mx.ExtensionMissingError, match="mxfp8_allgather_rmsnorm_quantize"):
+            fused_impl._resolve_strategy("p2p", platform, True, "x")
+        return
+    monkeypatch.setattr(fused_impl, "_warned_gpu_p2p", False)
+    with pytest.warns(mx.ExperimentalGpuP2PWarning, match="experimental.*untested on multi-GPU"):
+        assert fused_impl._resolve_strategy("p2p", platform, True, "x") == "p2p"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the second time: no warning
+        assert fused_impl._resolve_strategy("p2p", platform, True, "x") == "p2p"
+    with pytest.raises(ValueError, match="needs every device of axis 'x' in this process"):
+        fused_impl._resolve_strategy("p2p", platform, False, "x")
 
 
 # ------------------------------------------------------------------------------------------------

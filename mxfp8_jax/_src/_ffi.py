@@ -77,6 +77,14 @@ def default_platform() -> str:
     return jax.default_backend()
 
 
+def extension_platform(platform: str) -> str:
+    """The extension's platform name (``'cpu'``, ``'cuda'``, ``'rocm'``) for a jax platform name:
+    jax calls CUDA and ROCm devices alike ``'gpu'``."""
+    if platform == "gpu":
+        return gpu_platform() or "cuda"
+    return platform
+
+
 def gpu_platform() -> str | None:
     """'cuda' or 'rocm' when jax's default device is a GPU, else None."""
     try:
@@ -208,8 +216,9 @@ def allgather_rmsnorm_quantize(
     group_size: int, row_counts: tuple[int, ...], eps: float, weight_offset: float,
     quantize_from_fp32: bool, columnwise: bool, scale_rule: int, timeout_ms: int,
 ):
-    """``mxfp8_allgather_rmsnorm_quantize`` (one device's call; see xla_ffi/cpu/allgather.cc):
-    ``x [rows_max, H]``, ``gamma [H]`` bf16, ``where = (rank, group)`` int32 ->
+    """``mxfp8_allgather_rmsnorm_quantize`` (one device's call; see xla_ffi/cpu/allgather.cc,
+    and xla_ffi/cuda/handlers.cc for the experimental GPU handler):
+    ``x [rows_max, H]``, ``gamma [H]`` bf16, ``where = (rank, group, rendezvous id)`` int32 ->
     ``(normed, row_q, row_s, col_q, col_s, residual)`` for the group's ``rows`` gathered rows.
     """
     h = x.shape[1]

@@ -28,6 +28,18 @@ Strategies:
   extension is installed), ``"xla"`` otherwise -- in particular on GPUs, whose p2p path is
   opt-in until it has run on multi-GPU hardware.
 
+``"p2p"`` on GPUs (CUDA or ROCm; experimental, asked for explicitly, with a one-time
+:class:`ExperimentalGpuP2PWarning`): each GPU of the group runs the kernel for the whole group,
+reading its peers' rows over peer access (NVLink or PCIe P2P). The handlers block on their
+per-device host threads while the group meets: a "ready" event per input orders the reads
+after the peers' producers, a "done" event per kernel keeps every device from reusing its input
+while a peer still reads it. Each call also copies the 12-byte ``where`` operand to the host
+(the host needs the rank and group to meet), which waits for the device to catch up, so the
+host no longer runs ahead of that GPU at this op. GPUs that cannot access each other's memory
+give a FAILED_PRECONDITION error that suggests ``strategy="xla"``; groups are limited to 16
+devices. Untested on multi-GPU hardware: ``tests/test_gpu.py`` holds the checks against
+``"xla"`` (one GPU, and several where present).
+
 Gradients (``custom_vjp``): ``normed`` and ``residual`` carry them to ``x`` -- through the
 transpose of the gather, a reduce-scatter -- and ``normed`` to ``gamma``; ``quant`` and
 ``scales`` carry none. The bf16 rounding of ``normed`` is treated as the identity.
@@ -45,6 +57,7 @@ import inspect
 import itertools
 import math
 import numbers
+import warnings
 from collections.abc import Sequence
 
 import jax
@@ -227,8 +240,32 @@ def _p2p_timeout_ms(p2p_timeout_s) -> int:
     return max(1, int(round(float(p2p_timeout_s) * 1000)))
 
 
+class ExperimentalGpuP2PWarning(UserWarning):
+    """``strategy="p2p"`` on a GPU: experimental, not yet run on multi-GPU hardware."""
+
+
+_warned_gpu_p2p = False
+
+
+def _warn_gpu_p2p(platform: str) -> None:
+    global _warned_gpu_p2p
+    if _warned_gpu_p2p:
+        return
+    _warned_gpu_p2p = True
+    warnings.warn(
+        f"strategy='p2p' on {platform} is experimental: the in-process GPU gather (peer access, "
+        f"events, a blocking host rendezvous) is untested on multi-GPU hardware. "
+        f"strategy='xla' is the tested path on GPUs.",
+        ExperimentalGpuP2PWarning,
+        stacklevel=4,
+    )
+
+
 def _resolve_strategy(strategy: str, platform: str, devices_here: bool, axis) -> str:
-    """``"auto"`` -> ``"p2p"`` on CPU with every device of the axis in this process, else "xla"."""
+    """``"auto"`` -> ``"p2p"`` on CPU with every device of the axis in this process, else "xla".
+
+    ``platform`` is jax's name of the devices' platform (``"gpu"`` for CUDA and ROCm alike).
+    """
     if strategy not in STRATEGIES:
         raise ValueError(f"strategy={strategy!r} is not one of {STRATEGIES}")
     if strategy == "auto":
@@ -240,7 +277,10 @@ def _resolve_strategy(strategy: str, platform: str, devices_here: bool, axis) ->
                 f"strategy='p2p' needs every device of axis {axis!r} in this process (the devices "
                 f"meet in process memory); use strategy='xla' across processes"
             )
-        _ffi.require(_P2P_TARGET, platform)
+        kernel_platform = _ffi.extension_platform(platform)
+        _ffi.require(_P2P_TARGET, kernel_platform)
+        if kernel_platform in ("cuda", "rocm"):
+            _warn_gpu_p2p(kernel_platform)
     return strategy
 
 
@@ -501,7 +541,8 @@ def allgather_rmsnorm_quant_local(
     (``R = sum of the group's row_counts``), plus ``(columnwise_quant, columnwise_scales)`` when
     ``columnwise=True``. Groups are contiguous runs of ``group_size`` devices along the axis.
 
-    ``strategy="auto"`` takes ``"p2p"`` on CPU in a single-process run and ``"xla"`` otherwise.
+    ``strategy="auto"`` takes ``"p2p"`` on CPU in a single-process run and ``"xla"`` otherwise;
+    an explicit ``"p2p"`` on GPUs is experimental (see the module docstring).
     The outputs vary along ``axis_name`` (equal within a group, not across groups).
     """
     rows_max, h = _check_x(x)
@@ -573,7 +614,8 @@ def allgather_rmsnorm_quant(
     device's copy along ``axis``: ``[n * R, ...]``, device ``k``'s rows ``[k * R, (k+1) * R)``.
 
     ``strategy="auto"`` takes ``"p2p"`` when the mesh is on CPU with every device of the axis in
-    this process, ``"xla"`` otherwise (always on GPUs).
+    this process, ``"xla"`` otherwise (always on GPUs, where an explicit ``"p2p"`` is
+    experimental: see the module docstring).
     """
     if not isinstance(mesh, Mesh):
         raise TypeError(f"mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}")

@@ -38,6 +38,7 @@ add_library(mxfp8_cuda_kernels OBJECT
   cuda/quantize.cu
   cuda/quantize_segments.cu
   cuda/rmsnorm_quantize.cu
+  cuda/allgather.cu
 )
 set_target_properties(mxfp8_cuda_kernels PROPERTIES
   CUDA_ARCHITECTURES "${MXFP8_CUDA_ARCHS}"

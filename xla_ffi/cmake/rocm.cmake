@@ -68,7 +68,7 @@ set(_hip_flags -x hip -std=c++17 -O3 ${_hip_arch_flags} -nogpulib -mcode-object-
     -I${CMAKE_CURRENT_SOURCE_DIR}/include -I${CMAKE_CURRENT_SOURCE_DIR}
     -idirafter ${MXFP8_HIP_INCLUDE_DIR})
 set(_hip_objects)
-foreach(_src quantize quantize_segments rmsnorm_quantize)
+foreach(_src quantize quantize_segments rmsnorm_quantize allgather)
   set(_obj ${CMAKE_CURRENT_BINARY_DIR}/hip/${_src}.o)
   add_custom_command(
     OUTPUT ${_obj}

@@ -40,7 +40,6 @@
 // and copied to the others.
 #include <chrono>
 #include <cstring>
-#include <sstream>
 #include <string>
 #include <vector>
 
@@ -48,6 +47,7 @@
 #include "cpu/fp_env.h"
 #include "cpu/parallel.h"
 #include "cpu/rmsnorm_cpu.h"
+#include "mxfp8/gather_args.h"
 #include "mxfp8/rendezvous.h"
 
 namespace mxfp8::cpu {
@@ -134,17 +134,6 @@ void GatherNormQuantize(ffi::ThreadPool& pool, std::vector<Arrival>& ranks,
   });
 }
 
-std::string Signature(int64_t rows_max, int64_t H, const std::vector<int64_t>& counts,
-                      const NormParams& p, float offset) {
-  std::ostringstream s;
-  s << "x [" << rows_max << ", " << H << "], row counts (";
-  for (size_t k = 0; k < counts.size(); ++k) s << (k ? ", " : "") << counts[k];
-  s << "), eps bits " << f32_to_bits(p.eps) << ", weight_offset bits " << f32_to_bits(offset)
-    << ", quantize_from_fp32 " << p.quantize_from_fp32 << ", columnwise " << p.columnwise
-    << ", scale_rule " << static_cast<int>(p.rule);
-  return s.str();
-}
-
 ffi::Future AllgatherRmsnormQuantize(
     ffi::ThreadPool pool, ffi::RunId run_id, ffi::Buffer<ffi::BF16> x,
     ffi::Buffer<ffi::BF16> gamma, ffi::Buffer<ffi::S32> where,
@@ -162,31 +151,13 @@ ffi::Future AllgatherRmsnormQuantize(
     return std::move(future);
   };
 
-  const auto dims = x.dimensions();
-  if (dims.size() != 2) return fail("x must be [rows, H]");
-  const int64_t rows_max = dims[0], H = dims[1];
-  if (H % kBlock) return fail("H must be a multiple of 32");
-  if (gamma.element_count() != static_cast<size_t>(H)) return fail("gamma must be [H]");
-  if (where.element_count() != 3) return fail("where must be [3] (rank, group, rendezvous id)");
-  const int64_t rank = where.typed_data()[0], group = where.typed_data()[1];
-  const int64_t rendezvous_id = where.typed_data()[2];
-  const int64_t n_all = static_cast<int64_t>(row_counts.size());
-  if (group_size < 1 || n_all % group_size) return fail("row_counts must cover whole groups");
-  if (rank < 0 || rank >= group_size || group < 0 || group >= n_all / group_size)
-    return fail("rank or group out of range");
-  std::vector<int64_t> counts(row_counts.begin() + group * group_size,
-                              row_counts.begin() + (group + 1) * group_size);
-  int64_t R = 0;
-  for (int64_t c : counts) {
-    if (c < 0 || c > rows_max) return fail("a row count exceeds the rows of x");
-    R += c;
-  }
-  if (columnwise && R % kBlock) return fail("R must be a multiple of 32 for columnwise output");
-  const size_t n = static_cast<size_t>(R * H);
-  if (normed->element_count() != n || residual->element_count() != n ||
-      row_q->size_bytes() != n || row_s->size_bytes() != n / kBlock ||
-      (columnwise && (col_q->size_bytes() != n || col_s->size_bytes() != n / kBlock)))
-    return fail("result sizes do not match the group's rows");
+  const GatherArgs args =
+      read_gather_args(x, gamma, where, where.typed_data(), group_size, row_counts, columnwise,
+                       normed, row_q, row_s, col_q, col_s, residual);
+  GatherPlan plan;
+  if (std::string why = plan_gather(args, &plan); !why.empty()) return fail(why);
+  const int64_t H = plan.H, rank = plan.rank;
+  const std::vector<int64_t>& counts = plan.counts;
 
   NormParams p;
   p.H = H;
@@ -205,10 +176,11 @@ ffi::Future AllgatherRmsnormQuantize(
   a.residual = reinterpret_cast<uint16_t*>(residual->typed_data());
   a.promise = promise;
 
-  auto joined = Table().Join(rendezvous::Key{run_id.run_id, op_id, rendezvous_id},
-                             static_cast<int>(rank), static_cast<int>(group_size),
-                             Signature(rows_max, H, counts, p, weight_offset), std::move(a),
-                             std::chrono::milliseconds(timeout_ms));
+  auto joined = Table().Join(
+      rendezvous::Key{run_id.run_id, op_id, plan.rendezvous_id}, static_cast<int>(rank),
+      static_cast<int>(group_size),
+      gather_signature(plan, eps, weight_offset, quantize_from_fp32, columnwise, scale_rule),
+      std::move(a), std::chrono::milliseconds(timeout_ms));
   switch (joined.status) {
     case rendezvous::Status::kWaiting:
       return future;

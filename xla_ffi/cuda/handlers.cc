@@ -3,10 +3,16 @@
 // stream arrives as the platform's opaque stream pointer (cudaStream_t or hipStream_t).
 //
 // Operands, results and attributes are those of the CPU handlers (xla_ffi/README.md).
+#include <chrono>
 #include <cstddef>
+#include <memory>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "cuda/launch.h"
+#include "mxfp8/gather_args.h"
+#include "mxfp8/rendezvous.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace mxfp8::gpu {
@@ -137,6 +143,214 @@ ffi::Error RmsnormQuantize(void* stream, ffi::Buffer<ffi::BF16> x, ffi::Buffer<f
                                         prm, o, columnwise, quantize_from_fp32));
 }
 
+// ---------------------------------------------------------------------------------------------
+// mxfp8_allgather_rmsnorm_quantize (experimental: not yet run on multi-GPU hardware).
+//
+// Every device of a group runs the kernel for the whole group, reading the peers' rows straight
+// from their inputs over peer access. XLA runs the program of each device of a single-process
+// multi-GPU run on that device's own host thread, so the handler may block while its peers
+// arrive (unlike the CPU one, whose devices share a pool): the devices meet twice.
+//   1. Each rank records a "ready" event on its stream (its x is produced) and meets its peers,
+//      exchanging x, device and event. Then it enables peer access to the peers whose rows it
+//      reads, makes its stream wait for their ready events, launches the kernel and records a
+//      "done" event.
+//   2. It meets them again, exchanging the done events, and makes its stream wait for every
+//      peer's: nothing after this op on a device (which may overwrite or free its x) runs while
+//      a peer still reads x.
+// A rank that fails after the first meeting still comes to the second one with its error, so
+// its peers never wait for it in vain and every rank of the group returns an error. Events
+// are shared: the last rank to let go of one destroys it (waits already enqueued on an event
+// stay valid).
+
+constexpr const char* kGatherName = "mxfp8_allgather_rmsnorm_quantize";
+
+using Event = std::shared_ptr<void>;
+
+Event owned_event(int device, void* event) {
+  return Event(event, [device](void* e) { gpu_destroy_event(device, e); });
+}
+
+struct Ready {
+  const uint16_t* x = nullptr;
+  int device = -1;
+  Event event;        // recorded once x was produced
+  std::string error;  // this rank cannot take part (nothing was enqueued yet)
+};
+
+struct Done {
+  Event event;  // recorded after this rank's kernel; null when it enqueued none
+  ffi::ErrorCode code = ffi::ErrorCode::kOk;
+  std::string error;
+};
+
+// Leaked on purpose, as the CPU table: the watchdog thread may outlive static destruction.
+rendezvous::Exchange<Ready>& ReadyMeeting() {
+  static auto* m = new rendezvous::Exchange<Ready>(std::string(kGatherName) + " (inputs ready)");
+  return *m;
+}
+
+rendezvous::Exchange<Done>& DoneMeeting() {
+  static auto* m = new rendezvous::Exchange<Done>(std::string(kGatherName) + " (reads done)");
+  return *m;
+}
+
+template <typename Result>
+ffi::Error meeting_error(const Result& r) {
+  return ffi::Error(r.failure == rendezvous::Failure::kTimeout ? ffi::ErrorCode::kDeadlineExceeded
+                                                                : ffi::ErrorCode::kInvalidArgument,
+                    r.error);
+}
+
+std::string rank_on_gpu(int rank, int device) {
+  return "rank " + std::to_string(rank) + " (GPU " + std::to_string(device) + ")";
+}
+
+ffi::Error AllgatherRmsnormQuantize(
+    void* stream, ffi::RunId run_id, ffi::Buffer<ffi::BF16> x, ffi::Buffer<ffi::BF16> gamma,
+    ffi::Buffer<ffi::S32> where, ffi::Result<ffi::Buffer<ffi::BF16>> normed,
+    ffi::Result<ffi::AnyBuffer> row_q, ffi::Result<ffi::AnyBuffer> row_s,
+    ffi::Result<ffi::AnyBuffer> col_q, ffi::Result<ffi::AnyBuffer> col_s,
+    ffi::Result<ffi::Buffer<ffi::BF16>> residual, int64_t op_id, int64_t group_size,
+    ffi::Span<const int64_t> row_counts, float eps, float weight_offset, bool quantize_from_fp32,
+    bool columnwise, int32_t scale_rule, int64_t timeout_ms) {
+  const std::string name = kGatherName;
+  const auto internal = [&](const std::string& msg) {
+    return ffi::Error(ffi::ErrorCode::kInternal, name + ": " + msg);
+  };
+  if (group_size > kMaxGatherRanks)
+    return invalid(name + ": group_size=" + std::to_string(group_size) + " exceeds the " +
+                   std::to_string(kMaxGatherRanks) +
+                   " ranks the GPU kernel reads from (its row table travels in the kernel's "
+                   "arguments); use smaller groups or strategy='xla'");
+
+  // `where` (rank, group, rendezvous id) is computed on the device, and the host needs it to
+  // find its group: copy it once the work that produces it is done (this waits for the stream).
+  int32_t where_host[3] = {0, 0, 0};
+  int device = -1;
+  if (where.element_count() == 3) {
+    if (const char* e = gpu_device_of(where.untyped_data(), &device))
+      return internal(std::string("cannot tell the device of the inputs: ") + e);
+    if (const char* e = gpu_copy_to_host(stream, device, where_host, where.untyped_data(),
+                                         sizeof where_host))
+      return internal(std::string("reading `where` failed: ") + e);
+  }
+  GatherPlan plan;
+  if (std::string why = plan_gather(
+          read_gather_args(x, gamma, where, where_host, group_size, row_counts, columnwise,
+                           normed, row_q, row_s, col_q, col_s, residual),
+          &plan);
+      !why.empty())
+    return invalid(name + ": " + why);
+  if (plan.R == 0) return ffi::Error::Success();  // the whole group has no rows: nothing to read
+
+  const int rank = static_cast<int>(plan.rank), n = static_cast<int>(group_size);
+  const rendezvous::Key key{run_id.run_id, op_id, plan.rendezvous_id};
+  const std::string signature =
+      gather_signature(plan, eps, weight_offset, quantize_from_fp32, columnwise, scale_rule);
+  const auto timeout = std::chrono::milliseconds(timeout_ms);
+
+  // Meeting 1: inputs ready.
+  Ready mine;
+  mine.x = reinterpret_cast<const uint16_t*>(x.typed_data());
+  mine.device = device;
+  void* ready_event = nullptr;
+  if (const char* e = gpu_record_event(stream, device, &ready_event))
+    mine.error = std::string("recording an event failed: ") + e;
+  else
+    mine.event = owned_event(device, ready_event);
+  auto ready = ReadyMeeting().Meet(key, rank, n, signature, std::move(mine), timeout);
+  if (!ready.ok) return meeting_error(ready);
+  for (int k = 0; k < n; ++k)
+    if (!ready.values[k].error.empty())
+      return internal(rank_on_gpu(k, ready.values[k].device) + ": " + ready.values[k].error);
+
+  std::vector<int> devices(n);
+  for (int k = 0; k < n; ++k) devices[k] = ready.values[k].device;
+
+  // From here on a failure is noted and taken to meeting 2 (the peers may read this x).
+  Done done;
+  const auto note = [&](ffi::ErrorCode code, const std::string& msg) {
+    if (done.error.empty()) done.code = code, done.error = msg;
+  };
+  for (int k = 0; k < n && done.error.empty(); ++k) {
+    const int peer = devices[k];
+    if (k == rank || peer == device || plan.counts[k] == 0) continue;  // reads nothing there
+    bool can = false;
+    if (const char* e = gpu_can_access_peer(device, peer, &can)) {
+      note(ffi::ErrorCode::kInternal, "querying peer access failed: " + std::string(e));
+    } else if (!can) {
+      note(ffi::ErrorCode::kFailedPrecondition,
+           rank_on_gpu(rank, device) + " cannot access the memory of " + rank_on_gpu(k, peer) +
+               ": the runtime reports no peer access between GPU " + std::to_string(device) +
+               " and GPU " + std::to_string(peer) +
+               " (no NVLink or PCIe P2P path). strategy='p2p' reads the peers' inputs "
+               "directly; use strategy='xla' on this machine");
+    } else if (const char* e = gpu_enable_peer_access(device, peer)) {
+      note(ffi::ErrorCode::kInternal, "enabling peer access from GPU " + std::to_string(device) +
+                                          " to GPU " + std::to_string(peer) + " failed: " + e);
+    }
+  }
+  for (int k = 0; k < n && done.error.empty(); ++k)
+    if (k != rank)
+      if (const char* e = gpu_stream_wait(stream, device, ready.values[k].event.get()))
+        note(ffi::ErrorCode::kInternal, std::string("waiting for a peer's input failed: ") + e);
+  bool launched = false;
+  if (done.error.empty()) {
+    GatherRows rows;
+    rows.ranks = n;
+    for (int k = 0; k < n; ++k) {
+      rows.base[k] = ready.values[k].x;
+      rows.start[k + 1] = rows.start[k] + plan.counts[k];
+    }
+    NormParams prm;
+    prm.H = plan.H;
+    prm.eps = eps;
+    prm.weight_offset = weight_offset;
+    prm.rule = static_cast<ScaleRule>(scale_rule);
+    NormOut o;
+    o.normed = reinterpret_cast<uint16_t*>(normed->typed_data());
+    o.row_q = bytes(row_q);
+    o.row_s = bytes(row_s);
+    if (columnwise) o.col_q = bytes(col_q), o.col_s = bytes(col_s);
+    o.residual = reinterpret_cast<uint16_t*>(residual->typed_data());
+    if (const char* e = launch_allgather_rmsnorm_quantize(
+            stream, rows, reinterpret_cast<const uint16_t*>(gamma.typed_data()), plan.R, prm, o,
+            columnwise, quantize_from_fp32))
+      note(ffi::ErrorCode::kInternal, std::string("kernel launch failed: ") + e);
+    else
+      launched = true;
+  }
+  if (launched) {
+    void* done_event = nullptr;
+    if (gpu_record_event(stream, device, &done_event) == nullptr) {
+      done.event = owned_event(device, done_event);
+    } else if (const char* e = gpu_stream_sync(stream, device)) {
+      // Without an event the peers cannot wait for this kernel; finishing it here would do.
+      note(ffi::ErrorCode::kInternal, std::string("cannot tell the peers when the kernel is "
+                                                  "done: ") + e);
+    }
+  }
+  ready = {};  // every wait on the peers' ready events is enqueued
+
+  // Meeting 2: reads done.
+  auto finished = DoneMeeting().Meet(key, rank, n, signature, std::move(done), timeout);
+  if (!finished.ok) return meeting_error(finished);
+  std::string wait_error;
+  for (int k = 0; k < n; ++k)
+    if (k != rank && finished.values[k].event)
+      if (const char* e = gpu_stream_wait(stream, device, finished.values[k].event.get()))
+        if (wait_error.empty()) wait_error = e;
+  for (int k = 0; k < n; ++k) {
+    const Done& d = finished.values[k];
+    if (!d.error.empty())
+      return ffi::Error(d.code, name + ": " +
+                                    (k == rank ? "" : "peer " + rank_on_gpu(k, devices[k]) + ": ") +
+                                    d.error);
+  }
+  if (!wait_error.empty()) return internal("waiting for the peers' reads failed: " + wait_error);
+  return ffi::Error::Success();
+}
+
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(QuantizeHandler, Quantize,
@@ -179,5 +393,28 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(RmsnormQuantizeHandler, RmsnormQuantize,
                                   .Attr<bool>("quantize_from_fp32")
                                   .Attr<bool>("columnwise")
                                   .Attr<int32_t>("scale_rule"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(AllgatherRmsnormQuantizeHandler, AllgatherRmsnormQuantize,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<void*>>()
+                                  .Ctx<ffi::RunId>()
+                                  .Arg<ffi::Buffer<ffi::BF16>>()
+                                  .Arg<ffi::Buffer<ffi::BF16>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::BF16>>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::Buffer<ffi::BF16>>()
+                                  .Attr<int64_t>("op_id")
+                                  .Attr<int64_t>("group_size")
+                                  .Attr<ffi::Span<const int64_t>>("row_counts")
+                                  .Attr<float>("eps")
+                                  .Attr<float>("weight_offset")
+                                  .Attr<bool>("quantize_from_fp32")
+                                  .Attr<bool>("columnwise")
+                                  .Attr<int32_t>("scale_rule")
+                                  .Attr<int64_t>("timeout_ms"));
 
 }  // namespace mxfp8::gpu

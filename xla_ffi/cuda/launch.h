@@ -4,6 +4,7 @@
 // keeps the heavy FFI templates out of every nvcc/clang -x hip pass and architecture.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 
 #include "mxfp8/numerics.h"
@@ -26,6 +27,7 @@ struct NormOut {
   uint8_t* row_s = nullptr;    // [R, H/32]
   uint8_t* col_q = nullptr;    // [R, H] (columnwise only)
   uint8_t* col_s = nullptr;    // [R/32, H] (columnwise only)
+  uint16_t* residual = nullptr;  // [R, H] the rows read, bit for bit (gathered rows only)
 };
 
 struct NormParams {
@@ -52,5 +54,47 @@ const char* launch_quantize_segments(void* stream, InType t, const uint8_t* x, i
 const char* launch_rmsnorm_quantize(void* stream, const uint16_t* x, const uint16_t* gamma,
                                     int64_t R, const NormParams& prm, const NormOut& o,
                                     bool columnwise, bool quantize_from_fp32);
+
+// ---------------------------------------------------------------------------------------------
+// The in-process all-gather (allgather.cu).
+
+// Ranks a group may have: the row table travels by value in the kernel's arguments.
+constexpr int kMaxGatherRanks = 16;
+
+// Where the group's rows live: rank k's valid rows are rows [start[k], start[k+1]) of the
+// gathered [R, H], read from base[k] (its x, row stride H; device memory of another GPU).
+struct GatherRows {
+  const uint16_t* base[kMaxGatherRanks] = {};
+  int64_t start[kMaxGatherRanks + 1] = {};
+  int ranks = 0;
+};
+
+// RMSNorm + MXFP8 of the group's R rows, as launch_rmsnorm_quantize, and o.residual = the rows.
+const char* launch_allgather_rmsnorm_quantize(void* stream, const GatherRows& rows,
+                                              const uint16_t* gamma, int64_t R,
+                                              const NormParams& prm, const NormOut& o,
+                                              bool columnwise, bool quantize_from_fp32);
+
+// Runtime helpers of the gather's host protocol (handlers.cc does not call the runtime itself).
+// Each returns nullptr, or the runtime's message. `device` is a runtime device ordinal; the
+// helpers make it current while they work and restore the caller's device afterwards.
+
+// The device that owns the device memory at p.
+const char* gpu_device_of(const void* p, int* device);
+// Copies `bytes` from device memory to the host after the work enqueued on `stream` so far
+// (blocks until then).
+const char* gpu_copy_to_host(void* stream, int device, void* dst, const void* src, size_t bytes);
+// Whether `device` can map the memory of `peer` (cached per pair).
+const char* gpu_can_access_peer(int device, int peer, bool* can);
+// Lets kernels on `device` read the memory of `peer` (once per pair; already enabled is fine).
+const char* gpu_enable_peer_access(int device, int peer);
+// A new event (no timing) recorded on `stream` now.
+const char* gpu_record_event(void* stream, int device, void** event);
+// Work enqueued on `stream` from now on waits for `event` (of any device).
+const char* gpu_stream_wait(void* stream, int device, void* event);
+// Blocks until the work enqueued on `stream` so far is done.
+const char* gpu_stream_sync(void* stream, int device);
+// Releases an event; waits already enqueued on it stay valid.
+void gpu_destroy_event(int device, void* event);
 
 }  // namespace mxfp8::gpu

@@ -15,6 +15,7 @@ namespace mxfp8::gpu {
 extern "C" XLA_FFI_Error* QuantizeHandler(XLA_FFI_CallFrame*);
 extern "C" XLA_FFI_Error* QuantizeSegmentsHandler(XLA_FFI_CallFrame*);
 extern "C" XLA_FFI_Error* RmsnormQuantizeHandler(XLA_FFI_CallFrame*);
+extern "C" XLA_FFI_Error* AllgatherRmsnormQuantizeHandler(XLA_FFI_CallFrame*);
 }  // namespace mxfp8::gpu
 
 template <typename T>
@@ -29,6 +30,8 @@ NB_MODULE(MXFP8_GPU_MODULE, m) {
     d["mxfp8_quantize"] = capsule(mxfp8::gpu::QuantizeHandler);
     d["mxfp8_quantize_segments"] = capsule(mxfp8::gpu::QuantizeSegmentsHandler);
     d["mxfp8_rmsnorm_quantize"] = capsule(mxfp8::gpu::RmsnormQuantizeHandler);
+    // Experimental: the in-process gather has not run on multi-GPU hardware yet.
+    d["mxfp8_allgather_rmsnorm_quantize"] = capsule(mxfp8::gpu::AllgatherRmsnormQuantizeHandler);
     return d;
   });
 }

@@ -17,6 +17,23 @@ using cudaError_t = hipError_t;
 #define cudaGetLastError hipGetLastError
 #define cudaGetErrorString hipGetErrorString
 #define cudaMemsetAsync hipMemsetAsync
+// ... and what the all-gather's host protocol needs (cuda/allgather.cu).
+using cudaEvent_t = hipEvent_t;
+using cudaPointerAttributes = hipPointerAttribute_t;
+#define cudaErrorPeerAccessAlreadyEnabled hipErrorPeerAccessAlreadyEnabled
+#define cudaEventDisableTiming hipEventDisableTiming
+#define cudaMemcpyDeviceToHost hipMemcpyDeviceToHost
+#define cudaGetDevice hipGetDevice
+#define cudaSetDevice hipSetDevice
+#define cudaPointerGetAttributes hipPointerGetAttributes
+#define cudaMemcpyAsync hipMemcpyAsync
+#define cudaStreamSynchronize hipStreamSynchronize
+#define cudaDeviceCanAccessPeer hipDeviceCanAccessPeer
+#define cudaDeviceEnablePeerAccess hipDeviceEnablePeerAccess
+#define cudaEventCreateWithFlags hipEventCreateWithFlags
+#define cudaEventRecord hipEventRecord
+#define cudaEventDestroy hipEventDestroy
+#define cudaStreamWaitEvent hipStreamWaitEvent
 
 // Exact arithmetic. numerics.h asks for IEEE-correct sqrt through __fsqrt_rn; older HIP headers
 // define that as the native (approximate) square root, so it is redirected to the correctly

@@ -23,6 +23,11 @@
 //
 // fail() and the caller's completion code run outside the table's lock, so they may re-enter
 // Join (completing a promise can run the rest of a device's program inline).
+//
+// Exchange (below) is the blocking form for handlers that may wait on their own thread (GPU
+// handlers, which XLA runs on one host thread per device): every rank blocks until the group is
+// complete and gets every rank's value, or the same error as the others. It is a Table of
+// waiters, so keys, ordering, mismatch checks and the watchdog are the same.
 #pragma once
 
 #include <algorithm>
@@ -233,6 +238,83 @@ class Table {
   std::condition_variable cv_;
   bool watchdog_started_ = false;
   std::map<Key, std::deque<std::shared_ptr<Entry>>> entries_;
+};
+
+// A blocking meeting of the ranks of a group: Meet() returns once every rank of the group has
+// met under the same key (with every rank's value, index = rank), or fails: DEADLINE after the
+// timeout when ranks are missing (naming them), a mismatch when group sizes or signatures
+// differ. Values are copied to every rank, so they should be small (pointers, handles).
+template <typename Value>
+class Exchange {
+ public:
+  struct Result {
+    bool ok = false;
+    Failure failure = Failure::kMismatch;  // when !ok
+    std::string error;                     // when !ok
+    std::vector<Value> values;             // when ok: every rank's value, index = rank
+  };
+
+  explicit Exchange(std::string name)
+      : table_(std::move(name), [](Waiter& w, Failure f, const std::string& why) {
+          Result r;
+          r.failure = f;
+          r.error = why;
+          w.slot->Publish(std::move(r));
+        }) {}
+
+  Result Meet(const Key& key, int rank, int group_size, const std::string& signature, Value value,
+              Clock::duration timeout) {
+    auto slot = std::make_shared<Slot>();
+    auto joined = table_.Join(key, rank, group_size, signature, Waiter{std::move(value), slot},
+                              timeout);
+    switch (joined.status) {
+      case Status::kFailed: {
+        Result r;
+        r.error = std::move(joined.error);
+        return r;
+      }
+      case Status::kLast: {
+        Result r;
+        r.ok = true;
+        for (auto& w : joined.arrivals) r.values.push_back(std::move(w.value));
+        for (int k = 0; k < group_size; ++k)
+          if (k != rank) joined.arrivals[k].slot->Publish(r);
+        return r;
+      }
+      case Status::kWaiting:
+        break;
+    }
+    // The last rank to arrive or the watchdog (past the deadline) always publishes a result.
+    return slot->Wait();
+  }
+
+  size_t pending() const { return table_.pending(); }
+
+ private:
+  struct Slot {
+    std::mutex mu;
+    std::condition_variable cv;
+    std::optional<Result> result;
+
+    void Publish(Result r) {
+      {
+        std::lock_guard<std::mutex> lock(mu);
+        result = std::move(r);
+      }
+      cv.notify_all();
+    }
+    Result Wait() {
+      std::unique_lock<std::mutex> lock(mu);
+      cv.wait(lock, [this] { return result.has_value(); });
+      return std::move(*result);
+    }
+  };
+  struct Waiter {
+    Value value;
+    std::shared_ptr<Slot> slot;
+  };
+
+  Table<Waiter> table_;
 };
 
 }  // namespace mxfp8::rendezvous

@@ -1,0 +1,155 @@
+// mxfp8_allgather_rmsnorm_quantize (CUDA / ROCm, experimental): the kernel of the in-process
+// all-gather and the runtime helpers of its host protocol. The FFI handler (handlers.cc) meets
+// the group's other devices, hands this kernel their input pointers, and orders the streams
+// with the events made here; operands, results and attributes are those of the CPU handler
+// (cpu/allgather.cc).
+//
+// The kernel is the RMSNorm + MXFP8 kernel of rmsnorm_kernels.cuh reading row r from the rank
+// that owns it (a peer's x, over peer access: NVLink or PCIe), and also writing the residual
+// (the gathered rows, bit for bit). Every device of the group runs it for the whole group.
+#include <map>
+#include <mutex>
+#include <set>
+#include <utility>
+
+#include "cuda/rmsnorm_kernels.cuh"
+
+namespace mxfp8::gpu {
+namespace {
+
+// Row r of the group: from the rank whose range [start[k], start[k+1]) holds it (ranks with no
+// rows have an empty range and are skipped).
+struct GatheredRows {
+  GatherRows table;
+  int64_t H;
+  static constexpr bool kResidual = true;
+  __device__ const uint16_t* operator()(int64_t r) const {
+    int k = 0;
+    while (k + 1 < table.ranks && r >= table.start[k + 1]) ++k;
+    return table.base[k] + (r - table.start[k]) * H;
+  }
+};
+
+// Makes `device` current for the helper's runtime calls and restores the caller's device: XLA
+// runs each device's program on its own thread with that device current, and a helper called
+// from another thread (an event released by a peer) must not leave it changed.
+class ScopedDevice {
+ public:
+  explicit ScopedDevice(int device) {
+    if (cudaGetDevice(&previous_) != cudaSuccess) previous_ = -1;
+    if (previous_ != device) {
+      error_ = cudaSetDevice(device);
+      changed_ = error_ == cudaSuccess;
+    }
+  }
+  ~ScopedDevice() {
+    if (changed_ && previous_ >= 0) (void)cudaSetDevice(previous_);
+  }
+  ScopedDevice(const ScopedDevice&) = delete;
+  ScopedDevice& operator=(const ScopedDevice&) = delete;
+  cudaError_t error() const { return error_; }
+
+ private:
+  int previous_ = -1;
+  bool changed_ = false;
+  cudaError_t error_ = cudaSuccess;
+};
+
+// The runtime also keeps a failed call's error as its "last error", which launch_error() of a
+// later kernel launch would report: every helper clears it and returns its own error instead.
+const char* message(cudaError_t e) {
+  (void)cudaGetLastError();
+  return e == cudaSuccess ? nullptr : cudaGetErrorString(e);
+}
+
+std::mutex peer_mu;
+std::map<std::pair<int, int>, bool> can_access;  // (device, peer) -> cudaDeviceCanAccessPeer
+std::set<std::pair<int, int>> enabled;           // pairs already enabled in this process
+
+}  // namespace
+
+const char* launch_allgather_rmsnorm_quantize(void* stream, const GatherRows& rows,
+                                              const uint16_t* gamma, int64_t R,
+                                              const NormParams& prm, const NormOut& o,
+                                              bool columnwise, bool quantize_from_fp32) {
+  return enqueue_rmsnorm_quantize(stream, GatheredRows{rows, prm.H}, gamma, R, prm, o,
+                                  columnwise, quantize_from_fp32);
+}
+
+const char* gpu_device_of(const void* p, int* device) {
+  cudaPointerAttributes attr{};
+  if (const cudaError_t e = cudaPointerGetAttributes(&attr, p); e != cudaSuccess) return message(e);
+  *device = attr.device;
+  return nullptr;
+}
+
+const char* gpu_copy_to_host(void* stream, int device, void* dst, const void* src, size_t bytes) {
+  ScopedDevice scoped(device);
+  if (scoped.error() != cudaSuccess) return message(scoped.error());
+  const auto st = static_cast<cudaStream_t>(stream);
+  cudaError_t e = cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToHost, st);
+  if (e == cudaSuccess) e = cudaStreamSynchronize(st);
+  return message(e);
+}
+
+const char* gpu_can_access_peer(int device, int peer, bool* can) {
+  std::lock_guard<std::mutex> lock(peer_mu);
+  const auto key = std::make_pair(device, peer);
+  if (auto it = can_access.find(key); it != can_access.end()) {
+    *can = it->second;
+    return nullptr;
+  }
+  int yes = 0;
+  if (const cudaError_t e = cudaDeviceCanAccessPeer(&yes, device, peer); e != cudaSuccess)
+    return message(e);
+  can_access[key] = *can = yes != 0;
+  return nullptr;
+}
+
+const char* gpu_enable_peer_access(int device, int peer) {
+  std::lock_guard<std::mutex> lock(peer_mu);
+  const auto key = std::make_pair(device, peer);
+  if (enabled.count(key)) return nullptr;
+  ScopedDevice scoped(device);
+  if (scoped.error() != cudaSuccess) return message(scoped.error());
+  const cudaError_t e = cudaDeviceEnablePeerAccess(peer, 0);
+  // XLA may have enabled the pair already (it does for the devices of its client).
+  const bool ok = e == cudaSuccess || e == cudaErrorPeerAccessAlreadyEnabled;
+  if (ok) enabled.insert(key);
+  return message(ok ? cudaSuccess : e);
+}
+
+const char* gpu_record_event(void* stream, int device, void** event) {
+  ScopedDevice scoped(device);
+  if (scoped.error() != cudaSuccess) return message(scoped.error());
+  cudaEvent_t ev = nullptr;
+  if (const cudaError_t e = cudaEventCreateWithFlags(&ev, cudaEventDisableTiming); e != cudaSuccess)
+    return message(e);
+  if (const cudaError_t e = cudaEventRecord(ev, static_cast<cudaStream_t>(stream));
+      e != cudaSuccess) {
+    (void)cudaEventDestroy(ev);
+    return message(e);
+  }
+  *event = ev;
+  return nullptr;
+}
+
+const char* gpu_stream_wait(void* stream, int device, void* event) {
+  ScopedDevice scoped(device);
+  if (scoped.error() != cudaSuccess) return message(scoped.error());
+  return message(cudaStreamWaitEvent(static_cast<cudaStream_t>(stream),
+                                     static_cast<cudaEvent_t>(event), 0));
+}
+
+const char* gpu_stream_sync(void* stream, int device) {
+  ScopedDevice scoped(device);
+  if (scoped.error() != cudaSuccess) return message(scoped.error());
+  return message(cudaStreamSynchronize(static_cast<cudaStream_t>(stream)));
+}
+
+void gpu_destroy_event(int device, void* event) {
+  ScopedDevice scoped(device);
+  message(cudaEventDestroy(static_cast<cudaEvent_t>(event)));
+}
+
+}  // namespace mxfp8::gpu
