@@ -159,9 +159,11 @@ def test_nan_and_inf_inside_blocks():
 @pytest.mark.parametrize("dtype", [np.float32, np.float16, ml_dtypes.bfloat16])
 @pytest.mark.parametrize("rule", ["rceil", "floor"])
 def test_random_inputs(dtype, rule):
+    # K = 17 blocks: two full groups of eight rowwise blocks (the kernel's fast path for bf16)
+    # and a group of one
     rng = np.random.default_rng(4)
     scale = np.exp2(rng.integers(-20, 14, size=(96, 1)))
-    x = (rng.standard_normal((96, 160)) * scale).astype(dtype)
+    x = (rng.standard_normal((96, 544)) * scale).astype(dtype)
     check_planes(x, rule=rule)
 
 
@@ -172,9 +174,10 @@ def test_fp16_subnormals_and_specials():
     check_planes(x, rule="floor")
 
 
+# Few shapes (each is a compilation); the random part is the data and its scale.
 @given(
-    m=st.integers(1, 4).map(lambda v: 32 * v),
-    k=st.integers(1, 5).map(lambda v: 32 * v),
+    m=st.sampled_from([32, 96]),
+    k=st.sampled_from([64, 288]),
     log_scale=st.integers(-140, 120),
     rule=st.sampled_from(["rceil", "floor"]),
     seed=st.integers(0, 2**31 - 1),

@@ -260,6 +260,26 @@ MXFP8_HD i32x8 reduce8(const i32x8 m[8]) {
             __builtin_shuffle(t[0], t[1], i32x8{1, 9, 3, 11, 5, 13, 7, 15}));
 }
 
+// The same for eight vectors of sixteen int16 lanes: lane b of the result is the maximum (Max)
+// or minimum of the 16 lanes of m[s(b)], sign-extended to 32 bits. The tree halves 128-bit
+// lanes, then 64-bit and 32-bit pieces, and leaves the two int16 halves of each 32-bit lane for
+// last, which puts block order in the same slots as reduce8.
+template <bool Max>
+MXFP8_HD i32x8 reduce8x16(const i16x16 m[8]) {
+  auto op = [](i16x16 a, i16x16 b) { return Max ? vmax16(a, b) : vmin16(a, b); };
+  i16x16 r[4], t[2];
+  for (int p = 0; p < 4; ++p)
+    r[p] = op(__builtin_shuffle(m[2 * p], m[2 * p + 1], i16x16{0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23}),
+              __builtin_shuffle(m[2 * p], m[2 * p + 1], i16x16{8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31}));
+  for (int p = 0; p < 2; ++p)
+    t[p] = op(__builtin_shuffle(r[2 * p], r[2 * p + 1], i16x16{0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27}),
+              __builtin_shuffle(r[2 * p], r[2 * p + 1], i16x16{4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31}));
+  const i16x16 u = op(__builtin_shuffle(t[0], t[1], i16x16{0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29}),
+                      __builtin_shuffle(t[0], t[1], i16x16{2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31}));
+  const i32x8 w = reinterpret_cast<i32x8>(u);
+  return Max ? vmax((w << 16) >> 16, w >> 16) : vmin((w << 16) >> 16, w >> 16);
+}
+
 // Scale bytes of eight finite amax values (e8m0_scale_finite lane by lane). rceil: for amax with
 // biased exponent E >= 16 the product amax * fp32(1/448) is a normal float whose exponent is
 // E - 9 below mantissa 0x600000 and E - 8 from it on (0x600000 lands exactly on a power of two),
@@ -307,12 +327,18 @@ MXFP8_CPU_LOOP void quantize_block(const typename Input<T>::Elem* x, uint8_t* q,
   store32<T>(c, q);
 }
 
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#define MXFP8_BLOCK_CLONES __attribute__((noinline, target_clones("avx2", "default")))
+#else
+#define MXFP8_BLOCK_CLONES __attribute__((noinline))
+#endif
+
 // quantize_block out of line, for the rare groups that hold special values and bf16 blocks that
 // cannot take cast16: kept out of the group loop so that its constants are not set up for every
-// group. It is compiled for the
-// baseline ISA only, which changes no result.
+// group. Built for AVX2 and the baseline ISA like the band loops (its own resolver: the caller's
+// target does not reach an out-of-line function); the numerics are the same in both.
 template <InType T>
-__attribute__((noinline)) void quantize_block_outlined(const typename Input<T>::Elem* x, uint8_t* q,
+MXFP8_BLOCK_CLONES void quantize_block_outlined(const typename Input<T>::Elem* x, uint8_t* q,
                                                        uint8_t* s, ScaleRule rule) {
   quantize_block<T>(x, q, s, rule);
 }
@@ -325,9 +351,11 @@ template <InType T>
 MXFP8_CPU_LOOP void quantize_row_group(const typename Input<T>::Elem* x, int n, uint8_t* q,
                                        uint8_t* s, ScaleRule rule, const vec::Cast16K& c16) {
   using namespace vec;
-  i32x8 m[8], mnb[8];
+  i32x8 m[8], mnb;  // mnb: per-block minimum statistic (bf16 only)
   bool subnormal;
+  i32x8 amax;
   if constexpr (T == InType::kBF16) {
+    i16x16 mx16[8], mn16[8];
 #pragma GCC unroll 8
     for (int b = 0; b < 8; ++b) {
       i16x16 mx = i16x16{}, mn = i16x16{} + INT16_MAX;
@@ -335,10 +363,13 @@ MXFP8_CPU_LOOP void quantize_row_group(const typename Input<T>::Elem* x, int n, 
         accumulate16(load16(x + b * kBlock), mx, mn);
         accumulate16(load16(x + b * kBlock + 16), mx, mn);
       }
-      m[kReduceSlot[b]] = vmax(even32(mx), odd32(mx));
-      mnb[kReduceSlot[b]] = vmin(even32s(mn), odd32s(mn));
+      mx16[kReduceSlot[b]] = mx;
+      mn16[kReduceSlot[b]] = mn;
     }
-    subnormal = hmin(reduce8<false>(mnb)) < kSubnormalBelow16;
+    // |h| << 16 is the fp32 |x| bits (|h| <= 0x7FFF, so the sign extension leaves it alone)
+    amax = reduce8x16<true>(mx16) << 16;
+    mnb = reduce8x16<false>(mn16);
+    subnormal = hmin(mnb) < kSubnormalBelow16;
   } else {
     i32x8 mn = splat(INT32_MAX);
 #pragma GCC unroll 8
@@ -352,15 +383,15 @@ MXFP8_CPU_LOOP void quantize_row_group(const typename Input<T>::Elem* x, int n, 
       m[kReduceSlot[b]] = mx;
     }
     subnormal = hmin(mn) < kSubnormalBelow;
+    amax = reduce8<true>(m);
   }
-  const i32x8 amax = reduce8<true>(m);
   if (hmax(amax) >= 0x7F800000 || subnormal) {
     for (int b = 0; b < n; ++b) quantize_block_outlined<T>(x + b * kBlock, q + b * kBlock, s + b, rule);
     return;
   }
   const i32x8 sc = scales(amax, rule);
   if constexpr (T == InType::kBF16) {
-    const i32x8 kv = 127 - sc, f = normal_only(reduce8<false>(mnb), kv);
+    const i32x8 kv = 127 - sc, f = normal_only(mnb, kv);
     if (n == 8 && hmax(f) < 0) {  // every lane -1
       // The common case: eight blocks, all taking cast16. The scales go out as one 8-byte
       // store, and each block's k << 7 (|k| <= 127, so the low 16 bits of its int32 lane) is
@@ -512,8 +543,11 @@ MXFP8_CPU_LOOP void quantize_band(const typename Input<T>::Elem* x, int64_t K, u
   const vec::Cast16K c16 = vec::Cast16K::make();
   for (int64_t c0 = 0; c0 < K; c0 += kTileCols) {
     const int64_t w = std::min(kTileCols, K - c0);
-    for (int r = 0; r < kBlock; ++r)
-      std::memcpy(in + r * kTileCols, x + r * K + c0, static_cast<size_t>(w) * sizeof(Elem));
+    if (w == kTileCols)  // a constant size: the copies are inlined vector moves
+      for (int r = 0; r < kBlock; ++r) std::memcpy(in + r * kTileCols, x + r * K + c0, sizeof(Elem) * kTileCols);
+    else
+      for (int r = 0; r < kBlock; ++r)
+        std::memcpy(in + r * kTileCols, x + r * K + c0, static_cast<size_t>(w) * sizeof(Elem));
     if (row_q) {  // K (so w) is a multiple of 32 here
       const int64_t wb = w / kBlock;
       for (int r = 0; r < kBlock; ++r)
@@ -522,8 +556,11 @@ MXFP8_CPU_LOOP void quantize_band(const typename Input<T>::Elem* x, int64_t K, u
                                 row_q + r * K + c0 + b * kBlock, row_s + r * nb + c0 / kBlock + b, rule, c16);
     }
     quantize_columnwise_tile<T>(in, kTileCols, w, out, kTileCols, col_s + c0, rule);
-    for (int r = 0; r < kBlock; ++r)
-      std::memcpy(col_q + r * K + c0, out + r * kTileCols, static_cast<size_t>(w));
+    if (w == kTileCols)
+      for (int r = 0; r < kBlock; ++r) std::memcpy(col_q + r * K + c0, out + r * kTileCols, kTileCols);
+    else
+      for (int r = 0; r < kBlock; ++r)
+        std::memcpy(col_q + r * K + c0, out + r * kTileCols, static_cast<size_t>(w));
   }
 }
 
