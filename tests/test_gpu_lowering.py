@@ -109,8 +109,8 @@ def test_rmsnorm_quantize_call(platform, columnwise):
     (call,) = _custom_calls(text, "mxfp8_rmsnorm_quantize")
     operands, results, attrs = call
     assert operands == [f"tensor<{r}x{h}xbf16>", f"tensor<{h}xbf16>"]
-    col = [f"tensor<{r}x{h}xui8>", f"tensor<{r // 32}x{h}xui8>"] if columnwise else ["tensor<0xui8>"] * 2
-    assert results == [f"tensor<{r}x{h}xbf16>", f"tensor<{r}x{h}xui8>", f"tensor<{r}x{h // 32}xui8>"] + col
+    col = [f"tensor<{r}x{h}xf8E4M3FN>", f"tensor<{r // 32}x{h}xui8>"] if columnwise else ["tensor<0xui8>"] * 2
+    assert results == [f"tensor<{r}x{h}xbf16>", f"tensor<{r}x{h}xf8E4M3FN>", f"tensor<{r}x{h // 32}xui8>"] + col
     assert "quantize_from_fp32 = true" in attrs
     assert f"columnwise = {str(columnwise).lower()}" in attrs
     f32_attr = lambda name: np.float32(re.search(rf"{name} = (\S+) : f32", attrs).group(1))  # noqa: E731
@@ -132,9 +132,9 @@ def test_allgather_rmsnorm_quantize_call(platform, columnwise):
     (call,) = _custom_calls(text, "mxfp8_allgather_rmsnorm_quantize")
     operands, results, attrs = call
     assert operands == [f"tensor<{rows_max}x{h}xbf16>", f"tensor<{h}xbf16>", "tensor<3xi32>"]
-    col = [f"tensor<{r}x{h}xui8>", f"tensor<{r // 32}x{h}xui8>"] if columnwise else ["tensor<0xui8>"] * 2
+    col = [f"tensor<{r}x{h}xf8E4M3FN>", f"tensor<{r // 32}x{h}xui8>"] if columnwise else ["tensor<0xui8>"] * 2
     assert results == (
-        [f"tensor<{r}x{h}xbf16>", f"tensor<{r}x{h}xui8>", f"tensor<{r}x{h // 32}xui8>"]
+        [f"tensor<{r}x{h}xbf16>", f"tensor<{r}x{h}xf8E4M3FN>", f"tensor<{r}x{h // 32}xui8>"]
         + col + [f"tensor<{r}x{h}xbf16>"]
     )
     for attr in ("op_id = 7 : i64", "group_size = 4 : i64", "timeout_ms = 2500 : i64",

@@ -177,12 +177,12 @@ def quantize_segments(
 
 
 def _norm_shapes(r: int, h: int, columnwise: bool):
-    u8 = jnp.uint8
+    u8, e4m3 = jnp.uint8, jnp.float8_e4m3fn  # codes as E4M3 (see quantize), scales as bytes
     return (
         jax.ShapeDtypeStruct((r, h), jnp.bfloat16),
-        jax.ShapeDtypeStruct((r, h), u8),
+        jax.ShapeDtypeStruct((r, h), e4m3),
         jax.ShapeDtypeStruct((r, h // 32), u8),
-        jax.ShapeDtypeStruct((r, h), u8) if columnwise else _EMPTY,
+        jax.ShapeDtypeStruct((r, h), e4m3) if columnwise else _EMPTY,
         jax.ShapeDtypeStruct((r // 32, h), u8) if columnwise else _EMPTY,
     )
 
