@@ -48,6 +48,7 @@
 #include "cpu/parallel.h"
 #include "cpu/rmsnorm_cpu.h"
 #include "mxfp8/gather_args.h"
+#include "mxfp8/gather_ffi.h"
 #include "mxfp8/rendezvous.h"
 
 namespace mxfp8::cpu {
@@ -202,26 +203,6 @@ ffi::Future AllgatherRmsnormQuantize(
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(AllgatherRmsnormQuantizeHandler, AllgatherRmsnormQuantize,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Ctx<ffi::RunId>()
-                                  .Arg<ffi::Buffer<ffi::BF16>>()
-                                  .Arg<ffi::Buffer<ffi::BF16>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::Buffer<ffi::BF16>>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::Buffer<ffi::BF16>>()
-                                  .Attr<int64_t>("op_id")
-                                  .Attr<int64_t>("group_size")
-                                  .Attr<ffi::Span<const int64_t>>("row_counts")
-                                  .Attr<float>("eps")
-                                  .Attr<float>("weight_offset")
-                                  .Attr<bool>("quantize_from_fp32")
-                                  .Attr<bool>("columnwise")
-                                  .Attr<int32_t>("scale_rule")
-                                  .Attr<int64_t>("timeout_ms"));
+                              gather_binding<ffi::ThreadPool>());
 
 }  // namespace mxfp8::cpu

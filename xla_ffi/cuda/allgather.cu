@@ -1,34 +1,22 @@
-// mxfp8_allgather_rmsnorm_quantize (CUDA / ROCm, experimental): the kernel of the in-process
-// all-gather and the runtime helpers of its host protocol. The FFI handler (handlers.cc) meets
-// the group's other devices, hands this kernel their input pointers, and orders the streams
-// with the events made here; operands, results and attributes are those of the CPU handler
-// (cpu/allgather.cc).
+// mxfp8_allgather_rmsnorm_quantize (CUDA / ROCm, experimental): the runtime helpers of the
+// in-process all-gather's host protocol. The FFI handler (handlers.cc) meets the group's other
+// devices, hands the kernel their input pointers, and orders the streams with the events made
+// here; operands, results and attributes are those of the CPU handler (cpu/allgather.cc).
 //
-// The kernel is the RMSNorm + MXFP8 kernel of rmsnorm_kernels.cuh reading row r from the rank
-// that owns it (a peer's x, over peer access: NVLink or PCIe), and also writing the residual
-// (the gathered rows, bit for bit). Every device of the group runs it for the whole group.
+// The kernel (launch_allgather_rmsnorm_quantize, in rmsnorm_quantize.cu) is the RMSNorm + MXFP8
+// kernel of rmsnorm_kernels.cuh reading row r from the rank that owns it (a peer's x, over peer
+// access: NVLink or PCIe), and also writing the residual (the gathered rows, bit for bit).
+// Every device of the group runs it for the whole group.
 #include <map>
 #include <mutex>
 #include <set>
 #include <utility>
 
-#include "cuda/rmsnorm_kernels.cuh"
+#include "cuda/gpu.cuh"
+#include "cuda/launch.h"
 
 namespace mxfp8::gpu {
 namespace {
-
-// Row r of the group: from the rank whose range [start[k], start[k+1]) holds it (ranks with no
-// rows have an empty range and are skipped).
-struct GatheredRows {
-  GatherRows table;
-  int64_t H;
-  static constexpr bool kResidual = true;
-  __device__ const uint16_t* operator()(int64_t r) const {
-    int k = 0;
-    while (k + 1 < table.ranks && r >= table.start[k + 1]) ++k;
-    return table.base[k] + (r - table.start[k]) * H;
-  }
-};
 
 // Makes `device` current for the helper's runtime calls and restores the caller's device: XLA
 // runs each device's program on its own thread with that device current, and a helper called
@@ -67,14 +55,6 @@ std::map<std::pair<int, int>, bool> can_access;  // (device, peer) -> cudaDevice
 std::set<std::pair<int, int>> enabled;           // pairs already enabled in this process
 
 }  // namespace
-
-const char* launch_allgather_rmsnorm_quantize(void* stream, const GatherRows& rows,
-                                              const uint16_t* gamma, int64_t R,
-                                              const NormParams& prm, const NormOut& o,
-                                              bool columnwise, bool quantize_from_fp32) {
-  return enqueue_rmsnorm_quantize(stream, GatheredRows{rows, prm.H}, gamma, R, prm, o,
-                                  columnwise, quantize_from_fp32);
-}
 
 const char* gpu_device_of(const void* p, int* device) {
   cudaPointerAttributes attr{};

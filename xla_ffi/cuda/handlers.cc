@@ -12,6 +12,7 @@
 
 #include "cuda/launch.h"
 #include "mxfp8/gather_args.h"
+#include "mxfp8/gather_ffi.h"
 #include "mxfp8/rendezvous.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -108,6 +109,27 @@ ffi::Error QuantizeSegments(void* stream, ffi::AnyBuffer x, ffi::AnyBuffer desc,
                     static_cast<ScaleRule>(scale_rule)));
 }
 
+// The RMSNorm kernels' parameters and outputs, shared by the local and the gathered op.
+NormParams norm_params(int64_t H, float eps, float weight_offset, int32_t scale_rule) {
+  NormParams prm;
+  prm.H = H;
+  prm.eps = eps;
+  prm.weight_offset = weight_offset;
+  prm.rule = static_cast<ScaleRule>(scale_rule);
+  return prm;
+}
+
+NormOut norm_out(ffi::Result<ffi::Buffer<ffi::BF16>>& normed, ffi::Result<ffi::AnyBuffer>& row_q,
+                 ffi::Result<ffi::AnyBuffer>& row_s, ffi::Result<ffi::AnyBuffer>& col_q,
+                 ffi::Result<ffi::AnyBuffer>& col_s, bool columnwise) {
+  NormOut o;
+  o.normed = reinterpret_cast<uint16_t*>(normed->typed_data());
+  o.row_q = bytes(row_q);
+  o.row_s = bytes(row_s);
+  if (columnwise) o.col_q = bytes(col_q), o.col_s = bytes(col_s);
+  return o;
+}
+
 ffi::Error RmsnormQuantize(void* stream, ffi::Buffer<ffi::BF16> x, ffi::Buffer<ffi::BF16> gamma,
                            ffi::Result<ffi::Buffer<ffi::BF16>> normed,
                            ffi::Result<ffi::AnyBuffer> row_q, ffi::Result<ffi::AnyBuffer> row_s,
@@ -127,16 +149,8 @@ ffi::Error RmsnormQuantize(void* stream, ffi::Buffer<ffi::BF16> x, ffi::Buffer<f
     return invalid("mxfp8_rmsnorm_quantize: result sizes do not match x");
   if (n == 0) return ffi::Error::Success();
 
-  NormParams prm;
-  prm.H = H;
-  prm.eps = eps;
-  prm.weight_offset = weight_offset;
-  prm.rule = static_cast<ScaleRule>(scale_rule);
-  NormOut o;
-  o.normed = reinterpret_cast<uint16_t*>(normed->typed_data());
-  o.row_q = bytes(row_q);
-  o.row_s = bytes(row_s);
-  if (columnwise) o.col_q = bytes(col_q), o.col_s = bytes(col_s);
+  const NormParams prm = norm_params(H, eps, weight_offset, scale_rule);
+  const NormOut o = norm_out(normed, row_q, row_s, col_q, col_s, columnwise);
   return status("mxfp8_rmsnorm_quantize",
                 launch_rmsnorm_quantize(stream, reinterpret_cast<const uint16_t*>(x.typed_data()),
                                         reinterpret_cast<const uint16_t*>(gamma.typed_data()), R,
@@ -302,16 +316,8 @@ ffi::Error AllgatherRmsnormQuantize(
       rows.base[k] = ready.values[k].x;
       rows.start[k + 1] = rows.start[k] + plan.counts[k];
     }
-    NormParams prm;
-    prm.H = plan.H;
-    prm.eps = eps;
-    prm.weight_offset = weight_offset;
-    prm.rule = static_cast<ScaleRule>(scale_rule);
-    NormOut o;
-    o.normed = reinterpret_cast<uint16_t*>(normed->typed_data());
-    o.row_q = bytes(row_q);
-    o.row_s = bytes(row_s);
-    if (columnwise) o.col_q = bytes(col_q), o.col_s = bytes(col_s);
+    const NormParams prm = norm_params(plan.H, eps, weight_offset, scale_rule);
+    NormOut o = norm_out(normed, row_q, row_s, col_q, col_s, columnwise);
     o.residual = reinterpret_cast<uint16_t*>(residual->typed_data());
     if (const char* e = launch_allgather_rmsnorm_quantize(
             stream, rows, reinterpret_cast<const uint16_t*>(gamma.typed_data()), plan.R, prm, o,
@@ -395,26 +401,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(RmsnormQuantizeHandler, RmsnormQuantize,
                                   .Attr<int32_t>("scale_rule"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(AllgatherRmsnormQuantizeHandler, AllgatherRmsnormQuantize,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<void*>>()
-                                  .Ctx<ffi::RunId>()
-                                  .Arg<ffi::Buffer<ffi::BF16>>()
-                                  .Arg<ffi::Buffer<ffi::BF16>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::Buffer<ffi::BF16>>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::Buffer<ffi::BF16>>()
-                                  .Attr<int64_t>("op_id")
-                                  .Attr<int64_t>("group_size")
-                                  .Attr<ffi::Span<const int64_t>>("row_counts")
-                                  .Attr<float>("eps")
-                                  .Attr<float>("weight_offset")
-                                  .Attr<bool>("quantize_from_fp32")
-                                  .Attr<bool>("columnwise")
-                                  .Attr<int32_t>("scale_rule")
-                                  .Attr<int64_t>("timeout_ms"));
+                              gather_binding<ffi::PlatformStream<void*>>());
 
 }  // namespace mxfp8::gpu

@@ -1,12 +1,8 @@
-// The GPU RMSNorm + MXFP8 kernels, templated on where they read their rows from, so that the
-// local op (rmsnorm_quantize.cu: rows of one buffer) and the in-process all-gather
-// (allgather.cu: rows of the group's devices, read over peer access) share one kernel body.
-//
-// Row source: a small, trivially copyable functor passed by value to the kernel:
-//   const uint16_t* operator()(int64_t r)  the first element of row r of the [R, H] input
-//                                           (every row 16-byte aligned: H % 32 == 0)
-//   static constexpr bool kResidual        the rows read are also an output: the kernels copy
-//                                           them, bit for bit, to o.residual ([R, H])
+// The GPU RMSNorm + MXFP8 kernels. They read their rows through a table of ranks (RowTable), so
+// that the local op (one rank: rows of one buffer) and the in-process all-gather (rows of the
+// group's devices, read over peer access) are the same kernels, compiled once
+// (rmsnorm_quantize.cu). When o.residual is set the rows read are also an output, copied bit
+// for bit to o.residual ([R, H]).
 //
 // Two kernels:
 //   - rows (rowwise planes only): 32 lanes per row; rows up to 8192 wide stay in registers
@@ -21,12 +17,16 @@
 
 namespace mxfp8::gpu {
 
-// Rows of one [R, H] buffer.
-struct ContiguousRows {
-  const uint16_t* x;
+// Row r of the [R, H] input (every row 16-byte aligned: H % 32 == 0): from the rank whose range
+// [start[k], start[k+1]) holds it (ranks with no rows have an empty range and are skipped).
+struct RowTable {
+  GatherRows table;
   int64_t H;
-  static constexpr bool kResidual = false;
-  __device__ const uint16_t* operator()(int64_t r) const { return x + r * H; }
+  __device__ const uint16_t* operator()(int64_t r) const {
+    int k = 0;
+    while (k + 1 < table.ranks && r >= table.start[k + 1]) ++k;
+    return table.base[k] + (r - table.start[k]) * H;
+  }
 };
 
 // Quantization source of the exact form for a band quantized from fp32: the unrounded
@@ -96,7 +96,7 @@ __global__ void __launch_bounds__(kBlockThreads)
       *reinterpret_cast<uint4*>(o.normed + at) = make_uint4(normed[0], normed[1], normed[2], normed[3]);
       store_codes<kNormVec>(o.row_q + at, c);
       if (lane % (kBlock / kNormVec) == 0) o.row_s[at / kBlock] = scale;
-      if constexpr (Rows::kResidual) *reinterpret_cast<uint4*>(o.residual + at) = v;
+      if (o.residual) *reinterpret_cast<uint4*>(o.residual + at) = v;
     }
   }
 }
@@ -150,11 +150,11 @@ __global__ void __launch_bounds__(kBlockThreads)
       if (active) {
         if constexpr (V == 8) {
           xv = *reinterpret_cast<const uint4*>(xp);
-          if constexpr (Rows::kResidual) *reinterpret_cast<uint4*>(o.residual + e0 + r * H) = xv;
+          if (o.residual) *reinterpret_cast<uint4*>(o.residual + e0 + r * H) = xv;
         } else {
           const uint2 h = *reinterpret_cast<const uint2*>(xp);
           xv.x = h.x, xv.y = h.y;
-          if constexpr (Rows::kResidual) *reinterpret_cast<uint2*>(o.residual + e0 + r * H) = h;
+          if (o.residual) *reinterpret_cast<uint2*>(o.residual + e0 + r * H) = h;
         }
       }
       uint32_t xb[V], normed[V / 2], src[V];

@@ -10,7 +10,9 @@
 // normed = bf16_rne((x * inv) * (gamma + weight_offset)) in the order pinned in numerics.h;
 // the quantized planes are those of normed (or of the unrounded fp32 value).
 //
-// The kernels (rmsnorm_kernels.cuh) read the rows of x, one buffer.
+// The kernels (rmsnorm_kernels.cuh) read rows through a table of ranks: here one rank, x. The
+// launcher of the in-process all-gather (allgather.cu holds its host protocol) is here too, so
+// that both ops use one compiled set of kernels.
 #include "cuda/rmsnorm_kernels.cuh"
 
 namespace mxfp8::gpu {
@@ -18,7 +20,22 @@ namespace mxfp8::gpu {
 const char* launch_rmsnorm_quantize(void* stream, const uint16_t* x, const uint16_t* gamma,
                                     int64_t R, const NormParams& prm, const NormOut& o,
                                     bool columnwise, bool quantize_from_fp32) {
-  return enqueue_rmsnorm_quantize(stream, ContiguousRows{x, prm.H}, gamma, R, prm, o, columnwise,
+  GatherRows one;
+  one.ranks = 1;
+  one.base[0] = x;
+  one.start[1] = R;
+  NormOut local = o;
+  local.residual = nullptr;  // the local op has no residual output
+  return enqueue_rmsnorm_quantize(stream, RowTable{one, prm.H}, gamma, R, prm, local, columnwise,
+                                  quantize_from_fp32);
+}
+
+// The group's R rows, read from the ranks' inputs, and o.residual = those rows.
+const char* launch_allgather_rmsnorm_quantize(void* stream, const GatherRows& rows,
+                                              const uint16_t* gamma, int64_t R,
+                                              const NormParams& prm, const NormOut& o,
+                                              bool columnwise, bool quantize_from_fp32) {
+  return enqueue_rmsnorm_quantize(stream, RowTable{rows, prm.H}, gamma, R, prm, o, columnwise,
                                   quantize_from_fp32);
 }
 
