@@ -1,6 +1,6 @@
 // CPU MXFP8 quantize loops over row bands, shared by the plain, packed-segment and fused
 // RMSNorm kernels. A band is 32 rows: one row of columnwise blocks and 32 rows of rowwise
-// blocks, so both planes come out of one read of the band (the second sweep hits cache).
+// blocks, so both planes come out of one read of the band (tile by tile, from a copy in L1).
 #pragma once
 
 #include <algorithm>
