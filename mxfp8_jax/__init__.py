@@ -4,7 +4,14 @@ Exact MXFP8 numerics (one rule set for the pure-JAX reference and the CPU/CUDA/R
 sharded FSDP buffers of MXFP8 planes, and a fused all-gather + RMSNorm + MXFP8 quantize.
 """
 
-from mxfp8_jax._src._ffi import ExtensionMissingError, available_backends
+from mxfp8_jax._src._ffi import (
+    ExtensionMissingError,
+    available_backends,
+    cpu_isa,
+    cpu_isas,
+    set_cpu_isa,
+    use_cpu_isa,
+)
 from mxfp8_jax._src.format import BLOCK, ScaleRule, e8m0_to_float32, e8m0_view
 from mxfp8_jax._src.quantize import dequantize, quantize
 from mxfp8_jax._src.tensor import (
@@ -55,6 +62,10 @@ __all__ = [
     "MXFP8Tensor",
     "ScaleRule",
     "available_backends",
+    "cpu_isa",
+    "cpu_isas",
+    "set_cpu_isa",
+    "use_cpu_isa",
     "dequantize",
     "e8m0_to_float32",
     "e8m0_view",

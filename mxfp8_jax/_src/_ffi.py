@@ -8,6 +8,7 @@ no ROCm runtime) never stops the CPU part from loading.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib
 import warnings
@@ -95,6 +96,44 @@ def gpu_platform() -> str | None:
         return None
     version = str(getattr(dev.client, "platform_version", "")).lower()
     return "rocm" if ("rocm" in version or "hip" in version) else "cuda"
+
+
+# ------------------------------------------------------------------------------------------------
+# the CPU kernels' instruction set
+
+
+def _cpu_module():
+    require("mxfp8_quantize", "cpu")
+    return importlib.import_module("mxfp8_jax._mxfp8_cpu")
+
+
+def cpu_isa() -> str:
+    """The instruction set the CPU kernels run: ``'avx512'``, ``'avx2'`` or ``'baseline'``. By
+    default the best this CPU supports; every path gives the same bytes."""
+    return _cpu_module().isa()
+
+
+def cpu_isas() -> tuple[str, ...]:
+    """The instruction sets this CPU can run the kernels with, lowest first."""
+    return tuple(_cpu_module().isas())
+
+
+def set_cpu_isa(isa: str) -> None:
+    """Runs the CPU kernels with ``isa`` from the next call on (compiled functions included: the
+    kernel reads the choice each time it runs). For comparisons; see :func:`use_cpu_isa`."""
+    _cpu_module().set_isa(isa)
+
+
+@contextlib.contextmanager
+def use_cpu_isa(isa: str):
+    """Context manager: the CPU kernels run with ``isa`` inside, and with the previous choice
+    again after. The choice is process-wide, not per thread."""
+    before = cpu_isa()
+    set_cpu_isa(isa)
+    try:
+        yield
+    finally:
+        set_cpu_isa(before)
 
 
 # ------------------------------------------------------------------------------------------------

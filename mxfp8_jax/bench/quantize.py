@@ -1,10 +1,11 @@
 """Quantize throughput: the FFI kernel vs the jitted pure-JAX reference vs a plain copy.
 
-    python -m mxfp8_jax.bench.quantize [--m 4096 --k 4096 --dtype bfloat16 --json out.json]
+    python -m mxfp8_jax.bench.quantize [--m 4096 --k 4096 --dtype bfloat16 --isa avx2 --json out.json]
 
 All three run in the same process on the same input. GB/s counts the bytes each one must move
 (input read + planes written; the copy reads and writes the input once), and the floor is the
-time the kernel's bytes would take at the measured copy bandwidth.
+time the kernel's bytes would take at the measured copy bandwidth. On CPU the kernel runs the
+best instruction set of the machine (named in the title) unless --isa picks a lower one.
 """
 
 from __future__ import annotations
@@ -22,9 +23,16 @@ from mxfp8_jax.bench._timing import (
 
 
 def run(m: int = 4096, k: int = 4096, dtype: str = "bfloat16", rowwise: bool = True,
-        columnwise: bool = True, iters: int = 10, json_path: str | None = None) -> dict:
+        columnwise: bool = True, iters: int = 10, json_path: str | None = None,
+        isa: str | None = None) -> dict:
     platform = jax.default_backend()
     _ffi.require("mxfp8_quantize", platform)  # never silently benchmark the fallback
+    if platform != "cpu" and isa is not None:
+        raise ValueError(f"isa={isa!r} selects a CPU instruction set; the default backend is {platform!r}")
+    if platform == "cpu":
+        if isa is not None:
+            _ffi.set_cpu_isa(isa)
+        isa = _ffi.cpu_isa()
     x = (jax.random.normal(jax.random.key(0), (m, k), jnp.float32) * 3).astype(dtype)
     in_bytes = x.size * x.dtype.itemsize
     planes = int(rowwise) + int(columnwise)
@@ -49,13 +57,14 @@ def run(m: int = 4096, k: int = 4096, dtype: str = "bfloat16", rowwise: bool = T
         ("copy of the input", f"{t_copy * 1e3:.2f}", f"{copy_bw / 1e9:.2f}", f"{t_copy / t_kernel:.2f}", "-"),
     ]
     print_table(
-        f"MXFP8 quantize {m}x{k} {dtype}, planes: {'rowwise ' if rowwise else ''}{'columnwise' if columnwise else ''} ({platform})",
+        f"MXFP8 quantize {m}x{k} {dtype}, planes: {'rowwise ' if rowwise else ''}{'columnwise' if columnwise else ''} "
+        f"({platform}{', ' + isa if isa else ''})",
         ["path", "ms", "GB/s", "time / kernel", "copy-floor / time"],
         rows,
     )
     result = {
         "bench": "quantize", "m": m, "k": k, "dtype": dtype, "rowwise": rowwise,
-        "columnwise": columnwise, "bytes_moved": moved, "kernel_s": t_kernel,
+        "columnwise": columnwise, "isa": isa, "bytes_moved": moved, "kernel_s": t_kernel,
         "reference_s": t_ref, "copy_s": t_copy, "copy_GBps": copy_bw / 1e9,
         "kernel_GBps": moved / t_kernel / 1e9, "reference_GBps": moved / t_ref / 1e9,
         "speedup_vs_reference": t_ref / t_kernel, "fraction_of_copy_floor": floor / t_kernel,
@@ -72,11 +81,14 @@ def main(argv=None) -> None:
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     p.add_argument("--planes", default="both", choices=["rowwise", "columnwise", "both"])
     p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--isa", choices=["baseline", "avx2", "avx512"],
+                   help="CPU instruction set of the kernel (default: the best this CPU has)")
     p.add_argument("--json", dest="json_path")
     add_fresh_pages_flag(p)
     a = p.parse_args(argv)
     reuse_freed_memory(not a.fresh_pages)
-    run(a.m, a.k, a.dtype, a.planes in ("rowwise", "both"), a.planes in ("columnwise", "both"), a.iters, a.json_path)
+    run(a.m, a.k, a.dtype, a.planes in ("rowwise", "both"), a.planes in ("columnwise", "both"), a.iters, a.json_path,
+        a.isa)
 
 
 if __name__ == "__main__":

@@ -1,5 +1,10 @@
 // The CPU extension module: hands XLA FFI handler capsules to Python for registration.
 #include <nanobind/nanobind.h>
+#include <nanobind/stl/string.h>
+
+#include <string>
+
+#include "cpu/isa.h"
 
 #include "xla/ffi/api/c_api.h"
 
@@ -26,5 +31,21 @@ NB_MODULE(_mxfp8_cpu, m) {
     d["mxfp8_rmsnorm_quantize"] = capsule(mxfp8::cpu::RmsnormQuantizeHandler);
     d["mxfp8_allgather_rmsnorm_quantize"] = capsule(mxfp8::cpu::AllgatherRmsnormQuantizeHandler);
     return d;
+  });
+  // The instruction set the kernels run (isa.h): the best of this CPU by default.
+  m.def("isa", []() { return std::string(mxfp8::cpu::isa_name(mxfp8::cpu::active_isa())); });
+  m.def("isas", []() {
+    nb::list l;
+    for (int i = 0; i <= static_cast<int>(mxfp8::cpu::best_isa()); ++i)
+      l.append(mxfp8::cpu::isa_name(static_cast<mxfp8::cpu::CpuIsa>(i)));
+    return l;
+  });
+  m.def("set_isa", [](const std::string& name) {
+    mxfp8::cpu::CpuIsa isa;
+    if (!mxfp8::cpu::isa_from_name(name.c_str(), &isa))
+      throw nb::value_error(("isa must be one of 'baseline', 'avx2', 'avx512'; got '" + name + "'").c_str());
+    if (!mxfp8::cpu::set_active_isa(isa))
+      throw nb::value_error(("isa='" + name + "': this CPU supports up to '" +
+                             mxfp8::cpu::isa_name(mxfp8::cpu::best_isa()) + "'").c_str());
   });
 }

@@ -8,10 +8,11 @@
 #include <cstdint>
 #include <cstring>
 
+#include "cpu/quantize_avx512.h"
 #include "mxfp8/numerics.h"
 
-// The band loops are force-inlined so that each caller compiles them for its own target (the
-// AVX2 clone of quantize_rows_simd below, or the baseline).
+// The band loops are force-inlined so that each caller compiles them for its own target (one
+// entry point per instruction set: quantize_simd.cc, rmsnorm_quantize.cc).
 #define MXFP8_CPU_LOOP inline __attribute__((always_inline))
 
 namespace mxfp8::cpu {
@@ -61,7 +62,7 @@ MXFP8_CPU_LOOP void quantize_columns_scalar(const typename Input<T>::Elem* x, in
 }
 
 // The fast path works on 32 consecutive elements at a time held in four 8-lane vectors of fp32
-// bits (GCC/Clang vector extensions: one AVX2 register each in the AVX2 clone, two SSE registers
+// bits (GCC/Clang vector extensions: one AVX2 register each in the AVX2 build, two SSE registers
 // in the baseline). Only integer operations and exactly rounded float operations on normal
 // operands, as in e4m3_scaled_normal_input.
 namespace vec {
@@ -327,30 +328,58 @@ MXFP8_CPU_LOOP void quantize_block(const typename Input<T>::Elem* x, uint8_t* q,
   store32<T>(c, q);
 }
 
-#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
-#define MXFP8_BLOCK_CLONES __attribute__((noinline, target_clones("avx2", "default")))
-#else
-#define MXFP8_BLOCK_CLONES __attribute__((noinline))
-#endif
+// Instruction sets of the band loops, as template tags: each entry point instantiates the loops
+// with the tag of the target it is compiled for. A tag gives the out-of-line per-block function
+// (for the rare groups that hold special values and bf16 blocks that cannot take cast16: kept
+// out of the group loop so that its constants are not set up for every group; compiled for the
+// same instructions as the loop that calls it) and says whether bf16 has the 512-bit paths of
+// quantize_avx512.h. The numerics are the same under every tag.
+struct IsaBaseline {
+  static constexpr bool kWideBf16 = false;
+  template <InType T>
+  __attribute__((noinline)) static void block(const typename Input<T>::Elem* x, uint8_t* q, uint8_t* s,
+                                              ScaleRule rule) {
+    quantize_block<T>(x, q, s, rule);
+  }
+};
 
-// quantize_block out of line, for the rare groups that hold special values and bf16 blocks that
-// cannot take cast16: kept out of the group loop so that its constants are not set up for every
-// group. Built for AVX2 and the baseline ISA like the band loops (its own resolver: the caller's
-// target does not reach an out-of-line function); the numerics are the same in both.
-template <InType T>
-MXFP8_BLOCK_CLONES void quantize_block_outlined(const typename Input<T>::Elem* x, uint8_t* q,
-                                                       uint8_t* s, ScaleRule rule) {
-  quantize_block<T>(x, q, s, rule);
-}
+#if MXFP8_HAVE_AVX512_PATH
+struct IsaAvx2 {
+  static constexpr bool kWideBf16 = false;
+  template <InType T>
+  __attribute__((noinline, target("avx2"))) static void block(const typename Input<T>::Elem* x, uint8_t* q,
+                                                              uint8_t* s, ScaleRule rule) {
+    quantize_block<T>(x, q, s, rule);
+  }
+};
+
+struct IsaAvx512 {
+  static constexpr bool kWideBf16 = true;
+  template <InType T>
+  __attribute__((noinline)) MXFP8_TARGET_AVX512 static void block(const typename Input<T>::Elem* x, uint8_t* q,
+                                                                  uint8_t* s, ScaleRule rule) {
+    quantize_block<T>(x, q, s, rule);
+  }
+  MXFP8_TARGET_AVX512 static bool bf16_row_group8(const uint16_t* x, uint8_t* q, uint8_t* s, ScaleRule rule) {
+    return avx512::bf16_row_group8(x, q, s, rule);
+  }
+  MXFP8_TARGET_AVX512 static bool bf16_columns32(const uint16_t* x, int64_t xs, uint8_t* q, int64_t qs,
+                                                 uint8_t* s, ScaleRule rule) {
+    return avx512::bf16_columns32(x, xs, q, qs, s, rule);
+  }
+};
+#endif
 
 // Up to eight consecutive rowwise blocks (n of them) of one row. Their maxima are reduced
 // together (one lane per block), the scales computed lane-wise, and the blocks cast in a second
 // sweep that rereads them from L1. A group holding an fp32 subnormal, an Inf or a NaN goes
 // block by block.
-template <InType T>
+template <InType T, class Isa>
 MXFP8_CPU_LOOP void quantize_row_group(const typename Input<T>::Elem* x, int n, uint8_t* q,
                                        uint8_t* s, ScaleRule rule, const vec::Cast16K& c16) {
   using namespace vec;
+  if constexpr (T == InType::kBF16 && Isa::kWideBf16)
+    if (n == 8 && Isa::bf16_row_group8(x, q, s, rule)) return;
   i32x8 m[8], mnb;  // mnb: per-block minimum statistic (bf16 only)
   bool subnormal;
   i32x8 amax;
@@ -386,7 +415,7 @@ MXFP8_CPU_LOOP void quantize_row_group(const typename Input<T>::Elem* x, int n, 
     amax = reduce8<true>(m);
   }
   if (hmax(amax) >= 0x7F800000 || subnormal) {
-    for (int b = 0; b < n; ++b) quantize_block_outlined<T>(x + b * kBlock, q + b * kBlock, s + b, rule);
+    for (int b = 0; b < n; ++b) Isa::template block<T>(x + b * kBlock, q + b * kBlock, s + b, rule);
     return;
   }
   const i32x8 sc = scales(amax, rule);
@@ -413,7 +442,7 @@ MXFP8_CPU_LOOP void quantize_row_group(const typename Input<T>::Elem* x, int n, 
     __builtin_memcpy(fast, &f, sizeof fast);
     for (int b = 0; b < n; ++b) {
       if (!fast[b]) {
-        quantize_block_outlined<T>(x + b * kBlock, q + b * kBlock, s + b, rule);
+        Isa::template block<T>(x + b * kBlock, q + b * kBlock, s + b, rule);
         continue;
       }
       s[b] = static_cast<uint8_t>(sc[b]);
@@ -438,27 +467,29 @@ MXFP8_CPU_LOOP void quantize_row_group(const typename Input<T>::Elem* x, int n, 
 }
 
 // Rowwise blocks of `rows` rows of length K: q [rows, K], s [rows, K/32].
-template <InType T>
+template <InType T, class Isa>
 MXFP8_CPU_LOOP void quantize_rowwise(const typename Input<T>::Elem* x, int64_t rows, int64_t K, uint8_t* q,
                       uint8_t* s, ScaleRule rule) {
   const int64_t nb = K / kBlock;
   const vec::Cast16K c16 = vec::Cast16K::make();
   for (int64_t r = 0; r < rows; ++r)
     for (int64_t b = 0; b < nb; b += 8)
-      quantize_row_group<T>(x + r * K + b * kBlock, nb - b < 8 ? static_cast<int>(nb - b) : 8,
+      quantize_row_group<T, Isa>(x + r * K + b * kBlock, nb - b < 8 ? static_cast<int>(nb - b) : 8,
                             q + r * K + b * kBlock, s + r * nb + b, rule, c16);
 }
 
 // Columnwise blocks of a 32-row tile of n columns: x rows xs elements apart, q rows qs bytes
 // apart, s [n] (a piece of one row of the [M/32, K] scale plane). Columns go 32 at a time, each
 // lane of the four vectors one column.
-template <InType T>
+template <InType T, class Isa>
 MXFP8_CPU_LOOP void quantize_columnwise_tile(const typename Input<T>::Elem* x, int64_t xs, int64_t n,
                                              uint8_t* q, int64_t qs, uint8_t* s, ScaleRule rule) {
   using namespace vec;
   const Cast16K c16 = Cast16K::make();
   int64_t c0 = 0;
   for (; c0 + kBlock <= n; c0 += kBlock) {
+    if constexpr (T == InType::kBF16 && Isa::kWideBf16)
+      if (Isa::bf16_columns32(x + c0, xs, q + c0, qs, s + c0, rule)) continue;
     i32x8 mx[4], mn[4];
     bool subnormal;
     if constexpr (T == InType::kBF16) {
@@ -533,7 +564,7 @@ constexpr int64_t kTileCols = 256;
 // K bytes apart) puts every row of a column chunk in the same few cache sets whenever K is a
 // multiple of a large power of two, and the two output streams then evict each other's lines
 // before they are complete.
-template <InType T>
+template <InType T, class Isa>
 MXFP8_CPU_LOOP void quantize_band(const typename Input<T>::Elem* x, int64_t K, uint8_t* row_q,
                                   uint8_t* row_s, uint8_t* col_q, uint8_t* col_s, ScaleRule rule) {
   using Elem = typename Input<T>::Elem;
@@ -552,10 +583,10 @@ MXFP8_CPU_LOOP void quantize_band(const typename Input<T>::Elem* x, int64_t K, u
       const int64_t wb = w / kBlock;
       for (int r = 0; r < kBlock; ++r)
         for (int64_t b = 0; b < wb; b += 8)
-          quantize_row_group<T>(in + r * kTileCols + b * kBlock, wb - b < 8 ? static_cast<int>(wb - b) : 8,
+          quantize_row_group<T, Isa>(in + r * kTileCols + b * kBlock, wb - b < 8 ? static_cast<int>(wb - b) : 8,
                                 row_q + r * K + c0 + b * kBlock, row_s + r * nb + c0 / kBlock + b, rule, c16);
     }
-    quantize_columnwise_tile<T>(in, kTileCols, w, out, kTileCols, col_s + c0, rule);
+    quantize_columnwise_tile<T, Isa>(in, kTileCols, w, out, kTileCols, col_s + c0, rule);
     if (w == kTileCols)
       for (int r = 0; r < kBlock; ++r) std::memcpy(col_q + r * K + c0, out + r * kTileCols, kTileCols);
     else
@@ -566,30 +597,30 @@ MXFP8_CPU_LOOP void quantize_band(const typename Input<T>::Elem* x, int64_t K, u
 
 // Columnwise blocks of one 32-row band starting at x (row stride K): q [32, K] (same layout as
 // the input), s [K] (this band's row of the [M/32, K] scale plane).
-template <InType T>
+template <InType T, class Isa>
 MXFP8_CPU_LOOP void quantize_columnwise_band(const typename Input<T>::Elem* x, int64_t K, uint8_t* q,
                                              uint8_t* s, ScaleRule rule) {
-  quantize_band<T>(x, K, nullptr, nullptr, q, s, rule);
+  quantize_band<T, Isa>(x, K, nullptr, nullptr, q, s, rule);
 }
 
 // Rows [r0, r1) of an [M, K] matrix. For columnwise output r0 and r1 must be multiples of 32:
 // each 32-row band gives both planes from one read (quantize_band).
-template <InType T>
+template <InType T, class Isa>
 MXFP8_CPU_LOOP void quantize_rows(const typename Input<T>::Elem* x, int64_t r0, int64_t r1, int64_t K,
                    const Planes& p, ScaleRule rule) {
   if (!p.col_q) {
-    if (p.row_q) quantize_rowwise<T>(x + r0 * K, r1 - r0, K, p.row_q + r0 * K,
+    if (p.row_q) quantize_rowwise<T, Isa>(x + r0 * K, r1 - r0, K, p.row_q + r0 * K,
                                      p.row_s + r0 * (K / kBlock), rule);
     return;
   }
   for (int64_t r = r0; r < r1; r += kBlock)
-    quantize_band<T>(x + r * K, K, p.row_q ? p.row_q + r * K : nullptr,
+    quantize_band<T, Isa>(x + r * K, K, p.row_q ? p.row_q + r * K : nullptr,
                      p.row_q ? p.row_s + r * (K / kBlock) : nullptr, p.col_q + r * K,
                      p.col_s + (r / kBlock) * K, rule);
 }
 
-// quantize_rows for a runtime input type, built for AVX2 and for the baseline ISA and chosen
-// once at load time by the CPU's features (quantize_simd.cc).
+// quantize_rows for a runtime input type, built for each instruction set and run for the one
+// selected in isa.h (by default the best this CPU has).
 void quantize_rows_simd(InType t, const void* x, int64_t r0, int64_t r1, int64_t K,
                         const Planes& p, ScaleRule rule);
 

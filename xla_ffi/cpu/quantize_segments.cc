@@ -122,7 +122,7 @@ static ffi::Error QuantizeSegments(ffi::ThreadPool pool, ffi::AnyBuffer x,
     const int64_t o = k.offset, os = k.offset / kBlock;
     if (rq) p.row_q = rq + o, p.row_s = rs + os;
     if (cq) p.col_q = cq + o, p.col_s = cs + os;
-    // the piece as an [rows, row_len] matrix, through the per-ISA clones of the quantize loop
+    // the piece as an [rows, row_len] matrix, through the per-ISA builds of the quantize loop
     quantize_rows_simd(t, xb + o * elem, k.r0, k.r1, k.row_len, p, rule);
   });
   return ffi::Error::Success();

@@ -1,28 +1,56 @@
-// The quantize band loops compiled twice: for AVX2 (8 lanes of 32-bit integer work) and for the
-// baseline x86-64 ISA; the loader picks one by the CPU's features. Numerics are identical: the
-// loops use only integer operations and exactly rounded float operations on normal operands.
+// The quantize band loops compiled once per instruction set (baseline x86-64, AVX2, AVX-512) and
+// run for the one isa.h selects. Numerics are identical: the loops use only integer operations
+// and exactly rounded float operations on normal operands.
+#include "cpu/isa.h"
 #include "cpu/quantize_cpu.h"
 
 namespace mxfp8::cpu {
 
-#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
-#define MXFP8_SIMD_CLONES __attribute__((target_clones("avx2", "default")))
-#else
-#define MXFP8_SIMD_CLONES
-#endif
+namespace {
 
-MXFP8_SIMD_CLONES void quantize_rows_simd(InType t, const void* x, int64_t r0, int64_t r1,
-                                          int64_t K, const Planes& p, ScaleRule rule) {
+template <class Isa>
+MXFP8_CPU_LOOP void rows_typed(InType t, const void* x, int64_t r0, int64_t r1, int64_t K,
+                               const Planes& p, ScaleRule rule) {
   switch (t) {
     case InType::kF32:
-      quantize_rows<InType::kF32>(static_cast<const uint32_t*>(x), r0, r1, K, p, rule);
+      quantize_rows<InType::kF32, Isa>(static_cast<const uint32_t*>(x), r0, r1, K, p, rule);
       break;
     case InType::kBF16:
-      quantize_rows<InType::kBF16>(static_cast<const uint16_t*>(x), r0, r1, K, p, rule);
+      quantize_rows<InType::kBF16, Isa>(static_cast<const uint16_t*>(x), r0, r1, K, p, rule);
       break;
     case InType::kF16:
-      quantize_rows<InType::kF16>(static_cast<const uint16_t*>(x), r0, r1, K, p, rule);
+      quantize_rows<InType::kF16, Isa>(static_cast<const uint16_t*>(x), r0, r1, K, p, rule);
       break;
+  }
+}
+
+void rows_baseline(InType t, const void* x, int64_t r0, int64_t r1, int64_t K, const Planes& p,
+                   ScaleRule rule) {
+  rows_typed<IsaBaseline>(t, x, r0, r1, K, p, rule);
+}
+
+#if MXFP8_HAVE_AVX512_PATH
+__attribute__((target("avx2"))) void rows_avx2(InType t, const void* x, int64_t r0, int64_t r1,
+                                               int64_t K, const Planes& p, ScaleRule rule) {
+  rows_typed<IsaAvx2>(t, x, r0, r1, K, p, rule);
+}
+
+MXFP8_TARGET_AVX512 void rows_avx512(InType t, const void* x, int64_t r0, int64_t r1, int64_t K,
+                                     const Planes& p, ScaleRule rule) {
+  rows_typed<IsaAvx512>(t, x, r0, r1, K, p, rule);
+}
+#endif
+
+}  // namespace
+
+void quantize_rows_simd(InType t, const void* x, int64_t r0, int64_t r1, int64_t K,
+                        const Planes& p, ScaleRule rule) {
+  switch (active_isa()) {
+#if MXFP8_HAVE_AVX512_PATH
+    case CpuIsa::kAvx512: return rows_avx512(t, x, r0, r1, K, p, rule);
+    case CpuIsa::kAvx2: return rows_avx2(t, x, r0, r1, K, p, rule);
+#endif
+    default: return rows_baseline(t, x, r0, r1, K, p, rule);
   }
 }
 

@@ -19,8 +19,8 @@
 #include "cpu/quantize_cpu.h"
 #include "mxfp8/numerics.h"
 
-// The row loops are inlined into their callers, so that the band function compiled for AVX2
-// (rmsnorm_quantize.cc) gets AVX2 code for all of them.
+// The row loops are inlined into their callers, so that each entry point of rmsnorm_quantize.cc
+// gets code for its own instruction set in all of them.
 #define MXFP8_ROW_LOOP inline __attribute__((always_inline))
 
 namespace mxfp8::cpu {
@@ -145,15 +145,16 @@ MXFP8_ROW_LOOP void normalize_row(const uint16_t* x, const float* g, float inv, 
 // loop (so quant is the standalone quantize of normed by construction; its second read of the
 // row hits L1). With quantize_from_fp32, fp32 ([H] words, required) holds the unrounded values
 // that are quantized instead.
+template <class Isa>
 MXFP8_ROW_LOOP void rmsnorm_quantize_row(const uint16_t* x, const float* g, const NormParams& p,
                                  uint16_t* normed, uint8_t* q, uint8_t* s, uint32_t* fp32) {
   const int64_t H = p.H;
   const float inv = rms_inverse(row_sum_of_squares(x, H), H, p.eps);
   normalize_row(x, g, inv, H, normed, p.quantize_from_fp32 ? fp32 : nullptr);
   if (p.quantize_from_fp32)
-    quantize_rowwise<InType::kF32>(fp32, 1, H, q, s, p.rule);
+    quantize_rowwise<InType::kF32, Isa>(fp32, 1, H, q, s, p.rule);
   else
-    quantize_rowwise<InType::kBF16>(normed, 1, H, q, s, p.rule);
+    quantize_rowwise<InType::kBF16, Isa>(normed, 1, H, q, s, p.rule);
 }
 
 // Words of scratch one call of rmsnorm_quantize_rows needs (0: none).
@@ -165,6 +166,7 @@ inline size_t rows_scratch_words(const NormParams& p) {
 // Rows [r0, r1) of the output; row r's input is rows[r] (so a gather can read its rows from
 // several buffers). With columnwise output r0 and r1 are multiples of 32 and each 32-row band
 // is quantized columnwise right after its rows. scratch holds rows_scratch_words(p) words.
+template <class Isa>
 MXFP8_ROW_LOOP void rmsnorm_quantize_rows(const uint16_t* const* rows, int64_t r0, int64_t r1,
                                           const float* g, const NormParams& p,
                                           const NormOutputs& o, uint32_t* scratch) {
@@ -174,19 +176,19 @@ MXFP8_ROW_LOOP void rmsnorm_quantize_rows(const uint16_t* const* rows, int64_t r
   for (int64_t b0 = r0; b0 < r1; b0 += step) {
     const int64_t b1 = std::min(r1, b0 + step);
     for (int64_t r = b0; r < b1; ++r)
-      rmsnorm_quantize_row(rows[r], g, p, o.normed + r * H, o.row_q + r * H, o.row_s + r * S,
+      rmsnorm_quantize_row<Isa>(rows[r], g, p, o.normed + r * H, o.row_q + r * H, o.row_s + r * S,
                            scratch + (fp32_band ? (r - b0) * H : 0));
     if (!p.columnwise) continue;
     uint8_t* cq = o.col_q + b0 * H;
     uint8_t* cs = o.col_s + (b0 / kBlock) * H;
     if (fp32_band)
-      quantize_columnwise_band<InType::kF32>(scratch, H, cq, cs, p.rule);
+      quantize_columnwise_band<InType::kF32, Isa>(scratch, H, cq, cs, p.rule);
     else
-      quantize_columnwise_band<InType::kBF16>(o.normed + b0 * H, H, cq, cs, p.rule);
+      quantize_columnwise_band<InType::kBF16, Isa>(o.normed + b0 * H, H, cq, cs, p.rule);
   }
 }
 
-// rmsnorm_quantize_rows compiled for AVX2 and for the baseline ISA, picked at load time
+// rmsnorm_quantize_rows compiled for each instruction set and run for the one isa.h selects
 // (defined in rmsnorm_quantize.cc). The numerics do not depend on the choice: vector float ops
 // round exactly like scalar ones, and nothing is contracted or reassociated.
 void rmsnorm_quantize_rows_simd(const uint16_t* const* rows, int64_t r0, int64_t r1,

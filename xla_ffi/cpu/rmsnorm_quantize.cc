@@ -11,21 +11,45 @@
 
 #include "cpu/ffi_util.h"
 #include "cpu/fp_env.h"
+#include "cpu/isa.h"
 #include "cpu/parallel.h"
 #include "cpu/rmsnorm_cpu.h"
 
 namespace mxfp8::cpu {
 
-#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
-#define MXFP8_ROW_CLONES __attribute__((target_clones("avx2", "default")))
-#else
-#define MXFP8_ROW_CLONES
+namespace {
+
+void rows_baseline(const uint16_t* const* rows, int64_t r0, int64_t r1, const float* g,
+                   const NormParams& p, const NormOutputs& o, uint32_t* scratch) {
+  rmsnorm_quantize_rows<IsaBaseline>(rows, r0, r1, g, p, o, scratch);
+}
+
+#if MXFP8_HAVE_AVX512_PATH
+__attribute__((target("avx2"))) void rows_avx2(const uint16_t* const* rows, int64_t r0, int64_t r1,
+                                               const float* g, const NormParams& p,
+                                               const NormOutputs& o, uint32_t* scratch) {
+  rmsnorm_quantize_rows<IsaAvx2>(rows, r0, r1, g, p, o, scratch);
+}
+
+MXFP8_TARGET_AVX512 void rows_avx512(const uint16_t* const* rows, int64_t r0, int64_t r1,
+                                     const float* g, const NormParams& p, const NormOutputs& o,
+                                     uint32_t* scratch) {
+  rmsnorm_quantize_rows<IsaAvx512>(rows, r0, r1, g, p, o, scratch);
+}
 #endif
 
-MXFP8_ROW_CLONES void rmsnorm_quantize_rows_simd(const uint16_t* const* rows, int64_t r0,
-                                                 int64_t r1, const float* g, const NormParams& p,
-                                                 const NormOutputs& o, uint32_t* scratch) {
-  rmsnorm_quantize_rows(rows, r0, r1, g, p, o, scratch);
+}  // namespace
+
+void rmsnorm_quantize_rows_simd(const uint16_t* const* rows, int64_t r0, int64_t r1,
+                                const float* g, const NormParams& p, const NormOutputs& o,
+                                uint32_t* scratch) {
+  switch (active_isa()) {
+#if MXFP8_HAVE_AVX512_PATH
+    case CpuIsa::kAvx512: return rows_avx512(rows, r0, r1, g, p, o, scratch);
+    case CpuIsa::kAvx2: return rows_avx2(rows, r0, r1, g, p, o, scratch);
+#endif
+    default: return rows_baseline(rows, r0, r1, g, p, o, scratch);
+  }
 }
 
 static ffi::Error RmsnormQuantize(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> x,
