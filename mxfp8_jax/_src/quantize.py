@@ -8,6 +8,7 @@ per lowering platform where the installed extension has one, and the reference e
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -69,8 +70,17 @@ def quantize(
     rule = fmt.ScaleRule.parse(scale_rule)
     if backend not in BACKENDS:
         raise ValueError(f"backend={backend!r} is not one of {BACKENDS}")
-    x2d = x.reshape(m, k)
+    if backend == "ffi":
+        _ffi.require("mxfp8_quantize", _ffi.default_platform())
+    rq, rs, cq, cs = _planes(x.reshape(m, k), rowwise=rowwise, columnwise=columnwise, rule=rule, backend=backend)
+    return MXFP8Tensor(rq, rs, cq, cs, shape=tuple(x.shape), dtype=x.dtype)
 
+
+# Compiled once per configuration and shape: an eager call (a notebook cell) runs one executable
+# instead of dispatching the reference's few dozen operations one by one; under an outer jit
+# it is inlined like any nested jit.
+@functools.partial(jax.jit, static_argnames=("rowwise", "columnwise", "rule", "backend"))
+def _planes(x2d, *, rowwise: bool, columnwise: bool, rule: fmt.ScaleRule, backend: str):
     def reference(x2d):
         row = fmt.quantize_rowwise(x2d, rule) if rowwise else (None, None)
         col = fmt.quantize_columnwise(x2d, rule) if columnwise else (None, None)
@@ -81,14 +91,10 @@ def quantize(
         return rq, rs, cq, cs
 
     if backend == "jax":
-        planes = reference(x2d)
-    elif backend == "ffi":
-        _ffi.require("mxfp8_quantize", _ffi.default_platform())
-        planes = kernel(x2d)
-    else:
-        planes = _ffi.platform_dispatch("mxfp8_quantize", kernel, reference, x2d)
-    rq, rs, cq, cs = planes
-    return MXFP8Tensor(rq, rs, cq, cs, shape=tuple(x.shape), dtype=x.dtype)
+        return reference(x2d)
+    if backend == "ffi":
+        return kernel(x2d)
+    return _ffi.platform_dispatch("mxfp8_quantize", kernel, reference, x2d)
 
 
 def dequantize(t: MXFP8Tensor, *, columnwise: bool = False, dtype=jnp.bfloat16) -> jax.Array:
@@ -102,12 +108,15 @@ def dequantize(t: MXFP8Tensor, *, columnwise: bool = False, dtype=jnp.bfloat16) 
     if columnwise:
         if t.columnwise_data is None:
             raise ValueError("t holds no columnwise plane (columnwise=True)")
-        scale = jnp.repeat(t.columnwise_scale, fmt.BLOCK, axis=0)
-        data = t.columnwise_data
+        data, scale, axis = t.columnwise_data, t.columnwise_scale, 0
     else:
         if t.rowwise_data is None:
             raise ValueError("t holds no rowwise plane (pass columnwise=True for the other one)")
-        scale = jnp.repeat(t.rowwise_scale, fmt.BLOCK, axis=1)
-        data = t.rowwise_data
-    bits = fmt.scaled_to_bits(data, scale)
-    return fmt.f32_bits_to(bits, dtype).reshape(t.shape)
+        data, scale, axis = t.rowwise_data, t.rowwise_scale, 1
+    return _dequantize(data, scale, axis=axis, dtype=jnp.dtype(dtype)).reshape(t.shape)
+
+
+@functools.partial(jax.jit, static_argnames=("axis", "dtype"))
+def _dequantize(data, scale, *, axis: int, dtype):
+    bits = fmt.scaled_to_bits(data, jnp.repeat(scale, fmt.BLOCK, axis=axis))
+    return fmt.f32_bits_to(bits, dtype)
