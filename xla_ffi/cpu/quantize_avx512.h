@@ -21,7 +21,8 @@
 #include "mxfp8/numerics.h"
 
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
-#define MXFP8_HAVE_AVX512_PATH 1
+// x86-64 with GCC/Clang: the kernels are also built for AVX2 and AVX-512 (target attributes).
+#define MXFP8_X86_BUILDS 1
 #include <immintrin.h>
 
 #define MXFP8_TARGET_AVX512 __attribute__((target("avx2,avx512f,avx512bw,avx512vl")))

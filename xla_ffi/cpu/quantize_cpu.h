@@ -343,7 +343,7 @@ struct IsaBaseline {
   }
 };
 
-#if MXFP8_HAVE_AVX512_PATH
+#if MXFP8_X86_BUILDS
 struct IsaAvx2 {
   static constexpr bool kWideBf16 = false;
   template <InType T>
@@ -475,7 +475,7 @@ MXFP8_CPU_LOOP void quantize_rowwise(const typename Input<T>::Elem* x, int64_t r
   for (int64_t r = 0; r < rows; ++r)
     for (int64_t b = 0; b < nb; b += 8)
       quantize_row_group<T, Isa>(x + r * K + b * kBlock, nb - b < 8 ? static_cast<int>(nb - b) : 8,
-                            q + r * K + b * kBlock, s + r * nb + b, rule, c16);
+                                 q + r * K + b * kBlock, s + r * nb + b, rule, c16);
 }
 
 // Columnwise blocks of a 32-row tile of n columns: x rows xs elements apart, q rows qs bytes
@@ -584,7 +584,7 @@ MXFP8_CPU_LOOP void quantize_band(const typename Input<T>::Elem* x, int64_t K, u
       for (int r = 0; r < kBlock; ++r)
         for (int64_t b = 0; b < wb; b += 8)
           quantize_row_group<T, Isa>(in + r * kTileCols + b * kBlock, wb - b < 8 ? static_cast<int>(wb - b) : 8,
-                                row_q + r * K + c0 + b * kBlock, row_s + r * nb + c0 / kBlock + b, rule, c16);
+                                     row_q + r * K + c0 + b * kBlock, row_s + r * nb + c0 / kBlock + b, rule, c16);
     }
     quantize_columnwise_tile<T, Isa>(in, kTileCols, w, out, kTileCols, col_s + c0, rule);
     if (w == kTileCols)
@@ -610,13 +610,13 @@ MXFP8_CPU_LOOP void quantize_rows(const typename Input<T>::Elem* x, int64_t r0, 
                    const Planes& p, ScaleRule rule) {
   if (!p.col_q) {
     if (p.row_q) quantize_rowwise<T, Isa>(x + r0 * K, r1 - r0, K, p.row_q + r0 * K,
-                                     p.row_s + r0 * (K / kBlock), rule);
+                                          p.row_s + r0 * (K / kBlock), rule);
     return;
   }
   for (int64_t r = r0; r < r1; r += kBlock)
     quantize_band<T, Isa>(x + r * K, K, p.row_q ? p.row_q + r * K : nullptr,
-                     p.row_q ? p.row_s + r * (K / kBlock) : nullptr, p.col_q + r * K,
-                     p.col_s + (r / kBlock) * K, rule);
+                          p.row_q ? p.row_s + r * (K / kBlock) : nullptr, p.col_q + r * K,
+                          p.col_s + (r / kBlock) * K, rule);
 }
 
 // quantize_rows for a runtime input type, built for each instruction set and run for the one

@@ -29,7 +29,7 @@ void rows_baseline(InType t, const void* x, int64_t r0, int64_t r1, int64_t K, c
   rows_typed<IsaBaseline>(t, x, r0, r1, K, p, rule);
 }
 
-#if MXFP8_HAVE_AVX512_PATH
+#if MXFP8_X86_BUILDS
 __attribute__((target("avx2"))) void rows_avx2(InType t, const void* x, int64_t r0, int64_t r1,
                                                int64_t K, const Planes& p, ScaleRule rule) {
   rows_typed<IsaAvx2>(t, x, r0, r1, K, p, rule);
@@ -46,7 +46,7 @@ MXFP8_TARGET_AVX512 void rows_avx512(InType t, const void* x, int64_t r0, int64_
 void quantize_rows_simd(InType t, const void* x, int64_t r0, int64_t r1, int64_t K,
                         const Planes& p, ScaleRule rule) {
   switch (active_isa()) {
-#if MXFP8_HAVE_AVX512_PATH
+#if MXFP8_X86_BUILDS
     case CpuIsa::kAvx512: return rows_avx512(t, x, r0, r1, K, p, rule);
     case CpuIsa::kAvx2: return rows_avx2(t, x, r0, r1, K, p, rule);
 #endif

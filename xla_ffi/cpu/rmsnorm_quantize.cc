@@ -24,7 +24,7 @@ void rows_baseline(const uint16_t* const* rows, int64_t r0, int64_t r1, const fl
   rmsnorm_quantize_rows<IsaBaseline>(rows, r0, r1, g, p, o, scratch);
 }
 
-#if MXFP8_HAVE_AVX512_PATH
+#if MXFP8_X86_BUILDS
 __attribute__((target("avx2"))) void rows_avx2(const uint16_t* const* rows, int64_t r0, int64_t r1,
                                                const float* g, const NormParams& p,
                                                const NormOutputs& o, uint32_t* scratch) {
@@ -44,7 +44,7 @@ void rmsnorm_quantize_rows_simd(const uint16_t* const* rows, int64_t r0, int64_t
                                 const float* g, const NormParams& p, const NormOutputs& o,
                                 uint32_t* scratch) {
   switch (active_isa()) {
-#if MXFP8_HAVE_AVX512_PATH
+#if MXFP8_X86_BUILDS
     case CpuIsa::kAvx512: return rows_avx512(rows, r0, r1, g, p, o, scratch);
     case CpuIsa::kAvx2: return rows_avx2(rows, r0, r1, g, p, o, scratch);
 #endif
