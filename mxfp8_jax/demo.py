@@ -1,13 +1,20 @@
 """``mxfp8-jax demo``: a small Flax model trained with MXFP8 FSDP, against a bf16 baseline.
 
-A residual MLP classifies points labelled by a fixed random "teacher" network. It is trained
-twice, identically (same initial weights, batches and optimizer), once with MXFP8 FSDP weights
-and once with bf16 FSDP weights, on every local device (8 simulated CPU devices when there is no
-accelerator). The table shows the losses and what each step communicates, read from the
-compiled HLO of the step: MXFP8 gathers 8.25 bits per weight for the forward (rowwise planes)
-and 8.25 for the backward (columnwise planes); bf16 FSDP gathers 16 + 16.
+``--model transformer`` (the default): a Llama-style decoder LM (``mxfp8_jax.models``: RoPE
+attention, SwiGLU MLP, blocks stacked with ``nnx.vmap`` and run with ``nnx.scan`` under
+``nnx.remat``) learns a synthetic sequence task, ``x[t+1] = perm[x[t-1]]`` for a fixed random
+permutation. ``--model mlp``: a residual MLP classifies points labelled by a fixed random
+"teacher" network.
 
-    mxfp8-jax demo [--steps 100] [--devices 8] [--hidden 128] [--seed 0] [--json [PATH]]
+Each model is trained twice, identically (same initial weights, batches and optimizer), once
+with MXFP8 FSDP weights and once with bf16 FSDP weights, on every local device (8 simulated CPU
+devices when there is no accelerator). The table shows the losses and what each step
+communicates, read from the compiled HLO of the step (collectives inside the scanned layers
+count once per layer): MXFP8 gathers each weight as 8-bit codes plus one scale byte per 32
+(8.25 bits), bf16 FSDP as 16 bits, in the forward, the backward and the recomputation alike.
+
+    mxfp8-jax demo [--model transformer|mlp] [--steps 100] [--devices 8] [--hidden 128]
+                   [--layers 4] [--seed 0] [--json [PATH]]
 """
 
 from __future__ import annotations
@@ -123,31 +130,75 @@ class Teacher:
 
 
 # ------------------------------------------------------------------------------------------------
+# The two workloads
+
+
+MODELS = ("transformer", "mlp")
+SEQ_LEN = 64
+
+
+class Workload:
+    """A model, its loss, its data stream and an optimizer schedule; built once per demo."""
+
+    def __init__(self, kind: str, *, hidden: int, layers: int, seed: int, steps: int):
+        import optax
+
+        self.kind, self.steps = kind, steps
+        if kind == "transformer":
+            from mxfp8_jax import models
+
+            self.config = models.TransformerConfig(
+                vocab=128, hidden=hidden, heads=max(1, hidden // 32), head_dim=32, mlp=2 * hidden, layers=layers
+            )
+            self.model = models.init_transformer(self.config, seed)
+            self.loss_fn = models.next_token_loss
+            self._task = models.SequenceTask(self.config.vocab, SEQ_LEN, seed)
+            self.per_device_batch = 8
+            self.schedule = optax.warmup_cosine_decay_schedule(0.0, 1e-2, min(10, (steps - 1) // 2), steps, 1e-3)
+            self.describe = (
+                f"Llama-style LM: vocab {self.config.vocab}, hidden {hidden}, {layers} scanned blocks "
+                f"({self.config.heads} heads, SwiGLU {self.config.mlp}), remat, sequences of {SEQ_LEN}, "
+                f"loss floor {self._task.loss_floor:.3f}"
+            )
+        elif kind == "mlp":
+            self.model = make_model(hidden, seed)
+            self.loss_fn = loss_fn
+            self._task = Teacher(seed)
+            self.per_device_batch = PER_DEVICE_BATCH
+            self.schedule = optax.cosine_decay_schedule(3e-3, steps, alpha=0.1)
+            self.describe = f"residual MLP {IN_FEATURES}->{hidden}x{DEPTH + 1}->{CLASSES}"
+        else:
+            raise ValueError(f"model={kind!r} must be one of {MODELS}")
+
+    def batches(self, batch: int):
+        return self._task.batches(self.steps, batch)
+
+
+# ------------------------------------------------------------------------------------------------
 # Training
 
 
-def train(model, precision: str, *, steps: int, seed: int, mesh, progress=None) -> dict:
-    """Trains ``model``'s weights (the module is not modified) with ``precision`` FSDP weights;
-    returns losses, timings and the step's collectives (read from its compiled HLO)."""
-    import jax
+def train(work: Workload, precision: str, *, mesh, progress=None) -> dict:
+    """Trains ``work.model``'s weights (the module is not modified) with ``precision`` FSDP
+    weights; returns losses, timings and the step's collectives (read from its compiled HLO)."""
     import optax
 
     from mxfp8_jax._src import hlo
     from mxfp8_jax.flax import FSDP
 
-    fsdp = FSDP(model, mesh, precision=precision)
-    tx = optax.adam(optax.cosine_decay_schedule(3e-3, steps, alpha=0.1))
-    state = fsdp.init(model, tx)
-    batch = PER_DEVICE_BATCH * mesh.size
-    data = Teacher(seed).batches(steps, batch)
+    fsdp = FSDP(work.model, mesh, precision=precision)
+    tx = optax.adam(work.schedule)
+    state = fsdp.init(work.model, tx)
+    data = work.batches(work.per_device_batch * mesh.size)
     first = next(data)
 
     t0, c0 = time.perf_counter(), time.process_time()
-    compiled = fsdp.lower_train_step(loss_fn, tx, state, first).compile()
+    compiled = fsdp.lower_train_step(work.loss_fn, tx, state, first).compile()
     compile_s, compile_cpu_s = time.perf_counter() - t0, time.process_time() - c0
     found = hlo.collectives(compiled.as_text())
+    memory = compiled.memory_analysis()
 
-    task = None if progress is None else progress.add_task(precision, total=steps, loss=float("nan"))
+    task = None if progress is None else progress.add_task(precision, total=work.steps, loss=float("nan"))
     losses, started = [], None
     for b in itertools.chain([first], data):
         state, loss = compiled(state, fsdp.place_batch(b))
@@ -160,7 +211,7 @@ def train(model, precision: str, *, steps: int, seed: int, mesh, progress=None) 
     step_cpu_s = (time.process_time() - started[1]) / timed
 
     gathers = [c for c in found if c.op == "all-gather"]
-    weight_gather = sum(c.bytes for c in gathers if max(map(hlo.dtype_bytes, c.dtypes)) <= 2)
+    weight_gather = sum(c.bytes_per_step for c in gathers if max(map(hlo.dtype_bytes, c.dtypes)) <= 2)
     return {
         "precision": precision,
         "losses": losses,
@@ -170,13 +221,18 @@ def train(model, precision: str, *, steps: int, seed: int, mesh, progress=None) 
         "compile_cpu_s": compile_cpu_s,
         "step_s": step_s,
         "step_cpu_s": step_cpu_s,
-        "all_gather_bytes": sum(c.bytes for c in gathers),
+        "temp_bytes": memory.temp_size_in_bytes,
+        "argument_bytes": memory.argument_size_in_bytes,
+        "all_gather_bytes": sum(c.bytes_per_step for c in gathers),
         "weight_all_gather_bytes": weight_gather,
-        "weight_bits_per_element": 8 * weight_gather / fsdp.layout.physical_size,
-        "reduce_scatter_bytes": sum(c.bytes for c in found if c.op == "reduce-scatter"),
-        "collectives": [{"op": c.op, "outputs": [[d, list(s)] for d, s in c.outputs], "bytes": c.bytes} for c in found],
-        "eligible_elements": fsdp.layout.numel_total,
-        "master_physical_elements": fsdp.layout.physical_size,
+        "reduce_scatter_bytes": sum(c.bytes_per_step for c in found if c.op == "reduce-scatter"),
+        "collectives": [
+            {"op": c.op, "outputs": [[d, list(s)] for d, s in c.outputs], "bytes": c.bytes, "per_step": c.count}
+            for c in found
+        ],
+        "units": len(fsdp.units),
+        "eligible_elements": fsdp.weight_elements,
+        "stored_elements": fsdp.stored_elements,
         "plain_elements": 0 if fsdp.plain_layout is None else fsdp.plain_layout.numel_total,
     }
 
@@ -187,7 +243,7 @@ def _tail_mean(losses, n: int = 10):
 
 
 def run(steps: int = 100, devices: int | None = None, hidden: int = 128, seed: int = 0,
-        show_progress: bool = True, console=None) -> dict:
+        show_progress: bool = True, console=None, model: str = "transformer", layers: int = 4) -> dict:
     """Both runs on ``devices`` local devices (default all); returns the report dict."""
     import jax
     import numpy as np
@@ -200,13 +256,19 @@ def run(steps: int = 100, devices: int | None = None, hidden: int = 128, seed: i
         raise ValueError(f"steps={steps!r} must be a positive int")
     if not isinstance(hidden, int) or hidden < 32 or hidden % 32:
         raise ValueError(f"hidden={hidden!r} must be a positive multiple of 32 (MXFP8 blocks are 32 wide)")
+    if not isinstance(layers, int) or layers < 1:
+        raise ValueError(f"layers={layers!r} must be a positive int")
+    if model not in MODELS:
+        raise ValueError(f"model={model!r} must be one of {MODELS}")
     devs = select_devices(devices)
     mesh = Mesh(np.array(devs), ("data",))
     platform = devs[0].platform
+    work = Workload(model, hidden=hidden, layers=layers, seed=seed, steps=steps)
     report = {
-        "steps": steps, "hidden": hidden, "seed": seed, "devices": len(devs), "platform": platform,
-        "batch": PER_DEVICE_BATCH * len(devs), "mxfp8_jax": mx.__version__, "jax": jax.__version__,
-        "quantize_path": "ffi" if _ffi.has_target("mxfp8_quantize_segments", platform) else "pure-JAX reference",
+        "model": model, "description": work.describe, "steps": steps, "hidden": hidden, "layers": layers,
+        "seed": seed, "devices": len(devs), "platform": platform,
+        "batch": work.per_device_batch * len(devs), "mxfp8_jax": mx.__version__, "jax": jax.__version__,
+        "quantize_path": "ffi" if _ffi.has_target("mxfp8_quantize", platform) else "pure-JAX reference",
         "runs": {},
     }
     progress = None
@@ -218,16 +280,16 @@ def run(steps: int = 100, devices: int | None = None, hidden: int = 128, seed: i
             TextColumn("loss {task.fields[loss]:.4f}"), TimeElapsedColumn(), console=console,
         )
         progress.start()
-    model = make_model(hidden, seed)
     try:
         for precision in ("mxfp8", "bf16"):
-            report["runs"][precision] = train(model, precision, steps=steps, seed=seed, mesh=mesh,
-                                              progress=progress)
+            report["runs"][precision] = train(work, precision, mesh=mesh, progress=progress)
     finally:
         if progress is not None:
             progress.stop()
     m, b = report["runs"]["mxfp8"], report["runs"]["bf16"]
     report["weight_gather_ratio"] = m["weight_all_gather_bytes"] / b["weight_all_gather_bytes"]
+    # both runs gather the same weights the same number of times, bf16 at 16 bits per element
+    report["weight_bits_per_gathered_element"] = {"mxfp8": 16 * report["weight_gather_ratio"], "bf16": 16.0}
     report["final_loss_difference"] = m["final_loss"] - b["final_loss"]
     return report
 
@@ -239,28 +301,30 @@ def print_report(report: dict, console=None) -> None:
     console = console or Console()
     m = report["runs"]["mxfp8"]
     console.print(
-        f"[bold]MXFP8 FSDP demo[/]: residual MLP {IN_FEATURES}->{report['hidden']}x{DEPTH + 1}->{CLASSES}, "
-        f"{m['eligible_elements']:,} weights as MXFP8 + {m['plain_elements']:,} other params (fp32), "
+        f"[bold]MXFP8 FSDP demo[/]: {report['description']}; {m['units']} MXFP8 units "
+        f"({m['eligible_elements']:,} weights) + {m['plain_elements']:,} other params (fp32); "
         f"{report['devices']} {report['platform']} devices, batch {report['batch']}, {report['steps']} steps, "
         f"quantize: {report['quantize_path']}"
     )
     runs = report["runs"]
-    table = Table(title="per step and device; collectives read from the compiled HLO")
+    table = Table(title="per step and device; collectives read from the compiled HLO (loops counted per iteration)")
     table.add_column("")
     for name in runs:
         table.add_column(name, justify="right")
+    bits = report["weight_bits_per_gathered_element"]
     rows = [
-        ("first loss", lambda r: f"{r['first_loss']:.4f}"),
-        ("final loss (mean of last 10)", lambda r: f"{r['final_loss']:.4f}"),
-        ("weights all-gathered", lambda r: _kib(r["weight_all_gather_bytes"])),
-        ("  bits per weight", lambda r: f"{r['weight_bits_per_element']:.2f}"),
-        ("all-gathers incl. fp32 params", lambda r: _kib(r["all_gather_bytes"])),
-        ("gradients reduce-scattered", lambda r: _kib(r["reduce_scatter_bytes"])),
-        ("compile s (CPU s)", lambda r: f"{r['compile_s']:.1f} ({r['compile_cpu_s']:.1f})"),
-        ("step ms (CPU ms)", lambda r: f"{1e3 * r['step_s']:.0f} ({1e3 * r['step_cpu_s']:.0f})"),
+        ("first loss", lambda n, r: f"{r['first_loss']:.4f}"),
+        ("final loss (mean of last 10)", lambda n, r: f"{r['final_loss']:.4f}"),
+        ("weights all-gathered", lambda n, r: _kib(r["weight_all_gather_bytes"])),
+        ("  bits per gathered weight", lambda n, r: f"{bits[n]:.2f}"),
+        ("all-gathers incl. fp32 params", lambda n, r: _kib(r["all_gather_bytes"])),
+        ("gradients reduce-scattered", lambda n, r: _kib(r["reduce_scatter_bytes"])),
+        ("temp memory (compiled)", lambda n, r: _kib(r["temp_bytes"])),
+        ("compile s (CPU s)", lambda n, r: f"{r['compile_s']:.1f} ({r['compile_cpu_s']:.1f})"),
+        ("step ms (CPU ms)", lambda n, r: f"{1e3 * r['step_s']:.0f} ({1e3 * r['step_cpu_s']:.0f})"),
     ]
     for label, cell in rows:
-        table.add_row(label, *(cell(r) for r in runs.values()))
+        table.add_row(label, *(cell(n, r) for n, r in runs.items()))
     console.print(table)
     console.print(
         f"MXFP8 gathers {report['weight_gather_ratio']:.3f}x the weight bytes of bf16 FSDP; final loss "
@@ -276,10 +340,13 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(
         prog="mxfp8-jax demo", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
+    p.add_argument("--model", choices=MODELS, default="transformer",
+                   help="transformer (scanned Llama-style LM, default) or mlp (residual MLP)")
     p.add_argument("--steps", type=int, default=100, help="training steps per run (default 100)")
     p.add_argument("--devices", type=int, default=None,
                    help="devices to use (default: all local accelerators, or 8 simulated CPU devices)")
     p.add_argument("--hidden", type=int, default=128, help="hidden width, a multiple of 32 (default 128)")
+    p.add_argument("--layers", type=int, default=4, help="transformer blocks (default 4)")
     p.add_argument("--seed", type=int, default=0, help="seed for weights and data (default 0)")
     p.add_argument("--json", nargs="?", const="-", default=None, metavar="PATH",
                    help="write the report as JSON to PATH, or to stdout (without the table) if no PATH")
@@ -288,6 +355,8 @@ def main(argv=None) -> int:
         p.error(f"--steps={args.steps} must be at least 1")
     if args.hidden < 32 or args.hidden % 32:
         p.error(f"--hidden={args.hidden} must be a positive multiple of 32 (MXFP8 blocks are 32 wide)")
+    if args.layers < 1:
+        p.error(f"--layers={args.layers} must be at least 1")
     if args.devices is not None and args.devices < 1:
         p.error(f"--devices={args.devices} must be at least 1")
     configure_devices(args.devices)
@@ -297,7 +366,8 @@ def main(argv=None) -> int:
     to_stdout = args.json == "-"
     console = Console(stderr=to_stdout)
     try:
-        report = run(args.steps, args.devices, args.hidden, args.seed, show_progress=True, console=console)
+        report = run(args.steps, args.devices, args.hidden, args.seed, show_progress=True, console=console,
+                     model=args.model, layers=args.layers)
     except ValueError as e:
         p.error(str(e))
     if to_stdout:

@@ -2,24 +2,30 @@
 
     from mxfp8_jax import flax as mxflax
 
-    model = MyModel(...)                         # uses mxflax.Linear for its dense layers
-    fsdp = mxflax.FSDP(model, mesh)              # eligible kernels -> MXFP8 master shards
+    model = MyModel(...)                         # flax.nnx.Linear layers; scan, vmap, remat welcome
+    fsdp = mxflax.FSDP(model, mesh)              # eligible kernels -> MXFP8 units, sharded
     state = fsdp.init(model, tx)
     step = fsdp.train_step(loss_fn, tx)          # loss_fn(model, batch) -> scalar
     state, loss = step(state, batch)
     model = fsdp.gather(state)
 
-See ``mxfp8_jax._src.flax_fsdp`` for what a step does and communicates.
+See ``mxfp8_jax._src.flax_fsdp`` for what a step does and communicates, and
+``mxfp8_jax._src.fsdp_unit`` for one unit's gathers.
 """
 
-from mxfp8_jax._src.flax_fsdp import (
-    FSDP,
-    PRECISIONS,
-    GatheredKernel,
-    Kernel,
-    Linear,
-    ParamInfo,
-    TrainState,
-)
+from mxfp8_jax._src.flax_fsdp import FSDP, ParamInfo, TrainState, UnitPlanes
+from mxfp8_jax._src.flax_layers import Kernel, Linear
+from mxfp8_jax._src.fsdp_unit import PRECISIONS, ShardedKernel, UnitGeometry, unit_matmul
 
-__all__ = ["FSDP", "PRECISIONS", "GatheredKernel", "Kernel", "Linear", "ParamInfo", "TrainState"]
+__all__ = [
+    "FSDP",
+    "PRECISIONS",
+    "Kernel",
+    "Linear",
+    "ParamInfo",
+    "ShardedKernel",
+    "TrainState",
+    "UnitGeometry",
+    "UnitPlanes",
+    "unit_matmul",
+]

@@ -68,3 +68,17 @@ def dequantize_rowwise(q: np.ndarray, s: np.ndarray) -> np.ndarray:
     """float64 values of rowwise planes (exact)."""
     vals = q.view(E4M3).astype(np.float64)
     return vals * np.ldexp(1.0, np.repeat(s.astype(np.int64), 32, axis=1) - 127)
+
+
+def dequantize_columnwise(q: np.ndarray, s: np.ndarray) -> np.ndarray:
+    """float64 values of columnwise planes (exact): codes [M, K], scales [M/32, K]."""
+    vals = q.view(E4M3).astype(np.float64)
+    return vals * np.ldexp(1.0, np.repeat(s.astype(np.int64), 32, axis=0) - 127)
+
+
+def mxfp8_weights(w, rule: str = "rceil"):
+    """``(rowwise, columnwise)`` float64 values of ``w [M, K]`` after MXFP8 quantization: what a
+    GEMM contracting over K (rowwise blocks) or over M (columnwise blocks) reads."""
+    p = quantize(np.asarray(w, np.float32), rule)
+    return (dequantize_rowwise(p["rowwise_data"], p["rowwise_scale"]),
+            dequantize_columnwise(p["columnwise_data"], p["columnwise_scale"]))

@@ -23,22 +23,32 @@ def test_demo_end_to_end(tmp_path):
     out = tmp_path / "report.json"
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     proc = subprocess.run(
-        [*command(), "demo", "--steps", "3", "--hidden", "32", "--devices", "2", "--seed", "3", "--json", str(out)],
+        [*command(), "demo", "--steps", "3", "--hidden", "32", "--layers", "2", "--devices", "2", "--seed", "3",
+         "--json", str(out)],
         capture_output=True, text=True, env=env, timeout=600,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "bits per weight" in proc.stdout and "16.50" in proc.stdout and "32.00" in proc.stdout
+    assert "bits per gathered weight" in proc.stdout and "8.25" in proc.stdout and "16.00" in proc.stdout
     report = json.loads(out.read_text())
-    assert (report["devices"], report["platform"], report["steps"], report["hidden"]) == (2, "cpu", 3, 32)
+    assert (report["model"], report["devices"], report["platform"], report["steps"], report["hidden"]) == (
+        "transformer", 2, "cpu", 3, 32)
     mxfp8, bf16 = report["runs"]["mxfp8"], report["runs"]["bf16"]
     for run in (mxfp8, bf16):
         assert len(run["losses"]) == 3 and all(math.isfinite(v) for v in run["losses"])
     # Same initial weights and data: the first losses differ only by the weights' precision.
     assert abs(mxfp8["first_loss"] - bf16["first_loss"]) < 0.05 * bf16["first_loss"]
-    # 8 + 8/32 bits per weight for each of the forward and backward gathers, vs 16 + 16.
-    assert mxfp8["weight_bits_per_element"] == 16.5 and bf16["weight_bits_per_element"] == 32.0
+    # The same gathers in both runs: 8 + 8/32 bits per weight against 16.
+    assert report["weight_gather_ratio"] == (1 + 1 / 32) / 2
     assert {tuple(o[0] for o in c["outputs"]) for c in mxfp8["collectives"] if c["op"] == "all-gather"} == {("u8",), ("f32",)}
+    # the scanned blocks' collectives run once per layer
+    assert {c["per_step"] for c in mxfp8["collectives"]} == {1, 2}
     assert mxfp8["reduce_scatter_bytes"] == bf16["reduce_scatter_bytes"] > 0
+
+
+def test_demo_mlp_in_process():
+    report = demo.run(steps=2, devices=2, hidden=32, seed=1, show_progress=False, model="mlp")
+    assert report["model"] == "mlp" and len(report["runs"]["mxfp8"]["losses"]) == 2
+    assert report["weight_gather_ratio"] == (1 + 1 / 32) / 2
 
 
 def test_info_prints_versions_devices_and_backends(capsys):
@@ -72,6 +82,8 @@ def test_bench_dispatch(capsys, monkeypatch):
         (["--hidden", "48"], "--hidden=48 must be a positive multiple of 32"),
         (["--steps", "0"], "--steps=0 must be at least 1"),
         (["--devices", "0"], "--devices=0 must be at least 1"),
+        (["--layers", "0"], "--layers=0 must be at least 1"),
+        (["--model", "cnn"], "invalid choice: 'cnn'"),
     ],
 )
 def test_demo_flag_errors(argv, message, capsys):
@@ -86,6 +98,10 @@ def test_demo_run_checks_arguments():
         demo.run(steps=1, hidden=40, show_progress=False)
     with pytest.raises(ValueError, match="--devices=99: must be between 1 and the 8 cpu devices"):
         demo.run(steps=1, devices=99, show_progress=False)
+    with pytest.raises(ValueError, match="model='cnn' must be one of"):
+        demo.run(steps=1, model="cnn", show_progress=False)
+    with pytest.raises(ValueError, match="layers=0 must be a positive int"):
+        demo.run(steps=1, layers=0, show_progress=False)
 
 
 def test_hlo_collective_accounting():
@@ -108,3 +124,40 @@ def test_hlo_collective_accounting():
     ]
     assert hlo.bytes_by_op(text) == {"all-gather": 16384 + 128, "reduce-scatter": 480, "all-reduce": 16}
     assert [hlo.dtype_bytes(d) for d in ("pred", "u8", "f8e4m3fn", "bf16", "f32", "s64")] == [1, 1, 1, 2, 4, 8]
+
+
+def test_hlo_loops_count_their_collectives_per_iteration():
+    from mxfp8_jax._src import hlo
+
+    text = "\n".join([
+        "%inner (p: u8[4]) -> u8[4] {",
+        "  %ag = u8[32]{0} all-gather(u8[4]{0} %p), dimensions={0}",
+        "}",
+        "%cond (p: s32[]) -> pred[] {",
+        "  ROOT %c = pred[] constant(true)",
+        "}",
+        "%outer (p: u8[4]) -> u8[4] {",
+        '  %w = (s32[]) while(%t), condition=%cond, body=%inner, backend_config={"known_trip_count":{"n":"3"}}',
+        "  %rs = f32[2]{0} reduce-scatter(f32[16]{0} %g), dimensions={0}, to_apply=%add",
+        "}",
+        "%nowhere (p: u8[4]) -> u8[4] {",
+        "  %w2 = (s32[]) while(%t), condition=%cond, body=%loose",
+        "}",
+        "%loose (p: u8[4]) -> u8[4] {",
+        "  %ar = f32[] all-reduce(f32[] %l), to_apply=%add",
+        "}",
+        "ENTRY %main (p: u8[4]) -> u8[4] {",
+        '  %w = (s32[]) while(%t), condition=%cond, body=%outer, backend_config={"known_trip_count":{"n":"5"}}',
+        "  %ag0 = bf16[64]{0} all-gather(bf16[8]{0} %q), dimensions={0}",
+        "  %n = (s32[]) call(%t), to_apply=%nowhere",
+        "}",
+    ])
+    found = {c.computation: c for c in hlo.collectives(text)}
+    assert (found["inner"].loop_depth, found["inner"].count) == (2, 15)
+    assert (found["outer"].loop_depth, found["outer"].count) == (1, 5)
+    assert (found["main"].loop_depth, found["main"].count) == (0, 1)
+    assert (found["loose"].loop_depth, found["loose"].count) == (1, None)  # no known trip count
+    with pytest.raises(ValueError, match="unknown trip count"):
+        found["loose"].bytes_per_step
+    assert found["inner"].bytes_per_step == 32 * 15
+    assert hlo.while_loops(text) == [("inner", 3), ("loose", None), ("outer", 5)]

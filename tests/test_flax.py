@@ -1,17 +1,15 @@
 """MXFP8 FSDP training of a Flax NNX model on 8 simulated CPU devices.
 
-Oracles are independent of the code under test: the single-device reference below quantizes each
-kernel with ``mx.quantize`` and differentiates its own custom_vjp linear (forward with the rowwise
-dequantized weight, dgrad with the columnwise one, fp32 wgrad); the HLO is parsed here with its
-own regular expression.
+Oracles are independent of the code under test: the single-device reference below quantizes and
+dequantizes each kernel with the numpy oracle and differentiates its own custom_vjp linear
+(forward with the rowwise values, dgrad with the columnwise ones, fp32 wgrad); the HLO is read
+with ``mxfp8_jax._src.hlo``, whose parser has its own tests (test_cli.py).
 """
-
-import functools
-import re
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import numpy_oracle as npo
 import optax
 import pytest
 from conftest import as_bytes
@@ -19,6 +17,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 import mxfp8_jax as mx
+from mxfp8_jax._src import hlo
 from mxfp8_jax.flax import FSDP, Linear
 
 IN, HIDDEN, CLASSES, BATCH = 32, 64, 10, 64
@@ -82,56 +81,68 @@ def params_of(model):
     return {"/".join(map(str, p)): np.asarray(v.get_value()) for p, v in nnx.to_flat_state(nnx.state(model, nnx.Param))}
 
 
+def oracle_planes(kernel):
+    """Numpy-oracle planes of ``W = kernel.T`` ([out, in]: rowwise blocks along in)."""
+    return npo.quantize(np.asarray(kernel, np.float32).T)
+
+
+def mxfp8_kernels(kernel):
+    """The kernel ``[in, out]`` as the forward GEMM reads it (rowwise values of W) and as the
+    dgrad reads it (columnwise values), from the numpy oracle."""
+    row, col = npo.mxfp8_weights(np.asarray(kernel, np.float32).T)
+    return row.T.astype(np.float32), col.T.astype(np.float32)
+
+
 # ------------------------------------------------------------------------------------------------
 # Single-device reference of the same math
 
 
-def reference_loss_and_grads(params, batch, *, dgrad_plane="columnwise"):
-    """Loss and gradients (keyed like ``params_of``) on one device, written out independently."""
+@jax.custom_vjp
+def reference_linear(x, k_fwd, k_bwd):  # kernels [in, out]
+    return x @ k_fwd
 
-    @jax.custom_vjp
-    def linear(x, k_fwd, k_bwd):  # kernels [in, out]
-        return x @ k_fwd
 
-    linear.defvjp(
-        lambda x, k_fwd, k_bwd: (x @ k_fwd, (x, k_bwd)),
-        lambda res, dy: (dy @ res[1].T, res[0].T @ dy, None),
-    )
+reference_linear.defvjp(
+    lambda x, k_fwd, k_bwd: (x @ k_fwd, (x, k_bwd)),
+    lambda res, dy: (dy @ res[1].T, res[0].T @ dy, None),
+)
 
-    def planes(k):
-        t = mx.quantize(k.T)  # [out, in]: rowwise blocks along in
-        row = mx.dequantize(t, dtype=jnp.float32).T
-        col = mx.dequantize(t, columnwise=True, dtype=jnp.float32).T
-        return row, (col if dgrad_plane == "columnwise" else row)
 
-    (k1f, k1b), (k2f, k2b) = planes(params["l1/kernel"]), planes(params["l2/kernel"])
-    plain = {k: v for k, v in params.items() if k not in ("l1/kernel", "l2/kernel")}
-
-    def loss(k1f, k2f, plain):
-        x, y = batch
-        h = jax.nn.gelu(linear(x, k1f, k1b) + plain["l1/bias"])
-        h = jax.nn.gelu(linear(h, k2f, k2b) + plain["l2/bias"])
-        mu = h.mean(-1, keepdims=True)
-        var = ((h - mu) ** 2).mean(-1, keepdims=True)
-        h = (h - mu) * jax.lax.rsqrt(var + 1e-6) * plain["norm/scale"] + plain["norm/bias"]
-        logits = h @ plain["head/kernel"] + plain["head/bias"]
-        return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
-
-    value, (g1, g2, gp) = jax.value_and_grad(loss, argnums=(0, 1, 2))(k1f, k2f, plain)
-    return value, {"l1/kernel": g1, "l2/kernel": g2, **gp}
+def reference_loss(kernels, plain, batch):
+    """``Net``'s loss on one device; ``kernels`` maps l1/l2 to (forward, dgrad) kernels."""
+    (k1f, k1b), (k2f, k2b) = kernels["l1/kernel"], kernels["l2/kernel"]
+    x, y = batch
+    h = jax.nn.gelu(reference_linear(x, k1f, k1b) + plain["l1/bias"])
+    h = jax.nn.gelu(reference_linear(h, k2f, k2b) + plain["l2/bias"])
+    mu = h.mean(-1, keepdims=True)
+    var = ((h - mu) ** 2).mean(-1, keepdims=True)
+    h = (h - mu) * jax.lax.rsqrt(var + 1e-6) * plain["norm/scale"] + plain["norm/bias"]
+    logits = h @ plain["head/kernel"] + plain["head/bias"]
+    return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
 
 
 @jax.jit
-def references(params, batch):
-    """The reference with the columnwise dgrad plane, and the gradients with the rowwise one."""
-    right = reference_loss_and_grads(params, batch)
-    return right, reference_loss_and_grads(params, batch, dgrad_plane="rowwise")[1]
+def reference_grads(kernels, plain, batch):
+    """Loss and gradients keyed like ``params_of`` (kernel gradients are the forward kernels')."""
+    def loss(fwd, plain):
+        return reference_loss({k: (fwd[k], kernels[k][1]) for k in fwd}, plain, batch)
+
+    fwd = {k: v[0] for k, v in kernels.items()}
+    value, (gk, gp) = jax.value_and_grad(loss, argnums=(0, 1))(fwd, plain)
+    return value, {**gk, **gp}
 
 
 def column_errors(got, ref):
     """max |got - ref| per column, in units of that column's max |ref| (vectors: one column)."""
     got, ref = np.atleast_2d(np.asarray(got).T).T, np.atleast_2d(np.asarray(ref).T).T
     return np.abs(got - ref).max(0) / np.maximum(np.abs(ref).max(0), 1e-30)
+
+
+def grads_by_name(fsdp, g_master, g_plain):
+    got = {p.name: np.asarray(fsdp.to_kernel(p, g_master[p.name])) for p in fsdp.units}
+    for j, g in zip(fsdp.others, g_plain.get_tensors()):
+        got[fsdp.params[j].name] = np.asarray(g).reshape(fsdp.params[j].shape)
+    return got
 
 
 @pytest.fixture(scope="module")
@@ -144,10 +155,15 @@ def f32_setup(mesh):
 
 def test_plan_eligibility(f32_setup):
     _, fsdp, _ = f32_setup
-    eligible = {fsdp.params[j].name for j in fsdp.eligible}
-    assert eligible == {"l1/kernel", "l2/kernel"}
-    assert fsdp.layout.tensor_shapes == ((HIDDEN, IN), (HIDDEN, HIDDEN))  # [out, in]
-    assert fsdp.layout.block_size == 32 and fsdp.master_placements == (mx.BlockAtomic(32),)
+    assert [p.name for p in fsdp.units] == ["l1/kernel", "l2/kernel"]
+    g1, g2 = (p.unit for p in fsdp.units)
+    # W = kernel.T [out, in]; 64 rows are 2 blocks of 32, padded to one block per device
+    assert (g1.out_features, g1.in_features, g1.out_padded, g1.rows) == (HIDDEN, IN, 256, 32)
+    assert (g2.out_features, g2.in_features, g2.out_padded, g2.rows) == (HIDDEN, HIDDEN, 256, 32)
+    assert fsdp.weight_elements == IN * HIDDEN + HIDDEN * HIDDEN
+    assert fsdp.stored_elements == 256 * (IN + HIDDEN)
+    plain = {fsdp.params[j].name for j in fsdp.others}
+    assert plain == {"l1/bias", "l2/bias", "norm/scale", "norm/bias", "head/kernel", "head/bias"}
 
 
 def test_init_round_trip_and_quantized_planes(f32_setup):
@@ -157,13 +173,19 @@ def test_init_round_trip_and_quantized_planes(f32_setup):
     assert before.keys() == after.keys()
     for k in before:
         np.testing.assert_array_equal(as_bytes(after[k]), as_bytes(before[k]), err_msg=k)
-    # The quantized planes are the single-device quantization of each kernel.T, byte for byte.
-    full = state.quantized.allgather()
-    for i, name in enumerate(("l1/kernel", "l2/kernel")):
-        want = mx.quantize(jnp.asarray(before[name]).T)
-        got = full.get_tensor_view(i)
-        for plane in ("rowwise_data", "rowwise_scale", "columnwise_data", "columnwise_scale"):
-            np.testing.assert_array_equal(as_bytes(getattr(got, plane)), as_bytes(getattr(want, plane)), err_msg=f"{name} {plane}")
+    for p in fsdp.units:
+        # the master is W = kernel.T with zero rows below out; the planes its oracle quantization
+        master = np.asarray(state.master[p.name])
+        np.testing.assert_array_equal(master[: p.unit.out_features], before[p.name].T)
+        assert not master[p.unit.out_features :].any()
+        want = oracle_planes(before[p.name])
+        q = state.quantized[p.name]
+        out = p.unit.out_features
+        got = {"rowwise_data": np.asarray(q.rowwise_data)[:out], "rowwise_scale": np.asarray(q.rowwise_scale)[:out],
+               "columnwise_data": np.asarray(q.columnwise_data)[:out],
+               "columnwise_scale": np.asarray(q.columnwise_scale)[: out // 32]}
+        for plane, v in want.items():
+            np.testing.assert_array_equal(as_bytes(got[plane]), as_bytes(v), err_msg=f"{p.name} {plane}")
 
 
 def test_sharded_gradients_match_single_device_reference(f32_setup):
@@ -172,15 +194,15 @@ def test_sharded_gradients_match_single_device_reference(f32_setup):
     batch = make_batch()
     loss, g_master, g_plain = fsdp.loss_and_grads(loss_fn)(state, batch)
     params = params_of(model)
-    (ref_loss, ref), wrong = references(params, batch)
+    kernels = {k: mxfp8_kernels(params[k]) for k in ("l1/kernel", "l2/kernel")}
+    plain = {k: v for k, v in params.items() if k not in kernels}
+    ref_loss, ref = reference_grads(kernels, plain, batch)
     np.testing.assert_allclose(float(loss), float(ref_loss), rtol=1e-5)
-
-    got = {}
-    for j, g in zip(fsdp.eligible, g_master.get_tensors()):
-        got[fsdp.params[j].name] = np.asarray(g).T
-    for j, g in zip(fsdp.others, g_plain.get_tensors()):
-        got[fsdp.params[j].name] = np.asarray(g)
+    got = grads_by_name(fsdp, g_master, g_plain)
     assert got.keys() == ref.keys()
+    # padding rows of the masters receive exactly zero
+    for p in fsdp.units:
+        assert not np.asarray(g_master[p.name])[p.unit.out_features :].any()
     tol = 1e-5
     for k in ref:
         err = column_errors(got[k], ref[k])
@@ -188,24 +210,14 @@ def test_sharded_gradients_match_single_device_reference(f32_setup):
 
     # The tolerance separates the planes: l1's gradient for the features whose l2 weights only
     # the columnwise plane keeps is far off when the dgrad reads the rowwise plane.
+    wrong_kernels = {k: (v[0], v[0]) for k, v in kernels.items()}
+    _, wrong = reference_grads(wrong_kernels, plain, batch)
     err = column_errors(wrong["l1/kernel"], ref["l1/kernel"])
     assert err[1::2].min() > 100 * tol and err[0::2].max() < 1e-2
 
 
 # ------------------------------------------------------------------------------------------------
 # The jitted train step: HLO and training
-
-
-_COLLECTIVE = re.compile(r"= (\S+|\([^=]*\)) (all-gather|reduce-scatter|all-reduce|all-to-all|collective-permute)(?:-start)?\(")
-_ARRAY = re.compile(r"([a-z][a-z0-9]*)\[([0-9,]*)\]")
-
-
-def collectives_in(hlo):
-    out = []
-    for m in _COLLECTIVE.finditer(hlo):
-        for dtype, dims in _ARRAY.findall(m.group(1)):
-            out.append((m.group(2), dtype, tuple(int(d) for d in dims.split(",") if d)))
-    return out
 
 
 @pytest.fixture(scope="module")
@@ -221,14 +233,19 @@ def bf16_training(mesh):
 
 def test_step_hlo_moves_weights_as_8_bit(bf16_training):
     fsdp, _, _, compiled = bf16_training
-    found = collectives_in(compiled.as_text())
-    phys, plain = fsdp.layout.physical_size, fsdp.plain_layout.physical_size
+    found = [(c.op, c.dtypes[0], c.outputs[0][1]) for c in hlo.collectives(compiled.as_text())]
+    plain = fsdp.plain_layout.physical_size
     gathers = sorted((d, s) for op, d, s in found if op == "all-gather")
-    # Forward: rowwise data + scales; backward: columnwise data + scales; plain params in fp32.
-    assert gathers == sorted([("u8", (phys,)), ("u8", (phys // 32,))] * 2 + [("f32", (plain,))])
-    # Gradients: one reduce-scatter of each flat fp32 buffer into its shard.
+    want = [("f32", (plain,))]
+    for p in fsdp.units:
+        g = p.unit
+        want += [("u8", (g.out_padded, g.in_features)), ("u8", (g.out_padded, g.in_features // 32))]  # forward
+        if p.name != "l1/kernel":  # l1's input is the data: it needs no dgrad, XLA drops its gather
+            want += [("u8", (g.out_padded, g.in_features)), ("u8", (g.out_padded // 32, g.in_features))]
+    assert gathers == sorted(want)
+    # Gradients: one reduce-scatter per unit into its rows, one for the plain buffer.
     scatters = sorted((d, s) for op, d, s in found if op == "reduce-scatter")
-    assert scatters == sorted([("f32", (phys // 8,)), ("f32", (plain // 8,))])
+    assert scatters == sorted([("f32", (plain // 8,))] + [("f32", (p.unit.rows, p.unit.in_features)) for p in fsdp.units])
     # Nothing else but the scalar loss mean: no all-reduce of gradients, no weight reshuffles.
     others = [(op, d, s) for op, d, s in found if op not in ("all-gather", "reduce-scatter")]
     assert others == [("all-reduce", "f32", ())]
@@ -236,8 +253,8 @@ def test_step_hlo_moves_weights_as_8_bit(bf16_training):
 
 def test_quantize_after_update_has_no_collective(bf16_training):
     fsdp, state, _, _ = bf16_training
-    hlo = jax.jit(lambda m: fsdp._quantize(state.quantized, m)).lower(state.master).compile().as_text()
-    assert collectives_in(hlo) == []
+    text = fsdp._quantize_fn.lower(state.master).compile().as_text()
+    assert hlo.collectives(text) == []
 
 
 def test_training_decreases_loss_and_keeps_planes_in_sync(bf16_training):
@@ -250,12 +267,13 @@ def test_training_decreases_loss_and_keeps_planes_in_sync(bf16_training):
     assert np.all(np.isfinite(losses))
     assert losses[-1] < 0.5 * losses[0], losses
     assert int(state.step) == 12
-    # Invariant: the quantized planes are the quantization of the updated master.
-    full = state.quantized.allgather()
-    for i, w in enumerate(state.master.get_tensors()):
-        want, got = mx.quantize(w), full.get_tensor_view(i)
-        np.testing.assert_array_equal(as_bytes(got.rowwise_data), as_bytes(want.rowwise_data))
-        np.testing.assert_array_equal(as_bytes(got.columnwise_scale), as_bytes(want.columnwise_scale))
+    # Invariant: all four planes are the (oracle) quantization of the updated master.
+    for p in fsdp.units:
+        master = np.asarray(state.master[p.name])
+        want = npo.quantize(master)
+        q = state.quantized[p.name]
+        for plane, v in want.items():
+            np.testing.assert_array_equal(as_bytes(getattr(q, plane)), as_bytes(v), err_msg=f"{p.name} {plane}")
 
 
 # ------------------------------------------------------------------------------------------------

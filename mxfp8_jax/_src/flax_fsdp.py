@@ -1,37 +1,39 @@
-"""Flax NNX training with MXFP8 FSDP weights (SPEC §7).
+"""Flax NNX training with MXFP8 FSDP weights: per-unit gathers that compose with scan and remat.
 
 One training step, with every mesh axis in the FSDP group and the batch split over it::
 
-    master     fp32 DBuffer, BlockAtomic(32): each device holds whole 32-row blocks of each weight
-      |  QuantizedDBuffer.quantize after every optimizer update: local, no communication
-    quantized  four uint8 planes in the same layout
-      |  forward:  all-gather rowwise data + scales (8-bit)     y  = x @ W.T   (W from rowwise)
-      |  backward: all-gather columnwise data + scales (8-bit)  dx = dy @ W    (W from columnwise)
-      |            wgrad dW = dy.T @ x accumulated in fp32, packed into the master layout and
-      |            reduce-scattered with ONE psum_scatter of the flat buffer
+    master     per unit, fp32 rows of W = kernel.T [*stack, out_padded, in], sharded by 32-row blocks
+      |  quantize after every optimizer update: each device its own rows, no communication
+    planes     per unit, E4M3 codes + E8M0 scales, rowwise and columnwise, sharded like the master
+      |  each GEMM of the model, when it runs (``fsdp_unit.unit_matmul``):
+      |    forward:  all-gather this unit's rowwise planes (8-bit), y = x @ W.T, drop them
+      |    backward: all-gather its columnwise planes (8-bit), dx = dy @ W; dW = dy.T @ x (fp32)
+      |              leaves through one reduce-scatter into the unit's master rows
     optax update on the shards (elementwise, no communication)
 
-Eligible weights are the kernels of ``Linear`` whose two dimensions are multiples of 32. The
-master holds them transposed, ``[out, in]`` (Transformer Engine's orientation), so rowwise blocks
-run along ``in``, the forward GEMM's contraction axis, and columnwise blocks along ``out``, the
-dgrad GEMM's. Every other parameter (biases, norms, odd-sized kernels) lives in a plain fp32
-DBuffer (RowAtomic), all-gathered in fp32; autodiff turns that gather into a reduce-scatter.
+A *unit* is the kernel of one ``flax.nnx.Linear`` or ``mxfp8_jax.flax.Linear`` whose two
+dimensions are multiples of 32 (``flax_layers``). Kernels stacked with ``nnx.vmap``
+(``[*stack, in, out]``, run with ``nnx.scan``) are units too: each scan iteration gathers one
+layer's planes inside the loop, so the compiled step keeps the loop and holds one layer's
+gathered weights at a time. Every unit is its own GEMM-level ``custom_vjp`` on local shards,
+which is why scan, ``nnx.remat``/``jax.checkpoint`` (the recompute gathers again) and plain
+Python loops all work: per-device memory is the shards, the unit being computed, and the
+activations the model saves, flat in depth.
 
-Hopper and CPUs have no MXFP8 GEMM: the gathered planes are dequantized (exactly) and the GEMMs
-run in the layer's compute dtype with fp32 accumulation. Quantization is the identity for the
-gradient (straight-through).
+Every other parameter (biases, norms, embeddings, kernels with other sizes) lives in one plain
+fp32 ``DBuffer`` (RowAtomic), all-gathered in fp32 at the start of the step; autodiff turns that
+gather into a reduce-scatter.
 
-How the backward gets the columnwise weights: each FSDP ``Linear`` call returns, besides its
-output, a zero "tap" ``[out, in]``; the step differentiates with ``jax.vjp`` and feeds the
-columnwise weights in as the taps' cotangents, which is where the dgrad reads them. The
-columnwise gather therefore sits between the forward and the backward, and a data dependency on
-the forward's loss keeps XLA from starting it earlier (``_after``): only the local columnwise
-planes live through the forward (FSDP's reshard-after-forward). The cost of this mechanism:
-a ``Linear`` must be called directly by ``loss_fn`` (not inside ``jax.lax.scan`` or a
-``jax.checkpoint`` of the caller's own).
+``precision="bf16"`` is the baseline with the same structure: each unit's master rows are cast
+to bf16 and gathered as 16-bit words, once for the forward and once for the backward.
 
-``precision="bf16"`` is the baseline with the same structure: the master shards are cast to bf16
-locally and gathered as bf16, once for the forward and once for the backward.
+Overlap: a unit's gather depends only on its own shards, so XLA may issue it ahead of the GEMM
+that needs it. On GPUs, ``--xla_gpu_enable_latency_hiding_scheduler=true`` overlaps the gathers
+of one step with compute, and ``--xla_gpu_enable_pipelined_all_gather=true`` with
+``--xla_gpu_enable_pipelined_reduce_scatter=true`` (XLA's collective pipeliner) moves the next
+scan iteration's gather (and the previous one's reduce-scatter) into the current iteration;
+``--xla_gpu_all_gather_combine_threshold_bytes`` / ``--xla_gpu_reduce_scatter_combine_threshold_bytes``
+let XLA merge the units of one iteration into one collective (set them through ``XLA_FLAGS``).
 """
 
 from __future__ import annotations
@@ -50,103 +52,33 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from mxfp8_jax._src import placement as pl
 from mxfp8_jax._src.dbuffer import DBuffer
+from mxfp8_jax._src.flax_layers import intercept, unit_kernel_shape
 from mxfp8_jax._src.format import BLOCK, ScaleRule
+from mxfp8_jax._src.fsdp_unit import PRECISIONS, ShardedKernel, UnitGeometry
 from mxfp8_jax._src.layout import GlobalLayout
-from mxfp8_jax._src.quantize import dequantize
-from mxfp8_jax._src.quantized import QuantizedDBuffer, columnwise_scale_layout, rowwise_scale_layout
-
-PRECISIONS = ("mxfp8", "bf16")
+from mxfp8_jax._src.quantize import quantize
 
 
 # ------------------------------------------------------------------------------------------------
-# The layer
+# State
 
 
-class Kernel(nnx.Param):
-    """A ``Linear`` weight ``[in, out]``: the parameters ``FSDP`` may keep as MXFP8."""
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class UnitPlanes:
+    """The MXFP8 planes of one unit's master ``[*stack, out_padded, in]``, sharded like it.
 
-
-@dataclasses.dataclass(frozen=True, eq=False)
-class GatheredKernel:
-    """What a ``Linear`` kernel holds inside an FSDP step (trace-time only, not a pytree).
-
-    ``forward`` is ``W = kernel.T`` ``[out, in]`` in fp32 (exact dequantized values): the forward
-    GEMM reads it and it receives the fp32 weight gradient. Each call appends ``(index, tap)`` to
-    ``taps``; the step feeds the backward weights in as the taps' cotangents.
+    ``rowwise_data``/``columnwise_data``: E4M3 bit patterns as uint8 ``[*stack, out_padded, in]``
+    (XLA:CPU widens float8 arrays that cross a loop to f16, twice the bytes; codes are bitcast
+    to ``float8_e4m3fn`` where they are dequantized);
+    ``rowwise_scale``: uint8 ``[*stack, out_padded, in/32]``; ``columnwise_scale``: uint8
+    ``[*stack, out_padded/32, in]``. Every device's rows are whole 32-row blocks of each layer.
     """
 
-    forward: jax.Array
-    index: int
-    taps: list
-
-
-def _dot(a, b, dims, dtype):
-    """``dot_general`` of operands rounded to ``dtype``, accumulated in fp32.
-
-    XLA:CPU has no fast bf16 GEMM, so there the rounded operands are multiplied as fp32 (bf16
-    products are exact in fp32: the same numbers up to summation order, several times faster).
-    """
-    a, b = a.astype(dtype), b.astype(dtype)
-    if jax.default_backend() == "cpu":
-        a, b = a.astype(jnp.float32), b.astype(jnp.float32)
-    return lax.dot_general(a, b, dims, preferred_element_type=jnp.float32)
-
-
-def _matmul_t(x, w, dtype):
-    """``x @ w.T`` for ``w [out, in]``: operands in ``dtype``, fp32 accumulation."""
-    return _dot(x, w, (((x.ndim - 1,), (1,)), ((), ())), dtype)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
-def _fsdp_linear(x, w_forward, dtype):
-    """``(x @ w_forward.T, tap)``; the tap is zeros ``[out, in]`` whose cotangent is the dgrad weight."""
-    return _matmul_t(x, w_forward, dtype).astype(dtype), jnp.zeros(w_forward.shape, jnp.bfloat16)
-
-
-def _fsdp_linear_fwd(x, w_forward, dtype):
-    return _fsdp_linear(x, w_forward, dtype), x
-
-
-def _fsdp_linear_bwd(dtype, x, cotangents):
-    dy, w_backward = cotangents
-    # dx [..., in] = dy @ W contracts over out: the columnwise blocks of W
-    dx = _dot(dy, w_backward, (((dy.ndim - 1,), (0,)), ((), ())), dtype)
-    # dW [out, in] = dy.T @ x over every leading axis, in fp32
-    dw = _dot(dy.reshape(-1, dy.shape[-1]), x.reshape(-1, x.shape[-1]), (((0,), (0,)), ((), ())), dtype)
-    return dx.astype(x.dtype), dw
-
-
-_fsdp_linear.defvjp(_fsdp_linear_fwd, _fsdp_linear_bwd)
-
-
-class Linear(nnx.Module):
-    """``y = x @ kernel + bias`` with a ``Kernel`` parameter ``[in, out]``, like ``nnx.Linear``.
-
-    Outside an FSDP step it is an ordinary dense layer: operands in ``dtype``, fp32 accumulation,
-    output in ``dtype``. Inside one, an eligible kernel holds a ``GatheredKernel``.
-    """
-
-    def __init__(self, in_features: int, out_features: int, *, use_bias: bool = True,
-                 dtype=jnp.bfloat16, param_dtype=jnp.float32,
-                 kernel_init=nnx.initializers.lecun_normal(), rngs: nnx.Rngs):
-        self.in_features, self.out_features, self.dtype = in_features, out_features, dtype
-        self.kernel = Kernel(kernel_init(rngs.params(), (in_features, out_features), param_dtype))
-        self.bias = nnx.Param(jnp.zeros((out_features,), param_dtype)) if use_bias else None
-
-    def __call__(self, x):
-        kernel = self.kernel.get_value()
-        if isinstance(kernel, GatheredKernel):
-            y, tap = _fsdp_linear(x, kernel.forward, self.dtype)
-            kernel.taps.append((kernel.index, tap))
-        else:
-            y = _matmul_t(x, kernel.T, self.dtype).astype(self.dtype)
-        if self.bias is not None:
-            y = y + self.bias.get_value().astype(self.dtype)
-        return y
-
-
-# ------------------------------------------------------------------------------------------------
-# Train state
+    rowwise_data: jax.Array
+    rowwise_scale: jax.Array
+    columnwise_data: jax.Array
+    columnwise_scale: jax.Array
 
 
 @jax.tree_util.register_dataclass
@@ -154,14 +86,15 @@ class Linear(nnx.Module):
 class TrainState:
     """Everything a step updates. Invariant: ``quantized`` is the quantization of ``master``.
 
-    ``master``: fp32 DBuffer of the eligible kernels, transposed ``[out, in]``, BlockAtomic(32).
-    ``quantized``: its MXFP8 planes (QuantizedDBuffer), or None under ``precision="bf16"``.
+    ``master``: unit name (the kernel's parameter path) -> fp32 ``W = kernel.T`` with its rows
+    padded to ``out_padded``, ``[*stack, out_padded, in]``, rows sharded over the mesh.
+    ``quantized``: unit name -> its ``UnitPlanes``, or None under ``precision="bf16"``.
     ``plain``: fp32 DBuffer of the other parameters (RowAtomic), or None when there are none.
-    ``opt_state``: the optax state of ``(master.data, plain.data)``, sharded like them.
+    ``opt_state``: the optax state of ``(master, plain.data)``, sharded like them.
     """
 
-    master: DBuffer
-    quantized: QuantizedDBuffer | None
+    master: dict[str, jax.Array]
+    quantized: dict[str, UnitPlanes] | None
     plain: DBuffer | None
     opt_state: Any
     step: jax.Array
@@ -169,16 +102,25 @@ class TrainState:
 
 @dataclasses.dataclass(frozen=True)
 class ParamInfo:
-    """One model parameter as the plan sees it; ``path`` as in ``nnx.to_flat_state``."""
+    """One model parameter as the plan sees it; ``path`` as in ``nnx.to_flat_state``.
+
+    ``unit`` is the geometry of an MXFP8 unit (None for a plain parameter) and ``stack`` the
+    leading stack axes of its kernel ``[*stack, in, out]``.
+    """
 
     path: tuple[str | int, ...]
     shape: tuple[int, ...]
     dtype: Any
-    eligible: bool
+    unit: UnitGeometry | None = None
+    stack: tuple[int, ...] = ()
 
     @property
     def name(self) -> str:
         return "/".join(map(str, self.path))
+
+    @property
+    def eligible(self) -> bool:
+        return self.unit is not None
 
 
 # ------------------------------------------------------------------------------------------------
@@ -188,8 +130,8 @@ class ParamInfo:
 class FSDP:
     """MXFP8 FSDP training of an NNX model over every axis of ``mesh``.
 
-    ``FSDP(model, mesh)`` reads the model's structure (not its values): which parameters are
-    eligible, the master and plain layouts. Then::
+    ``FSDP(model, mesh)`` reads the model's structure (not its values): which kernels are units,
+    their geometry, the plain parameters' layout. Then::
 
         state = fsdp.init(model, tx)           # shard, quantize, optimizer state
         step = fsdp.train_step(loss_fn, tx)    # jitted; donates the state
@@ -198,7 +140,8 @@ class FSDP:
 
     ``loss_fn(model, batch) -> scalar`` is the mean loss over the batch it is given. Each device
     runs it on its slice of the batch (every leaf's leading axis is split over the mesh) and the
-    step returns the mean over devices. The model may hold only ``nnx.Param`` state.
+    step returns the mean over devices. The model may hold only ``nnx.Param`` state; it may use
+    ``nnx.scan``, ``nnx.vmap``, ``nnx.remat`` and Python loops freely.
     """
 
     def __init__(self, model: nnx.Module, mesh: Mesh, *, precision: str = "mxfp8", scale_rule: str = "rceil"):
@@ -219,77 +162,134 @@ class FSDP:
             )
         self._graphdef, self._rest = graphdef, rest
         self._treedef = jax.tree.structure(params)  # one leaf per Variable: its value
-        with_paths = jax.tree_util.tree_flatten_with_path(params, is_leaf=_is_variable)[0]
-        self.params = tuple(
-            ParamInfo(_path_names(path), tuple(v.get_value().shape), v.get_value().dtype, _eligible(v))
-            for path, v in with_paths
-        )
+        ndim = len(mesh.axis_names)
+        self.master_placements = (pl.BlockAtomic(BLOCK),) * ndim
+        self.plain_placements = (pl.RowAtomic(),) * ndim
+        self._axes = pl.partition_spec(self.mesh, self.master_placements)[0]  # collective axes
+        owners = _unit_kernels(model)
+        infos = []
+        for path, v in jax.tree_util.tree_flatten_with_path(params, is_leaf=_is_variable)[0]:
+            path = _path_names(path)
+            shape, dtype = tuple(v.get_value().shape), v.get_value().dtype
+            unit, stack = None, ()
+            if path in owners and jnp.issubdtype(dtype, jnp.floating):
+                stack, k_in, k_out = owners[path]
+                unit = UnitGeometry.build(k_in, k_out, self.mesh.size, self._axes, precision)
+            infos.append(ParamInfo(path, shape, dtype, unit, stack))
+        self.params = tuple(infos)
         self.eligible = tuple(j for j, p in enumerate(self.params) if p.eligible)
         self.others = tuple(j for j, p in enumerate(self.params) if not p.eligible)
         if not self.eligible:
             raise ValueError(
-                f"model has no eligible weight: FSDP keeps as MXFP8 the kernels of "
-                f"mxfp8_jax.flax.Linear whose in and out features are both multiples of {BLOCK}; "
-                f"2-D parameters found: {[p.shape for p in self.params if len(p.shape) == 2]}"
+                f"model has no eligible weight: FSDP keeps as MXFP8 the kernels of flax.nnx.Linear "
+                f"(default dot_general) and mxfp8_jax.flax.Linear layers whose in and out features "
+                f"are both multiples of {BLOCK}, stacked or not; parameters found: "
+                f"{[(p.name, p.shape) for p in self.params]}"
             )
-        ndim = len(mesh.axis_names)
-        self.master_placements = (pl.BlockAtomic(BLOCK),) * ndim
-        self.plain_placements = (pl.RowAtomic(),) * ndim
-        shapes = [self.params[j].shape[::-1] for j in self.eligible]  # [out, in]
-        self._empty_quantized = QuantizedDBuffer.empty(self.mesh, self.master_placements, shapes)
-        self.layout: GlobalLayout = self._empty_quantized.layout
+        self._owner_paths = tuple(self.params[j].path[:-1] for j in self.eligible)
         self.plain_layout: GlobalLayout | None = (
-            GlobalLayout.build([self.params[j].shape for j in self.others], self.mesh.size)
+            GlobalLayout.build([self.params[j].shape or (1,) for j in self.others], self.mesh.size)
             if self.others else None
         )
-        self._axes = pl.partition_spec(self.mesh, self.master_placements)[0]  # collective axes
-        self._gather = _Gather(self.mesh, self.layout, precision, self._axes)
+
+    # -- what the plan holds ---------------------------------------------------------------------
+
+    @property
+    def units(self) -> tuple[ParamInfo, ...]:
+        """The MXFP8 units (eligible kernels), in parameter order."""
+        return tuple(self.params[j] for j in self.eligible)
+
+    @property
+    def weight_elements(self) -> int:
+        """Elements of the units' kernels (what the model holds)."""
+        return sum(int(np.prod(p.shape)) for p in self.units)
+
+    @property
+    def stored_elements(self) -> int:
+        """Elements of the units' masters as stored, rows padded so every device holds the same
+        number of whole 32-row blocks (the bytes a gather moves per element of this)."""
+        return sum(int(np.prod(p.unit.padded_shape(p.stack))) for p in self.units)
+
+    def master_sharding(self, info: ParamInfo) -> NamedSharding:
+        """A unit's master (and planes): the row axis (second to last) split over the mesh."""
+        return NamedSharding(self.mesh, self._row_spec(info))
 
     # -- state ---------------------------------------------------------------------------------
 
     def init(self, model: nnx.Module, tx) -> TrainState:
-        """Shards ``model``'s parameters (one host-side pack per buffer), quantizes, inits ``tx``."""
+        """Shards ``model``'s parameters, quantizes the units, initialises ``tx``."""
         values = self._values_of(model)
-        master = DBuffer.distribute_tensors(
-            [np.asarray(values[j], np.float32).T for j in self.eligible], self.mesh,
-            self.master_placements, dtype=jnp.float32, layout=self.layout,
-        )
+        master = self._masters_fn({p.name: values[j] for j, p in zip(self.eligible, self.units)})
         plain = None
         if self.others:
             plain = DBuffer.distribute_tensors(
-                [np.asarray(values[j], np.float32) for j in self.others], self.mesh,
-                self.plain_placements, dtype=jnp.float32, layout=self.plain_layout,
+                [np.asarray(values[j], np.float32).reshape(self.params[j].shape or (1,)) for j in self.others],
+                self.mesh, self.plain_placements, dtype=jnp.float32, layout=self.plain_layout,
             )
-        quantized = self._quantize(self._empty_quantized, master)
-        opt_state = jax.jit(tx.init)(_opt_params(master, plain))
+        quantized = self._quantize_fn(master) if self.precision == "mxfp8" else None
+        params = _opt_params(master, plain)
+        opt_shardings = self._opt_shardings(jax.eval_shape(tx.init, params))
+        opt_state = jax.jit(tx.init, out_shardings=opt_shardings)(params)
         state = TrainState(master, quantized, plain, opt_state, jnp.zeros((), jnp.int32))
         return jax.device_put(state, self._shardings(state))
 
+    def abstract_state(self, tx) -> TrainState:
+        """The ``TrainState`` that ``init`` would return, as ``jax.ShapeDtypeStruct``s with their
+        shardings: for ``lower_train_step`` (memory analysis, HLO) without building the model."""
+        sds = jax.ShapeDtypeStruct
+        master, quantized = {}, {}
+        for p in self.units:
+            s, g = self.master_sharding(p), p.unit
+            shape = g.padded_shape(p.stack)
+            master[p.name] = sds(shape, jnp.float32, sharding=s)
+            quantized[p.name] = UnitPlanes(
+                sds(shape, jnp.uint8, sharding=s),
+                sds((*shape[:-1], g.in_features // BLOCK), jnp.uint8, sharding=s),
+                sds(shape, jnp.uint8, sharding=s),
+                sds((*p.stack, g.out_padded // BLOCK, g.in_features), jnp.uint8, sharding=s),
+            )
+        plain = None
+        if self.plain_layout is not None:
+            flat = NamedSharding(self.mesh, PartitionSpec(self._axes))
+            plain = DBuffer(sds((self.plain_layout.physical_size,), jnp.float32, sharding=flat),
+                            self.mesh, self.plain_placements, self.plain_layout)
+        shapes = jax.eval_shape(tx.init, _opt_params(master, plain))
+        opt_state = jax.tree.map(lambda a, s: sds(a.shape, a.dtype, sharding=s), shapes, self._opt_shardings(shapes))
+        step = sds((), jnp.int32, sharding=NamedSharding(self.mesh, PartitionSpec()))
+        return TrainState(master, quantized if self.precision == "mxfp8" else None, plain, opt_state, step)
+
     def gather(self, state: TrainState) -> nnx.Module:
-        """The model with the full fp32 master parameters (one all-gather per buffer)."""
+        """The model with the full fp32 master parameters (one all-gather per array)."""
         values = [None] * len(self.params)
-        for j, w in zip(self.eligible, state.master.get_tensors()):
-            values[j] = w.T.astype(self.params[j].dtype)
+        kernels = self._kernels_fn(state.master)
+        for j, p in zip(self.eligible, self.units):
+            values[j] = kernels[p.name]
         if state.plain is not None:
-            for j, p in zip(self.others, state.plain.get_tensors()):
-                values[j] = p.astype(self.params[j].dtype)
+            for j, t in zip(self.others, state.plain.get_tensors()):
+                values[j] = t.reshape(self.params[j].shape).astype(self.params[j].dtype)
         return self._merge(values)
 
     # -- steps ---------------------------------------------------------------------------------
 
     def place_batch(self, batch):
-        """``batch`` with every leaf's leading axis split over the mesh (as a step takes it)."""
+        """``batch`` with every leaf's leading axis split over the mesh (as a step takes it).
+
+        ``jax.ShapeDtypeStruct`` leaves get the sharding attached (for lowering only)."""
         for leaf in jax.tree.leaves(batch):
             if np.ndim(leaf) == 0 or np.shape(leaf)[0] % self.mesh.size:
                 raise ValueError(
                     f"batch leaf of shape {np.shape(leaf)}: its leading (batch) axis must be "
                     f"divisible by the mesh's {self.mesh.size} devices"
                 )
-        return jax.device_put(batch, NamedSharding(self.mesh, PartitionSpec(self._axes)))
+        sharding = NamedSharding(self.mesh, PartitionSpec(self._axes))
+        if all(isinstance(leaf, jax.ShapeDtypeStruct) for leaf in jax.tree.leaves(batch)):
+            return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding), batch)
+        return jax.device_put(batch, sharding)
 
     def loss_and_grads(self, loss_fn: Callable) -> Callable:
-        """``fn(state, batch) -> (loss, master_grad, plain_grad)``, jitted: the step's gradients as
-        DBuffers with the master / plain placements (``plain_grad`` None without plain params)."""
+        """``fn(state, batch) -> (loss, master_grad, plain_grad)``, jitted: the step's gradients,
+        ``master_grad`` a dict like ``state.master`` (fp32 ``[*stack, out_padded, in]``, rows
+        sharded), ``plain_grad`` a DBuffer with the plain placements (None without plain params)."""
         jitted = jax.jit(self._grads_fn(loss_fn))
         return lambda state, batch: jitted(state, self.place_batch(batch))
 
@@ -300,24 +300,31 @@ class FSDP:
         return lambda state, batch: jitted(state, self.place_batch(batch))
 
     def lower_train_step(self, loss_fn: Callable, tx, state: TrainState, batch):
-        """``train_step`` lowered for ``state`` and ``batch``. ``.compile()`` gives a step to call
-        as ``compiled(state, fsdp.place_batch(batch))`` (donating ``state``) and its HLO text."""
+        """``train_step`` lowered for ``state`` and ``batch`` (arrays, or ``abstract_state`` and
+        ``jax.ShapeDtypeStruct`` leaves). ``.compile()`` gives a step to call as
+        ``compiled(state, fsdp.place_batch(batch))`` (donating ``state``), its HLO text and its
+        ``memory_analysis()``."""
         return jax.jit(self._step(loss_fn, tx), donate_argnums=0).lower(state, self.place_batch(batch))
+
+    def to_kernel(self, info: ParamInfo, master: jax.Array) -> jax.Array:
+        """A unit's master (or its gradient) ``[*stack, out_padded, in]`` as the kernel's
+        logical ``[*stack, in, out]`` (padding rows dropped); works on sharded arrays."""
+        return jnp.swapaxes(master[..., : info.unit.out_features, :], -1, -2)
 
     # -- internals -----------------------------------------------------------------------------
 
     def _step(self, loss_fn: Callable, tx) -> Callable:
         grads_fn = self._grads_fn(loss_fn)
+        quantize_local = self._quantize_local()
 
         def step(state: TrainState, batch):
             loss, g_master, g_plain = grads_fn(state, batch)
             params = _opt_params(state.master, state.plain)
-            grads = (g_master.data, None if g_plain is None else g_plain.data)
+            grads = (g_master, None if g_plain is None else g_plain.data)
             updates, opt_state = tx.update(grads, state.opt_state, params)
-            new = jax.tree.map(lambda p, u: p + u.astype(p.dtype), params, updates)
-            master = dataclasses.replace(state.master, data=new[0])
-            plain = None if state.plain is None else dataclasses.replace(state.plain, data=new[1])
-            quantized = self._quantize(state.quantized, master)
+            master, plain_data = jax.tree.map(lambda p, u: p + u.astype(p.dtype), params, updates)
+            plain = None if state.plain is None else dataclasses.replace(state.plain, data=plain_data)
+            quantized = quantize_local(master) if self.precision == "mxfp8" else None
             new_state = TrainState(master, quantized, plain, opt_state, state.step + 1)
             return lax.with_sharding_constraint(new_state, self._shardings(new_state)), loss
 
@@ -325,69 +332,140 @@ class FSDP:
 
     def _grads_fn(self, loss_fn: Callable) -> Callable:
         """Loss and gradients of one step: a single shard_map over the mesh."""
-        mesh, axes, n, gather = self.mesh, self._axes, self.mesh.size, self._gather
-        spec = PartitionSpec(axes)
-        rep = (pl.Replicate(),) * len(mesh.axis_names)
-        plain_layout = self.plain_layout
+        mesh, axes, n = self.mesh, self._axes, self.mesh.size
+        flat = PartitionSpec(axes)
+        master_specs = {p.name: self._row_spec(p) for p in self.units}
+        planes_specs = {p.name: UnitPlanes(*(self._row_spec(p),) * 4) for p in self.units}
 
-        def local(master, planes_fwd, planes_bwd, plain, batch):
-            taps = []  # (weight index, tap) of every FSDP Linear call, in call order
+        def local(master, planes, plain, batch):
+            def loss_of(master, plain):
+                loss = loss_fn(self._model_in_step(master, planes, plain), batch)
+                if jnp.ndim(loss) != 0:
+                    raise ValueError(
+                        f"loss_fn must return a scalar (the mean loss of its batch), got shape "
+                        f"{jnp.shape(loss)}"
+                    )
+                return loss.astype(jnp.float32) / n
 
-            def forward(master, plain):
-                taps.clear()
-                kernels = [GatheredKernel(w, i, taps) for i, w in enumerate(gathered_weights(gather, master, planes_fwd))]
-                others = []
-                if plain is not None:
-                    full = lax.all_gather(plain, axes, tiled=True)
-                    others = DBuffer(full, mesh, rep, plain_layout).get_tensors()
-                loss = loss_fn(self._merge(self._interleave(kernels, others)), batch) / n
-                return loss, tuple(t for _, t in taps)
-
-            (loss, _), pullback = jax.vjp(forward, master, plain)
-            w_backward = gather.backward(*_after((master, planes_bwd), loss))
-            g_master, g_plain = pullback((jnp.ones_like(loss), tuple(w_backward[i] for i, _ in taps)))
+            loss, (g_master, g_plain) = jax.value_and_grad(loss_of, argnums=(0, 1))(master, plain)
             return lax.psum(loss, axes), g_master, g_plain
 
         def grads_fn(state: TrainState, batch):
-            q = state.quantized
-            if self.precision == "mxfp8":
-                planes_fwd = (q.rowwise_data.data, q.rowwise_scale.data)
-                planes_bwd = (q.columnwise_data.data, q.columnwise_scale.data)
-            else:
-                planes_fwd = planes_bwd = ()
             plain = None if state.plain is None else state.plain.data
-            plain_spec = None if plain is None else spec
+            plain_spec = None if plain is None else flat
+            planes = state.quantized
             fn = jax.shard_map(
                 local, mesh=mesh,
-                in_specs=(spec, (spec,) * len(planes_fwd), (spec,) * len(planes_bwd), plain_spec,
-                          jax.tree.map(lambda _: spec, batch)),
-                out_specs=(PartitionSpec(), spec, plain_spec),
+                in_specs=(master_specs, None if planes is None else planes_specs, plain_spec,
+                          jax.tree.map(lambda _: flat, batch)),
+                out_specs=(PartitionSpec(), master_specs, plain_spec),
                 check_vma=False,
             )
-            loss, g_master, g_plain = fn(state.master.data, planes_fwd, planes_bwd, plain, batch)
-            g_master = DBuffer(g_master, mesh, self.master_placements, self.layout)
+            loss, g_master, g_plain = fn(state.master, planes, plain, batch)
             if g_plain is not None:
-                g_plain = DBuffer(g_plain, mesh, self.plain_placements, plain_layout)
+                g_plain = DBuffer(g_plain, mesh, self.plain_placements, self.plain_layout)
             return loss, g_master, g_plain
 
         return grads_fn
 
-    def _quantize(self, quantized: QuantizedDBuffer | None, master: DBuffer):
-        if self.precision != "mxfp8":
-            return None
-        return quantized.quantize(master, scale_rule=self.scale_rule)
+    def _model_in_step(self, master, planes, plain) -> nnx.Module:
+        """The model as one device sees it inside the step: units hold ``ShardedKernel``s of this
+        device's shards, plain parameters their gathered values."""
+        values = [None] * len(self.params)
+        for j, p in zip(self.eligible, self.units):
+            q = None if planes is None else planes[p.name]
+            values[j] = ShardedKernel(
+                master[p.name],
+                None if q is None else (q.rowwise_data, q.rowwise_scale),
+                None if q is None else (q.columnwise_data, q.columnwise_scale),
+                p.unit, p.dtype,
+            )
+        if plain is not None:
+            full = lax.all_gather(plain, self._axes, tiled=True)  # its VJP is the reduce-scatter
+            rep = (pl.Replicate(),) * len(self.mesh.axis_names)
+            for j, t in zip(self.others, DBuffer(full, self.mesh, rep, self.plain_layout).get_tensors()):
+                values[j] = t.reshape(self.params[j].shape).astype(self.params[j].dtype)
+        model = self._merge(values)
+        nodes = dict(nnx.iter_graph(model))
+        for path in self._owner_paths:
+            intercept(nodes[path])
+        return model
+
+    def _row_spec(self, info: ParamInfo) -> PartitionSpec:
+        return PartitionSpec(*(None,) * len(info.stack), self._axes, None)
+
+    @functools.cached_property
+    def _masters_fn(self):
+        units = self.units
+        shardings = {p.name: self.master_sharding(p) for p in units}
+
+        def masters(values):
+            out = {}
+            for p in units:
+                w = jnp.swapaxes(jnp.asarray(values[p.name], jnp.float32), -1, -2)  # [*stack, out, in]
+                pad = p.unit.out_padded - p.unit.out_features
+                out[p.name] = jnp.pad(w, [(0, 0)] * len(p.stack) + [(0, pad), (0, 0)])
+            return out
+
+        return jax.jit(masters, out_shardings=shardings)
+
+    @functools.cached_property
+    def _kernels_fn(self):
+        units = self.units
+        rep = NamedSharding(self.mesh, PartitionSpec())
+
+        def kernels(master):
+            return {p.name: self.to_kernel(p, master[p.name]).astype(p.dtype) for p in units}
+
+        return jax.jit(kernels, out_shardings={p.name: rep for p in units})
+
+    def _quantize_local(self) -> Callable:
+        """``master -> {name: UnitPlanes}``: every device quantizes its own rows (no collective)."""
+        units, rule = self.units, self.scale_rule
+        specs = {p.name: self._row_spec(p) for p in units}
+
+        def local(master):
+            out = {}
+            for p in units:
+                w = master[p.name]
+                lead = w.shape[:-1]  # (*stack, rows): whole 32-row blocks of each layer
+                t = quantize(w.reshape(-1, w.shape[-1]), scale_rule=rule)
+                codes = lambda q: lax.bitcast_convert_type(q, jnp.uint8).reshape(w.shape)
+                out[p.name] = UnitPlanes(
+                    codes(t.rowwise_data),
+                    t.rowwise_scale.reshape(*lead, -1),
+                    codes(t.columnwise_data),
+                    t.columnwise_scale.reshape(*lead[:-1], lead[-1] // BLOCK, -1),
+                )
+            return out
+
+        planes_specs = {name: UnitPlanes(*(s,) * 4) for name, s in specs.items()}
+        return jax.shard_map(local, mesh=self.mesh, in_specs=(specs,), out_specs=planes_specs, check_vma=False)
+
+    @functools.cached_property
+    def _quantize_fn(self):
+        return jax.jit(self._quantize_local())
+
+    def _opt_shardings(self, shapes):
+        """Optimizer leaves shaped like a master (or the plain buffer) are sharded like it; the
+        rest (step counters, scalars) replicated. Init and step agree, so the step compiles once."""
+        by_shape = {p.unit.padded_shape(p.stack): self.master_sharding(p) for p in self.units}
+        if self.plain_layout is not None:
+            by_shape[(self.plain_layout.physical_size,)] = NamedSharding(self.mesh, PartitionSpec(self._axes))
+        replicated = NamedSharding(self.mesh, PartitionSpec())
+        return jax.tree.map(lambda a: by_shape.get(tuple(np.shape(a)), replicated), shapes)
 
     def _shardings(self, state: TrainState):
-        """Flat buffers (and optimizer moments of their size) sharded over the mesh; the rest
-        (step counters, scalars) replicated. Init and step agree, so the step compiles once."""
-        sharded = {self.layout.physical_size}
-        if self.plain_layout is not None:
-            sharded.add(self.plain_layout.physical_size)
-        for plane in () if state.quantized is None else state.quantized.planes:
-            if plane is not None:
-                sharded.add(plane.layout.physical_size)
-        flat, replicated = NamedSharding(self.mesh, PartitionSpec(self._axes)), NamedSharding(self.mesh, PartitionSpec())
-        return jax.tree.map(lambda a: flat if np.ndim(a) == 1 and np.shape(a)[0] in sharded else replicated, state)
+        master = {p.name: self.master_sharding(p) for p in self.units}
+        quantized = None if state.quantized is None else {
+            name: UnitPlanes(*(s,) * 4) for name, s in master.items()
+        }
+        plain = None
+        if state.plain is not None:
+            flat = NamedSharding(self.mesh, PartitionSpec(self._axes))
+            plain = dataclasses.replace(state.plain, data=flat)
+        replicated = NamedSharding(self.mesh, PartitionSpec())
+        return TrainState(master, quantized, plain, self._opt_shardings(state.opt_state), replicated)
 
     def _values_of(self, model: nnx.Module) -> list:
         _, params, _ = nnx.split(model, nnx.Param, ...)
@@ -403,13 +481,18 @@ class FSDP:
     def _merge(self, values) -> nnx.Module:
         return nnx.merge(self._graphdef, jax.tree.unflatten(self._treedef, values), self._rest)
 
-    def _interleave(self, kernels, others) -> list:
-        values = [None] * len(self.params)
-        for j, k in zip(self.eligible, kernels):
-            values[j] = k
-        for j, o in zip(self.others, others):
-            values[j] = o.astype(self.params[j].dtype)
-        return values
+
+def _unit_kernels(model: nnx.Module) -> dict[tuple, tuple[tuple[int, ...], int, int]]:
+    """Kernel path -> ``(stack, in, out)`` for every layer whose kernel can be a unit."""
+    found = {}
+    for path, node in nnx.iter_graph(model):
+        kernel = getattr(node, "kernel", None) if isinstance(node, nnx.Module) else None
+        if not isinstance(kernel, nnx.Variable):
+            continue
+        spec = unit_kernel_shape(node, tuple(kernel.get_value().shape))
+        if spec is not None:
+            found[(*tuple(path), "kernel")] = spec
+    return found
 
 
 def _path_names(path) -> tuple[str | int, ...]:
@@ -420,118 +503,5 @@ def _is_variable(x) -> bool:
     return isinstance(x, nnx.Variable)
 
 
-def _eligible(v: nnx.Variable) -> bool:
-    shape = v.get_value().shape
-    return isinstance(v, Kernel) and len(shape) == 2 and shape[0] % BLOCK == 0 and shape[1] % BLOCK == 0
-
-
-def _after(tree, token):
-    """``tree`` unchanged, but computed from ``token`` (a float scalar): work on the result can
-    neither start before ``token`` exists nor be merged with the same work on ``tree`` itself.
-
-    ``lax.optimization_barrier`` means this, but XLA:CPU expands barriers before common-
-    subexpression elimination; a select on ``token < -inf`` (never true, not even for NaN, yet
-    not folded by XLA) is a real data dependency for the cost of one pass over a local shard.
-    """
-    never = token < -jnp.inf
-    return jax.tree.map(lambda x: jnp.where(never, jnp.zeros_like(x), x), tree)
-
-
-def _opt_params(master: DBuffer, plain: DBuffer | None):
-    return (master.data, None if plain is None else plain.data)
-
-
-# ------------------------------------------------------------------------------------------------
-# Gathering weights, per device (inside the step's shard_map)
-
-
-@dataclasses.dataclass(frozen=True)
-class _Gather:
-    """How a device turns its master segment / quantized planes into full ``[out, in]`` weights."""
-
-    mesh: Mesh
-    layout: GlobalLayout
-    precision: str
-    axes: Any
-
-    def _replicated(self, full, layout) -> DBuffer:
-        return DBuffer(full, self.mesh, (pl.Replicate(),) * len(self.mesh.axis_names), layout)
-
-    def _all_gather(self, x):
-        return lax.all_gather(x, self.axes, tiled=True)
-
-    def _mxfp8(self, planes, columnwise: bool, dtype):
-        data, scale = (self._all_gather(p) for p in planes)
-        lay, rep = self.layout, (pl.Replicate(),) * len(self.mesh.axis_names)
-        if columnwise:
-            q = QuantizedDBuffer(None, self._replicated(data, lay), None,
-                                 self._replicated(scale, columnwise_scale_layout(lay)),
-                                 self.mesh, lay, rep, rep)
-        else:
-            q = QuantizedDBuffer(self._replicated(data, lay), None,
-                                 self._replicated(scale, rowwise_scale_layout(lay)), None,
-                                 self.mesh, lay, rep, rep)
-        return tuple(
-            dequantize(q.get_tensor_view(i), columnwise=columnwise, dtype=dtype)
-            for i in range(lay.num_tensors)
-        )
-
-    def _bf16(self, master):
-        # Gathered as uint16 bit patterns: XLA may otherwise hoist the later convert to fp32
-        # above the all-gather and move twice the bytes.
-        bits = lax.bitcast_convert_type(master.astype(jnp.bfloat16), jnp.uint16)
-        full = lax.bitcast_convert_type(self._all_gather(bits), jnp.bfloat16)
-        return tuple(self._replicated(full, self.layout).get_tensors())
-
-    def forward(self, master, planes):
-        """fp32 weights for the forward GEMMs (exact dequantized values)."""
-        if self.precision == "mxfp8":
-            return self._mxfp8(planes, False, jnp.float32)
-        return tuple(w.astype(jnp.float32) for w in self._bf16(master))
-
-    def backward(self, master, planes):
-        """bf16 weights for the dgrad GEMMs (exact for MXFP8 values)."""
-        if self.precision == "mxfp8":
-            return self._mxfp8(planes, True, jnp.bfloat16)
-        return self._bf16(master)
-
-    def reduce_scatter(self, dws):
-        """fp32 weight gradients ``[out, in]`` -> this device's segment of their sum over devices:
-        packed into the layout, then one psum_scatter of the flat buffer."""
-        flat = _pack(self.layout, [d.astype(jnp.float32) for d in dws])
-        return lax.psum_scatter(flat, self.axes, scatter_dimension=0, tiled=True)
-
-
-def _pack(layout: GlobalLayout, tensors) -> jax.Array:
-    """The physical flat buffer of ``tensors``: each segment's pieces in place, zeros elsewhere."""
-    flats = [t.reshape(-1) for t in tensors]
-    parts = []
-    for k in range(layout.dp_size):
-        at = 0
-        for i, row, rows, offset in layout.pieces(k):
-            if offset > at:
-                parts.append(jnp.zeros((offset - at,), jnp.float32))
-            n = layout.row_size(i)
-            parts.append(flats[i][row * n : (row + rows) * n])
-            at = offset + rows * n
-        if layout.segment_capacity > at:
-            parts.append(jnp.zeros((layout.segment_capacity - at,), jnp.float32))
-    return jnp.concatenate(parts)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def gathered_weights(gather: _Gather, master, planes):
-    """Forward weights from this device's shards; their gradient returns as one reduce-scatter
-    into ``master``'s segment (quantization is the identity for the gradient)."""
-    return gather.forward(master, planes)
-
-
-def _gathered_weights_fwd(gather, master, planes):
-    return gather.forward(master, planes), None
-
-
-def _gathered_weights_bwd(gather, _, dws):
-    return gather.reduce_scatter(dws), None
-
-
-gathered_weights.defvjp(_gathered_weights_fwd, _gathered_weights_bwd)
+def _opt_params(master, plain: DBuffer | None):
+    return (master, None if plain is None else plain.data)

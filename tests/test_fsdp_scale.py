@@ -1,0 +1,310 @@
+"""FSDP at the scale and in the idioms of real training, on 8 simulated CPU devices.
+
+Stacks of ``flax.nnx.Linear`` (and ``mxfp8_jax.flax.Linear``) layers written three ways: blocks
+stacked with ``nnx.vmap`` and run with ``nnx.scan``, the same under ``nnx.remat``, and a Python
+loop over a list of blocks. Memory and communication are read from the compiled step
+(``memory_analysis()``, HLO collectives with their loops); gradients are compared with an
+independent single-device reference whose weights the numpy oracle quantized.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import numpy_oracle as npo
+import optax
+import pytest
+from flax import nnx
+from jax.sharding import Mesh
+
+from mxfp8_jax._src import hlo
+from mxfp8_jax.flax import FSDP, Linear
+
+MODES = ("scan", "remat", "loop")
+
+
+class Block(nnx.Module):
+    def __init__(self, d, *, layer, bias, residual=True, rngs):
+        self.residual = residual
+        if layer == "nnx":
+            self.l = nnx.Linear(d, d, use_bias=bias, rngs=rngs)
+        else:
+            self.l = Linear(d, d, use_bias=bias, dtype=jnp.bfloat16, rngs=rngs)
+
+    def __call__(self, x):
+        y = jnp.tanh(self.l(x)).astype(x.dtype)
+        return x + y if self.residual else y
+
+
+class Stack(nnx.Module):
+    """``depth`` residual blocks, then an optional ``[d, 10]`` head (plain: 10 is not a multiple
+    of 32)."""
+
+    def __init__(self, d, depth, *, mode="scan", layer="nnx", bias=False, head=False, residual=True, rngs):
+        self.mode = mode
+        make = lambda r: Block(d, layer=layer, bias=bias, residual=residual, rngs=r)
+        if mode == "loop":
+            self.blocks = nnx.List([make(rngs) for _ in range(depth)])
+        else:
+            self.blocks = nnx.split_rngs(splits=depth)(nnx.vmap(make, in_axes=(0,), out_axes=0))(rngs)
+        self.head = nnx.Linear(d, 10, rngs=rngs) if head else None
+
+    def __call__(self, x):
+        if self.mode == "loop":
+            for block in self.blocks:
+                x = block(x)
+        else:
+            body = lambda x, block: block(x)
+            if self.mode == "remat":
+                body = nnx.remat(body)
+            x = nnx.scan(body, in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)(x, self.blocks)
+        return x if self.head is None else self.head(x)
+
+
+def mse_loss(model, batch):
+    x, y = batch
+    return jnp.mean((model(x).astype(jnp.float32) - y) ** 2)
+
+
+def ce_loss(model, batch):
+    x, y = batch
+    return optax.softmax_cross_entropy_with_integer_labels(model(x).astype(jnp.float32), y).mean()
+
+
+@pytest.fixture(scope="module")
+def mesh(cpu_devices):
+    return Mesh(np.array(cpu_devices), ("data",))
+
+
+def abstract(*args, **kwargs):
+    return nnx.eval_shape(lambda: Stack(*args, **kwargs, rngs=nnx.Rngs(0)))
+
+
+def compile_step(fsdp, loss_fn, d, batch=64, tx=None):
+    """The compiled train step for abstract state and batch (nothing is materialised)."""
+    tx = tx or optax.adam(1e-3)
+    sds = jax.ShapeDtypeStruct
+    b = (sds((batch, d), jnp.float32), sds((batch, d), jnp.float32))
+    return fsdp.lower_train_step(loss_fn, tx, fsdp.abstract_state(tx), b).compile()
+
+
+# ------------------------------------------------------------------------------------------------
+# Memory: flat in depth
+
+
+@pytest.mark.parametrize("layer", ["nnx", "mxfp8_jax"])
+def test_step_memory_is_flat_in_depth(mesh, layer):
+    """Scanned stacks of square 1024x1024 layers, 8 rows per device, adam: the step's temp memory
+    is a fraction of the fp32 model and grows by a fraction of the model's growth (the old
+    whole-model gather held 2.0x). What grows is the device's gradient shard and the saved
+    activations; gathered weights exist for one layer at a time."""
+    d, temps = 1024, {}
+    for depth in (16, 64):
+        fsdp = FSDP(abstract(d, depth, layer=layer), mesh)
+        temps[depth] = compile_step(fsdp, mse_loss, d).memory_analysis().temp_size_in_bytes
+    model_bytes = {depth: depth * d * d * 4 for depth in temps}
+    assert temps[64] <= 0.4 * model_bytes[64], temps
+    assert temps[64] - temps[16] <= 0.4 * (model_bytes[64] - model_bytes[16]), temps
+
+
+# ------------------------------------------------------------------------------------------------
+# Communication: per unit, inside the loop, 8-bit
+
+
+def loop_collectives(text):
+    """``{body: [collectives]}`` of the step's while loops and the collectives outside them."""
+    found = hlo.collectives(text)
+    bodies = {body for body, _ in hlo.while_loops(text)}
+    inside = {b: [c for c in found if c.computation == b] for b in bodies}
+    outside = [c for c in found if c.computation not in bodies]
+    return inside, outside
+
+
+def phases(text):
+    """(forward loop collectives, backward loop collectives): the backward one reduce-scatters."""
+    inside, outside = loop_collectives(text)
+    assert len(inside) == 2, list(inside)
+    (a, ca), (b, cb) = inside.items()
+    fwd, bwd = (ca, cb) if not any(c.op == "reduce-scatter" for c in ca) else (cb, ca)
+    return fwd, bwd, outside
+
+
+def shapes(cs, op="all-gather"):
+    return sorted((c.dtypes[0], c.outputs[0][1]) for c in cs if c.op == op)
+
+
+@pytest.mark.parametrize("mode", ["scan", "remat"])
+def test_scanned_step_gathers_one_layer_per_iteration(mesh, mode):
+    d = 256
+    texts = {}
+    for depth in (4, 8):
+        fsdp = FSDP(abstract(d, depth, mode=mode), mesh)
+        texts[depth] = compile_step(fsdp, mse_loss, d).as_text()
+    # The loop is kept: two loops (forward, backward) of `depth` iterations, the same program text.
+    for depth, text in texts.items():
+        assert [trip for _, trip in hlo.while_loops(text)] == [depth, depth]
+    assert [(c.op, c.outputs) for c in hlo.collectives(texts[4])] == [(c.op, c.outputs) for c in hlo.collectives(texts[8])]
+
+    fwd, bwd, outside = phases(texts[8])
+    row = [("u8", (d, d)), ("u8", (d, d // 32))]  # rowwise codes [out, in] and scales [out, in/32]
+    col = [("u8", (d, d)), ("u8", (d // 32, d))]  # columnwise codes and scales [out/32, in]
+    assert shapes(fwd) == sorted(row)
+    # backward: the columnwise planes for the dgrad (and, under remat, the recomputed forward's rowwise)
+    assert shapes(bwd) == sorted(col + (row if mode == "remat" else []))
+    # one fp32 reduce-scatter per unit and iteration, into this device's 32 rows
+    assert shapes(bwd, "reduce-scatter") == [("f32", (d // 8, d))]
+    assert shapes(fwd, "reduce-scatter") == []
+    # outside the loops: only the scalar loss mean; no fp32 gather of master weights anywhere
+    assert [(c.op, c.outputs) for c in outside] == [("all-reduce", (("f32", ()),))]
+    assert all(c.dtypes == ("u8",) for c in fwd + bwd if c.op == "all-gather")
+
+
+def test_scanned_gathers_move_half_the_bytes_of_bf16(mesh):
+    d, depth = 256, 8
+    per_phase = {}
+    for precision in ("mxfp8", "bf16"):
+        fsdp = FSDP(abstract(d, depth), mesh, precision=precision)
+        fwd, bwd, _ = phases(compile_step(fsdp, mse_loss, d).as_text())
+        gathered = lambda cs: sum(c.bytes_per_step for c in cs if c.op == "all-gather")
+        per_phase[precision] = gathered(fwd), gathered(bwd)
+    for mx, bf in zip(per_phase["mxfp8"], per_phase["bf16"]):
+        assert mx == depth * d * d * (1 + 1 / 32)  # 8-bit codes + one scale byte per 32
+        assert bf == depth * d * d * 2
+        assert mx <= 0.52 * bf
+
+
+# ------------------------------------------------------------------------------------------------
+# Gradients: scanned, rematerialised and plain-loop models against one independent reference
+
+
+D, DEPTH, BATCH = 64, 3, 64
+
+
+def host_model(mode, seed=0):
+    """``Stack(D, DEPTH, bias, head, no residual)`` with host-drawn values (the same for every mode).
+
+    Odd input features get weights 2^-17 times smaller. Rowwise blocks of ``W = kernel.T``
+    (along ``in``) then mix magnitudes and round those weights to (almost) zero, while columnwise
+    blocks (along ``out``) keep them: a dgrad through the wrong plane shows up in the previous
+    layer's gradient for those features (no residual path hides it).
+    """
+    model = nnx.eval_shape(lambda: Stack(D, DEPTH, mode=mode, bias=True, head=True, residual=False, rngs=nnx.Rngs(0)))
+    rng = np.random.default_rng(seed)
+    kernels = rng.standard_normal((DEPTH, D, D)) / np.sqrt(D)
+    kernels[:, 1::2, :] *= 2.0**-17
+    biases = 0.1 * rng.standard_normal((DEPTH, D))
+    head_k, head_b = rng.standard_normal((D, 10)) / np.sqrt(D), 0.1 * rng.standard_normal(10)
+    for path, var in nnx.to_flat_state(nnx.state(model)):
+        if path[0] == "head":
+            value = head_k if path[-1] == "kernel" else head_b
+        else:
+            stacked = kernels if path[-1] == "kernel" else biases
+            value = stacked[path[1]] if mode == "loop" else stacked
+        var.set_value(jnp.asarray(value, jnp.float32))
+    return model, (kernels, biases, head_k, head_b)
+
+
+@jax.custom_vjp
+def reference_linear(x, k_fwd, k_bwd):
+    return x @ k_fwd
+
+
+reference_linear.defvjp(
+    lambda x, k_fwd, k_bwd: (x @ k_fwd, (x, k_bwd)),
+    lambda res, dy: (dy @ res[1].T, res[0].T @ dy, None),
+)
+
+
+@jax.jit
+def reference_grads(fwd, bwd, biases, head_k, head_b, batch):
+    def loss(fwd, biases, head_k, head_b):
+        x, y = batch
+        for i in range(DEPTH):
+            x = jnp.tanh(reference_linear(x, fwd[i], bwd[i]) + biases[i])
+        logits = x @ head_k + head_b
+        return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+
+    return jax.value_and_grad(loss, argnums=(0, 1, 2, 3))(fwd, biases, head_k, head_b)
+
+
+def column_errors(got, ref):
+    """max |got - ref| per column, in units of that column's max |ref| (vectors: one column)."""
+    got, ref = np.atleast_2d(np.asarray(got).T).T, np.atleast_2d(np.asarray(ref).T).T
+    return np.abs(got - ref).max(0) / np.maximum(np.abs(ref).max(0), 1e-30)
+
+
+def batch_data(seed=1):
+    rng = np.random.default_rng(seed)
+    return rng.standard_normal((BATCH, D)).astype(np.float32), rng.integers(0, 10, BATCH).astype(np.int32)
+
+
+def fsdp_grads(mode, mesh):
+    """Loss and gradients of the sharded step, as (kernels [DEPTH, in, out], biases, head_k, head_b)."""
+    model, values = host_model(mode)
+    fsdp = FSDP(model, mesh)
+    loss, g_master, g_plain = fsdp.loss_and_grads(ce_loss)(fsdp.init(model, optax.sgd(0.1)), batch_data())
+    g = {p.name: np.asarray(fsdp.to_kernel(p, g_master[p.name])) for p in fsdp.units}
+    g.update({fsdp.params[j].name: np.asarray(t).reshape(fsdp.params[j].shape)
+              for j, t in zip(fsdp.others, g_plain.get_tensors())})
+    if mode == "loop":
+        kernels = np.stack([g[f"blocks/{i}/l/kernel"] for i in range(DEPTH)])
+        biases = np.stack([g[f"blocks/{i}/l/bias"] for i in range(DEPTH)])
+    else:
+        kernels, biases = g["blocks/l/kernel"], g["blocks/l/bias"]
+    return float(loss), (kernels, biases, g["head/kernel"], g["head/bias"]), values
+
+
+@pytest.fixture(scope="module")
+def grads_by_mode(mesh):
+    return {mode: fsdp_grads(mode, mesh) for mode in MODES}
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_gradients_match_single_device_reference(grads_by_mode, mode):
+    loss, got, (kernels, biases, head_k, head_b) = grads_by_mode[mode]
+    planes = [npo.mxfp8_weights(k.T) for k in kernels]  # W = kernel.T: (rowwise, columnwise)
+    fwd = np.stack([r.T for r, _ in planes]).astype(np.float32)
+    bwd = np.stack([c.T for _, c in planes]).astype(np.float32)
+    f32 = lambda a: np.asarray(a, np.float32)
+    ref_loss, ref = reference_grads(fwd, bwd, f32(biases), f32(head_k), f32(head_b), batch_data())
+    np.testing.assert_allclose(loss, float(ref_loss), rtol=1e-5)
+    tol = 1e-5
+    for name, g, r in zip(("kernels", "biases", "head_kernel", "head_bias"), got, ref):
+        r = np.asarray(r)
+        per_layer = zip(g, r) if name in ("kernels", "biases") else [(g, r)]
+        for i, (gi, ri) in enumerate(per_layer):
+            err = column_errors(gi, ri)
+            assert err.max() < tol, (mode, name, i, err.max())
+    # The tolerance separates the planes: layer 0's gradient for the features whose layer-1
+    # weights only the columnwise plane keeps is far off when the dgrad reads the rowwise plane.
+    _, wrong = reference_grads(fwd, fwd, f32(biases), f32(head_k), f32(head_b), batch_data())
+    err = column_errors(np.asarray(wrong[0])[0], np.asarray(ref[0])[0])
+    assert err[1::2].min() > 100 * tol and err[0::2].max() < 1e-2
+
+
+def test_scanned_and_unrolled_models_agree(grads_by_mode):
+    loss_scan, scan, _ = grads_by_mode["scan"]
+    for mode in ("remat", "loop"):
+        loss, got, _ = grads_by_mode[mode]
+        np.testing.assert_allclose(loss, loss_scan, rtol=1e-6)
+        for g, s in zip(got, scan):
+            np.testing.assert_allclose(g, s, rtol=1e-5, atol=1e-6 * np.abs(s).max())
+
+
+def test_training_a_scanned_stack(mesh):
+    """Steps of the scanned model: the loss falls, and the planes stay the master's quantization."""
+    model, _ = host_model("scan")
+    fsdp = FSDP(model, mesh)
+    tx = optax.adam(3e-3)
+    state, step = fsdp.init(model, tx), fsdp.train_step(ce_loss, tx)
+    losses = []
+    for _ in range(8):
+        state, loss = step(state, batch_data())
+        losses.append(float(loss))
+    assert losses[-1] < 0.7 * losses[0], losses
+    (p,) = fsdp.units
+    master = np.asarray(state.master[p.name])  # [DEPTH, out_padded, in]
+    q = state.quantized[p.name]
+    for i in range(DEPTH):
+        want = npo.quantize(master[i])
+        for plane, v in want.items():
+            np.testing.assert_array_equal(np.asarray(getattr(q, plane))[i].view(np.uint8), v, err_msg=f"{i} {plane}")
