@@ -104,6 +104,14 @@ def test_step_memory_is_flat_in_depth(mesh, layer):
     model_bytes = {depth: depth * d * d * 4 for depth in temps}
     assert temps[64] <= 0.4 * model_bytes[64], temps
     assert temps[64] - temps[16] <= 0.4 * (model_bytes[64] - model_bytes[16]), temps
+    # Tighter, from what the step must hold: the fp32 gradient shard, the saved activations
+    # (inputs and tanh outputs, fp32, 8 rows per device), and two layers' worth of fp32 working
+    # set (a gathered, dequantized unit and its neighbour). Nothing the size of a layer may be
+    # held per layer or hoisted out of the loop (one such buffer is a whole layer's fp32 bytes).
+    layer = d * d * 4
+    for depth, temp in temps.items():
+        budget = model_bytes[depth] / 8 + depth * 2 * 8 * d * 4 + 2 * layer
+        assert temp <= budget, (depth, temp / 2**20, budget / 2**20)
 
 
 # ------------------------------------------------------------------------------------------------

@@ -17,10 +17,24 @@ import enum
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
 BLOCK = 32
 E4M3_MAX = 448.0
 _F32_INV_E4M3_MAX = np.float32(1.0) / np.float32(E4M3_MAX)  # fp32(1/448), bits 0x3B124925
+
+
+def _select(cond: jax.Array, a, b) -> jax.Array:
+    """``jnp.where(cond, a, b)`` for operands of ``cond``'s shape, a scalar broadcast explicitly.
+
+    ``jnp.where`` broadcasts a scalar inside its own jit; under autodiff of a scan (a scanned
+    FSDP layer dequantizing its weights) JAX's partial evaluation then hoists that broadcast out
+    of the loop as a full-size constant, one buffer the size of the weight per scalar.
+    """
+    like = b if jnp.ndim(b) else a
+    a = a if jnp.ndim(a) else lax.full_like(like, a)
+    b = b if jnp.ndim(b) else lax.full_like(like, b)
+    return lax.select(cond, a, b)
 
 
 class ScaleRule(str, enum.Enum):
@@ -76,7 +90,7 @@ def _f16_bits_to_f32_bits(h: jax.Array) -> jax.Array:
 def abs_bits(bits: jax.Array) -> jax.Array:
     """|x| as bits, with NaN mapped to 0 so that it never wins a max (amax ignores NaN)."""
     a = bits & 0x7FFFFFFF
-    return jnp.where(a > 0x7F800000, jnp.uint32(0), a)
+    return _select(a > 0x7F800000, 0, a)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -117,9 +131,9 @@ def e8m0_rceil(amax_bits: jax.Array) -> jax.Array:
     up = (man != 0) & (exp != 0xFE)
     byte = exp + up.astype(jnp.uint32)
     # v subnormal (flushed by XLA:CPU): exp(v) = 0, so the byte is 1 iff v > 2^-127.
-    tiny = jnp.where(amax_bits >= _AMAX_BYTE_1, jnp.uint32(1), jnp.uint32(0))
-    byte = jnp.where(amax_bits < _AMAX_V_NORMAL, tiny, byte)
-    byte = jnp.where(amax_bits >= 0x7F800000, jnp.uint32(0xFE), byte)
+    tiny = (amax_bits >= _AMAX_BYTE_1).astype(jnp.uint32)
+    byte = _select(amax_bits < _AMAX_V_NORMAL, tiny, byte)
+    byte = _select(amax_bits >= 0x7F800000, 0xFE, byte)
     return byte.astype(jnp.uint8)
 
 
@@ -130,8 +144,8 @@ def e8m0_floor(amax_bits: jax.Array) -> jax.Array:
     """
     exp = (amax_bits >> 23).astype(jnp.int32)
     byte = jnp.clip(exp - 8, 0, 254)
-    byte = jnp.where(exp == 0xFF, 254, byte)  # +Inf: floor(log2) is +Inf, clamped
-    return jnp.where(exp == 0, 0, byte).astype(jnp.uint8)
+    byte = _select(exp == 0xFF, 254, byte)  # +Inf: floor(log2) is +Inf, clamped
+    return _select(exp == 0, 0, byte).astype(jnp.uint8)
 
 
 def e8m0_scale(amax_bits: jax.Array, rule: ScaleRule) -> jax.Array:
@@ -141,8 +155,8 @@ def e8m0_scale(amax_bits: jax.Array, rule: ScaleRule) -> jax.Array:
 def e8m0_to_float32(byte: jax.Array) -> jax.Array:
     """2^(byte - 127) as fp32 (byte 0 is the subnormal 2^-127, 0xFF is NaN)."""
     b = byte.astype(jnp.uint32)
-    bits = jnp.where(b == 0, jnp.uint32(0x00400000), b << 23)
-    bits = jnp.where(b == 0xFF, jnp.uint32(0x7FC00000), bits)
+    bits = _select(b == 0, 0x00400000, b << 23)
+    bits = _select(b == 0xFF, 0x7FC00000, bits)
     return jax.lax.bitcast_convert_type(bits, jnp.float32)
 
 
@@ -171,8 +185,8 @@ def e4m3_scaled(bits: jax.Array, byte: jax.Array) -> jax.Array:
     fm = jax.lax.bitcast_convert_type(man.astype(jnp.float32), jnp.uint32)
     ey = jnp.where(exp == 0, (fm >> 23).astype(jnp.int32) - 149, exp) + k
     my = jnp.where(exp == 0, fm & 0x7FFFFF, man)
-    y_bits = jnp.where(ey >= 1, (jnp.clip(ey, 1, 254).astype(jnp.uint32) << 23) | my, 0)
-    y_bits = jnp.where(a == 0, 0, y_bits)
+    y_bits = _select(ey >= 1, (jnp.clip(ey, 1, 254).astype(jnp.uint32) << 23) | my, 0)
+    y_bits = _select(a == 0, 0, y_bits)
     y_bits = jnp.where(exp == 0xFF, a, y_bits)  # Inf / NaN pass through
     y = jax.lax.bitcast_convert_type(sign | y_bits, jnp.float32)
     y = jnp.clip(y, -E4M3_MAX, E4M3_MAX)  # saturate finite and Inf; NaN stays NaN
@@ -191,9 +205,9 @@ def scaled_to_bits(q: jax.Array, byte: jax.Array) -> jax.Array:
     # q has 4 significant bits, so a subnormal result is exact: shift the significand.
     sub = sig >> jnp.clip(1 - e, 0, 31).astype(jnp.uint32)
     out = jnp.where(e >= 1, normal, sub)
-    out = jnp.where(e >= 255, jnp.uint32(0x7F800000), out)
-    out = jnp.where(a == 0, jnp.uint32(0), out)
-    out = jnp.where((a > 0x7F800000) | (byte == 0xFF), jnp.uint32(0x7FC00000), out)
+    out = _select(e >= 255, 0x7F800000, out)
+    out = _select(a == 0, 0, out)
+    out = _select((a > 0x7F800000) | (byte == 0xFF), 0x7FC00000, out)
     return sign | out
 
 

@@ -113,10 +113,16 @@ def dequantize(t: MXFP8Tensor, *, columnwise: bool = False, dtype=jnp.bfloat16) 
         if t.rowwise_data is None:
             raise ValueError("t holds no rowwise plane (pass columnwise=True for the other one)")
         data, scale, axis = t.rowwise_data, t.rowwise_scale, 1
-    return _dequantize(data, scale, axis=axis, dtype=jnp.dtype(dtype)).reshape(t.shape)
+    # Eager calls run one cached executable; traced calls are inlined as plain operations: a
+    # nested jit would let autodiff of a scan hoist its constants out of the loop as full-size
+    # buffers (one per constant, the size of the tensor).
+    fn = _dequantize if isinstance(data, jax.core.Tracer) else _dequantize_jit
+    return fn(data, scale, axis=axis, dtype=jnp.dtype(dtype)).reshape(t.shape)
 
 
-@functools.partial(jax.jit, static_argnames=("axis", "dtype"))
 def _dequantize(data, scale, *, axis: int, dtype):
     bits = fmt.scaled_to_bits(data, jnp.repeat(scale, fmt.BLOCK, axis=axis))
     return fmt.f32_bits_to(bits, dtype)
+
+
+_dequantize_jit = jax.jit(_dequantize, static_argnames=("axis", "dtype"))
