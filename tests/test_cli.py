@@ -161,3 +161,16 @@ def test_hlo_loops_count_their_collectives_per_iteration():
         found["loose"].bytes_per_step
     assert found["inner"].bytes_per_step == 32 * 15
     assert hlo.while_loops(text) == [("inner", 3), ("loose", None), ("outer", 5)]
+
+
+def test_fsdp_benchmark_measures_every_variant(capsys):
+    from mxfp8_jax.bench import fsdp as bench
+
+    payload = bench.run(depths=(2,), width=64, devices=8, timed=False, progress=False)
+    got = {r["variant"]: r for r in payload["results"]}
+    assert set(got) == set(bench.VARIANTS)
+    assert got["mxfp8"]["all_gather_types"] == ["u8"] and got["bf16"]["all_gather_types"] == ["u16"]
+    assert got["mxfp8"]["all_gather_bytes"] / got["bf16"]["all_gather_bytes"] == (1 + 1 / 32) / 2
+    assert got["dp"]["all_gather_bytes"] == 0 and got["dp"]["all_reduce_bytes"] > 0
+    assert all(r["loops"] == [2, 2] for r in got.values())  # every variant keeps the scan
+    assert "FSDP step vs depth" in capsys.readouterr().out

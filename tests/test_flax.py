@@ -308,3 +308,57 @@ def test_batch_must_split_over_devices(f32_setup):
     x, y = make_batch()
     with pytest.raises(ValueError, match=r"shape \(60, 32\).*divisible by the mesh's 8 devices"):
         fsdp.place_batch((x[:60], y[:60]))
+
+
+def custom_dot(lhs, rhs, dims, precision=None, preferred_element_type=None, out_sharding=None):
+    return jax.lax.dot_general(lhs, rhs, dims, precision=precision)
+
+
+def test_which_layers_are_units(mesh):
+    class M(nnx.Module):
+        def __init__(self, rngs):
+            self.a = nnx.Linear(32, 64, rngs=rngs)  # a unit
+            self.b = nnx.Linear(64, 48, rngs=rngs)  # 48 is not a multiple of 32: plain
+            self.c = nnx.Linear(48, 32, dot_general=custom_dot, rngs=rngs)  # the user's own GEMM: plain
+            self.d = nnx.split_rngs(splits=3)(nnx.vmap(lambda r: nnx.Linear(32, 32, rngs=r), in_axes=(0,)))(rngs)
+
+    fsdp = FSDP(nnx.eval_shape(lambda: M(nnx.Rngs(0))), mesh)
+    assert [(p.name, p.stack) for p in fsdp.units] == [("a/kernel", ()), ("d/kernel", (3,))]
+    assert {fsdp.params[j].name for j in fsdp.others} == {"a/bias", "b/kernel", "b/bias", "c/kernel", "c/bias", "d/bias"}
+
+
+def test_misused_units_raise_clear_errors(mesh):
+    class Tied(nnx.Module):  # reads its Linear's kernel outside the layer's GEMM
+        def __init__(self, rngs):
+            self.l = nnx.Linear(32, 32, rngs=rngs)
+
+        def __call__(self, x):
+            return self.l(x) @ self.l.kernel[...].T
+
+    class Unscanned(nnx.Module):  # a stacked layer called without nnx.scan / nnx.vmap
+        def __init__(self, rngs):
+            self.l = nnx.split_rngs(splits=2)(nnx.vmap(lambda r: nnx.Linear(32, 32, rngs=r), in_axes=(0,)))(rngs)
+
+        def __call__(self, x):
+            return self.l(x)
+
+    x = np.ones((8, 32), np.float32)
+    loss = lambda m, x: m(x).mean()
+    for cls, error, match in ((Tied, TypeError, "exists only as this device's shards"),
+                              (Unscanned, ValueError, r"still has stack axes \(2,\).*nnx.scan")):
+        model = cls(nnx.Rngs(0))
+        fsdp = FSDP(model, mesh)
+        with pytest.raises(error, match=match):
+            fsdp.loss_and_grads(loss)(fsdp.init(model, optax.sgd(0.1)), x)
+
+    class VectorLoss(nnx.Module):
+        def __init__(self, rngs):
+            self.l = nnx.Linear(32, 32, rngs=rngs)
+
+        def __call__(self, x):
+            return self.l(x)
+
+    model = VectorLoss(nnx.Rngs(0))
+    fsdp = FSDP(model, mesh)
+    with pytest.raises(ValueError, match="loss_fn must return a scalar"):
+        fsdp.loss_and_grads(lambda m, x: m(x).mean(0))(fsdp.init(model, optax.sgd(0.1)), x)

@@ -19,7 +19,7 @@ from jax.sharding import Mesh
 from mxfp8_jax._src import hlo
 from mxfp8_jax.flax import FSDP, Linear
 
-MODES = ("scan", "remat", "loop")
+MODES = ("scan", "remat", "remat-dots", "loop")
 
 
 class Block(nnx.Module):
@@ -56,6 +56,8 @@ class Stack(nnx.Module):
             body = lambda x, block: block(x)
             if self.mode == "remat":
                 body = nnx.remat(body)
+            elif self.mode == "remat-dots":  # a standard policy: GEMM outputs saved, the rest recomputed
+                body = nnx.remat(body, policy=jax.checkpoint_policies.dots_with_no_batch_dims_saveable)
             x = nnx.scan(body, in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)(x, self.blocks)
         return x if self.head is None else self.head(x)
 
@@ -247,7 +249,7 @@ def batch_data(seed=1):
 
 def fsdp_grads(mode, mesh):
     """Loss and gradients of the sharded step, as (kernels [DEPTH, in, out], biases, head_k, head_b)."""
-    model, values = host_model(mode)
+    model, values = host_model("scan" if mode == "mesh-2x4" else mode)
     fsdp = FSDP(model, mesh)
     loss, g_master, g_plain = fsdp.loss_and_grads(ce_loss)(fsdp.init(model, optax.sgd(0.1)), batch_data())
     g = {p.name: np.asarray(fsdp.to_kernel(p, g_master[p.name])) for p in fsdp.units}
@@ -262,8 +264,11 @@ def fsdp_grads(mode, mesh):
 
 
 @pytest.fixture(scope="module")
-def grads_by_mode(mesh):
-    return {mode: fsdp_grads(mode, mesh) for mode in MODES}
+def grads_by_mode(mesh, cpu_devices):
+    grads = {mode: fsdp_grads(mode, mesh) for mode in MODES}
+    # the scanned model over a 2-D mesh: FSDP over both axes, every device its own 32-row blocks
+    grads["mesh-2x4"] = fsdp_grads("mesh-2x4", Mesh(np.array(cpu_devices).reshape(2, 4), ("a", "b")))
+    return grads
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -289,13 +294,14 @@ def test_gradients_match_single_device_reference(grads_by_mode, mode):
     assert err[1::2].min() > 100 * tol and err[0::2].max() < 1e-2
 
 
-def test_scanned_and_unrolled_models_agree(grads_by_mode):
+@pytest.mark.parametrize("mode", ["remat", "remat-dots", "loop", "mesh-2x4"])
+def test_scanned_and_unrolled_models_agree(grads_by_mode, mode):
+    """The same model (same values) scanned, rematerialised, unrolled and on a 2-D mesh."""
     loss_scan, scan, _ = grads_by_mode["scan"]
-    for mode in ("remat", "loop"):
-        loss, got, _ = grads_by_mode[mode]
-        np.testing.assert_allclose(loss, loss_scan, rtol=1e-6)
-        for g, s in zip(got, scan):
-            np.testing.assert_allclose(g, s, rtol=1e-5, atol=1e-6 * np.abs(s).max())
+    loss, got, _ = grads_by_mode[mode]
+    np.testing.assert_allclose(loss, loss_scan, rtol=1e-6)
+    for g, s in zip(got, scan):
+        np.testing.assert_allclose(g, s, rtol=1e-5, atol=1e-6 * np.abs(s).max())
 
 
 def test_training_a_scanned_stack(mesh):

@@ -69,8 +69,8 @@ def require(name: str, platform: str) -> None:
         return
     why = errors.get(platform, f"the {platform} part does not provide {name!r}")
     raise ExtensionMissingError(
-        f"backend='ffi' needs the compiled mxfp8_jax extension for platform {platform!r}, "
-        f"which is not available ({why}). Use backend='jax' for the pure-JAX path."
+        f"{name} needs the compiled mxfp8_jax extension for platform {platform!r}, which is not "
+        f"available ({why}). Use backend='jax' for the pure-JAX path."
     )
 
 

@@ -131,6 +131,17 @@ class ShardedKernel:
     def __rmatmul__(self, x):
         return unit_matmul(x, self)
 
+    def __jax_array__(self):
+        raise TypeError(
+            f"an FSDP unit's kernel {self.shape} exists only as this device's shards inside the "
+            f"step; it is usable by its own layer's GEMM (x @ kernel), not as an array (tied "
+            f"weights and other reads of a Linear's kernel are not supported for FSDP units)"
+        )
+
+    @property
+    def T(self):
+        return self.__jax_array__()
+
 
 @dataclasses.dataclass(frozen=True)
 class _Config:

@@ -1,0 +1,311 @@
+"""FSDP at depth: per-device memory, bytes all-gathered and step time against the alternatives.
+
+    python -m mxfp8_jax.bench.fsdp [--depths 4,8,16,32,64] [--width 1024] [--devices 8]
+                                   [--iters 3] [--no-time] [--json out.json]
+
+The model is a stack of ``depth`` residual blocks ``x + tanh(nnx.Linear(width, width)(x))``
+(bf16 compute, fp32 parameters, no bias), created with ``nnx.vmap`` and run with ``nnx.scan``,
+trained with ``optax.adam`` on 8 rows per device. In one run, for every depth:
+
+- ``mxfp8``: ``mxfp8_jax.flax.FSDP``: per-layer 8-bit gathers of rowwise (forward) and
+  columnwise (dgrad) planes inside the scan, one reduce-scatter per layer;
+- ``bf16``: the same FSDP with ``precision="bf16"`` (16-bit gathers, same structure);
+- ``gspmd``: what a JAX user writes instead (as MaxText does): the same nnx model under
+  ``jax.jit`` with parameters and optimizer state sharded by ``NamedSharding`` over the FSDP
+  axis (the kernels' input dimension), XLA inserting the gathers;
+- ``dp``: unsharded data parallelism: parameters and optimizer state replicated, gradients
+  all-reduced.
+
+Memory is the compiled step's own accounting (``memory_analysis()``: arguments = parameters,
+optimizer state and batch held by one device; temp = everything else the step allocates);
+communication is read from its HLO (collectives in the scan loops counted once per layer); the
+model's fp32 bytes are the reference for both. Step time is the median over ``--iters`` steps
+after one warm-up step (``--no-time`` skips execution: compiles only, for deep models on small
+hosts). The MXFP8 path needs the compiled quantize kernel for the platform and refuses to run
+on the pure-JAX fallback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+VARIANTS = ("mxfp8", "bf16", "gspmd", "dp")
+
+
+def _model(width: int, depth: int):
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    class Block(nnx.Module):
+        def __init__(self, rngs):
+            self.l = nnx.Linear(width, width, use_bias=False, dtype=jnp.bfloat16, rngs=rngs)
+
+        def __call__(self, x):
+            return x + jnp.tanh(self.l(x)).astype(x.dtype)
+
+    class Stack(nnx.Module):
+        def __init__(self, rngs):
+            self.blocks = nnx.split_rngs(splits=depth)(nnx.vmap(Block, in_axes=(0,), out_axes=0))(rngs)
+
+        def __call__(self, x):
+            return nnx.scan(lambda x, b: b(x), in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)(x, self.blocks)
+
+    return Stack, jax
+
+
+def build_model(width: int, depth: int, seed: int = 0, abstract: bool = False):
+    """The stack, with host-drawn LeCun-normal kernels (or abstract, for compiling only)."""
+    import numpy as np
+    from flax import nnx
+
+    Stack, _ = _model(width, depth)
+    model = nnx.eval_shape(lambda: Stack(nnx.Rngs(0)))
+    if abstract:
+        return model
+    rng = np.random.default_rng(seed)
+    for _, var in nnx.to_flat_state(nnx.state(model)):
+        shape = var.get_value().shape
+        var.set_value((rng.standard_normal(shape, np.float32) / np.sqrt(shape[-2])).astype(np.float32))
+    return model
+
+
+def loss_fn(model, batch):
+    import jax.numpy as jnp
+
+    x, y = batch
+    return jnp.mean((model(x).astype(jnp.float32) - y) ** 2)
+
+
+# ------------------------------------------------------------------------------------------------
+# The variants: each returns (compiled step, state, batch) or, with abstract=True, compiled only
+
+
+def _fsdp(model, mesh, precision, tx, batch, abstract):
+    from mxfp8_jax.flax import FSDP
+
+    fsdp = FSDP(model, mesh, precision=precision)
+    state = fsdp.abstract_state(tx) if abstract else fsdp.init(model, tx)
+    compiled = fsdp.lower_train_step(loss_fn, tx, state, batch).compile()
+    run = None
+    if not abstract:
+        placed = fsdp.place_batch(batch)
+        box = [state]
+
+        def run():
+            box[0], loss = compiled(box[0], placed)
+            return loss
+
+    return compiled, run
+
+
+def _jit(model, mesh, sharded: bool, tx, batch, abstract):
+    """A plain jitted nnx train step; parameters (and moments) sharded over the mesh or replicated."""
+    import jax
+    import optax
+    from flax import nnx
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    graphdef, params = nnx.split(model, nnx.Param)
+    axis = mesh.axis_names[0]
+
+    def spec(a):
+        if sharded and len(a.shape) >= 2:  # kernels [depth, in, out]: shard `in`, as MaxText's fsdp axis
+            return NamedSharding(mesh, P(*(None,) * (len(a.shape) - 2), axis, None))
+        return NamedSharding(mesh, P())
+
+    param_shardings = jax.tree.map(spec, params)
+    opt_shapes = jax.eval_shape(tx.init, params)
+    by_shape = {tuple(a.shape): spec(a) for a in jax.tree.leaves(params)}
+    opt_shardings = jax.tree.map(lambda a: by_shape.get(tuple(a.shape), NamedSharding(mesh, P())), opt_shapes)
+    batch_sharding = NamedSharding(mesh, P(axis))
+
+    def step(params, opt_state, batch):
+        loss, grads = jax.value_and_grad(lambda p: loss_fn(nnx.merge(graphdef, p), batch))(params)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    jitted = jax.jit(step, in_shardings=(param_shardings, opt_shardings, batch_sharding),
+                     out_shardings=(param_shardings, opt_shardings, NamedSharding(mesh, P())), donate_argnums=(0, 1))
+    sds = lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s)
+    if abstract:
+        args = (jax.tree.map(sds, params, param_shardings), jax.tree.map(sds, opt_shapes, opt_shardings),
+                jax.tree.map(lambda a: sds(a, batch_sharding), batch))
+        return jitted.lower(*args).compile(), None
+    params = jax.device_put(params, param_shardings)
+    opt_state = jax.jit(tx.init, out_shardings=opt_shardings)(params)
+    placed = jax.device_put(batch, batch_sharding)
+    compiled = jitted.lower(params, opt_state, placed).compile()
+    box = [params, opt_state]
+
+    def run():
+        box[0], box[1], loss = compiled(box[0], box[1], placed)
+        return loss
+
+    return compiled, run
+
+
+def measure(variant: str, width: int, depth: int, mesh, *, iters: int, timed: bool) -> dict:
+    import jax
+    import numpy as np
+    import optax
+
+    from mxfp8_jax._src import hlo
+
+    tx = optax.adam(1e-4)
+    rows = 8 * mesh.size
+    rng = np.random.default_rng(1)
+    if timed:
+        batch = (rng.standard_normal((rows, width), np.float32), rng.standard_normal((rows, width), np.float32))
+    else:
+        batch = tuple(jax.ShapeDtypeStruct((rows, width), np.float32) for _ in range(2))
+    model = build_model(width, depth, abstract=not timed)
+    t0 = time.perf_counter()
+    if variant in ("mxfp8", "bf16"):
+        compiled, run = _fsdp(model, mesh, variant, tx, batch, abstract=not timed)
+    else:
+        compiled, run = _jit(model, mesh, variant == "gspmd", tx, batch, abstract=not timed)
+    compile_s = time.perf_counter() - t0
+    mem = compiled.memory_analysis()
+    found = hlo.collectives(compiled.as_text())
+    per_op = {}
+    for c in found:
+        per_op[c.op] = per_op.get(c.op, 0) + c.bytes_per_step
+    gather_types = sorted({d for c in found if c.op == "all-gather" for d in c.dtypes})
+    step_s = None
+    if run is not None:
+        jax.block_until_ready(run())  # warm-up
+        times = []
+        for _ in range(iters):
+            t = time.perf_counter()
+            jax.block_until_ready(run())
+            times.append(time.perf_counter() - t)
+        step_s = float(np.median(times))
+    model_bytes = depth * width * width * 4
+    return {
+        "variant": variant, "depth": depth, "width": width, "devices": mesh.size,
+        "model_fp32_bytes": model_bytes,
+        "argument_bytes": mem.argument_size_in_bytes, "temp_bytes": mem.temp_size_in_bytes,
+        "output_bytes": mem.output_size_in_bytes, "alias_bytes": mem.alias_size_in_bytes,
+        "all_gather_bytes": per_op.get("all-gather", 0), "all_gather_types": gather_types,
+        "reduce_scatter_bytes": per_op.get("reduce-scatter", 0), "all_reduce_bytes": per_op.get("all-reduce", 0),
+        "loops": [trip for _, trip in hlo.while_loops(compiled.as_text())],
+        "compile_s": compile_s, "step_s": step_s,
+    }
+
+
+def run(depths=(4, 8, 16, 32, 64), width: int = 1024, devices: int = 8, iters: int = 3,
+        timed: bool = True, variants=VARIANTS, json_path: str | None = None, progress: bool = True) -> dict:
+    import jax
+    import numpy as np
+    from jax.sharding import Mesh
+
+    from mxfp8_jax._src import _ffi
+    from mxfp8_jax.bench._timing import environment, print_table, write_json
+
+    platform = jax.default_backend()
+    if "mxfp8" in variants:
+        _ffi.require("mxfp8_quantize", platform)  # never silently benchmark the reference quantize
+    devs = jax.devices()
+    if len(devs) < devices:
+        raise SystemExit(f"--devices {devices}: only {len(devs)} {platform} devices are visible")
+    if width % 32:
+        raise SystemExit(f"--width {width} must be a multiple of 32")
+    mesh = Mesh(np.array(devs[:devices]), ("fsdp",))
+    cases = [(v, d) for d in depths for v in variants]
+    results = []
+    bar = None
+    if progress:
+        from rich.progress import Progress
+
+        bar = Progress()
+        bar.start()
+        task = bar.add_task("fsdp bench", total=len(cases))
+    try:
+        for v, d in cases:
+            if bar is not None:
+                bar.update(task, description=f"{v} depth {d}")
+            results.append(measure(v, width, d, mesh, iters=iters, timed=timed))
+            if bar is not None:
+                bar.advance(task)
+    finally:
+        if bar is not None:
+            bar.stop()
+
+    mib = lambda n: f"{n / 2**20:,.1f}"
+    rows = []
+    for r in results:
+        comm = r["reduce_scatter_bytes"] + r["all_reduce_bytes"]
+        rows.append([
+            r["variant"], r["depth"], mib(r["model_fp32_bytes"]), mib(r["argument_bytes"]), mib(r["temp_bytes"]),
+            f"{r['temp_bytes'] / r['model_fp32_bytes']:.3f}",
+            f"{(r['argument_bytes'] + r['temp_bytes']) / r['model_fp32_bytes']:.3f}",
+            mib(r["all_gather_bytes"]), ",".join(r["all_gather_types"]) or "-", mib(comm),
+            "-" if r["step_s"] is None else f"{1e3 * r['step_s']:.0f}",
+        ])
+    from rich.console import Console
+
+    console = Console(width=max(150, Console().width))
+    print_table(
+        f"FSDP step vs depth: {width}x{width} layers, {devices} {platform} devices, 8 rows/device, adam "
+        f"(per device; MiB)",
+        ["variant", "depth", "model fp32", "args", "temp", "temp/model", "(args+temp)/model",
+         "all-gathered/step", "gather types", "reduced/step", "step ms"],
+        rows, console,
+    )
+    by = {(r["variant"], r["depth"]): r for r in results}
+    ratios = []
+    for d in depths:
+        if ("mxfp8", d) in by and ("bf16", d) in by:
+            m, b = by["mxfp8", d], by["bf16", d]
+            ratios.append([d, f"{m['all_gather_bytes'] / b['all_gather_bytes']:.4f}",
+                           *(f"{m['temp_bytes'] / by[v, d]['temp_bytes']:.3f}" if (v, d) in by else "-"
+                             for v in ("bf16", "gspmd", "dp"))])
+    if ratios:
+        print_table("MXFP8 FSDP relative to the others", ["depth", "gathered bytes / bf16 FSDP",
+                    "temp / bf16 FSDP", "temp / gspmd", "temp / dp"], ratios, console)
+    payload = {"benchmark": "fsdp", "environment": environment(), "results": results}
+    write_json(json_path, payload)
+    return payload
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m mxfp8_jax.bench.fsdp", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--depths", default="4,8,16,32,64", help="comma-separated depths (default 4,8,16,32,64)")
+    p.add_argument("--width", type=int, default=1024, help="layer width, a multiple of 32 (default 1024)")
+    p.add_argument("--devices", type=int, default=8, help="devices in the FSDP mesh (default 8)")
+    p.add_argument("--iters", type=int, default=3, help="timed steps per case (default 3)")
+    p.add_argument("--no-time", action="store_true", help="compile only: memory and communication, no steps")
+    p.add_argument("--variants", default=",".join(VARIANTS), help=f"subset of {','.join(VARIANTS)}")
+    p.add_argument("--json", default=None, help="write the results as JSON")
+    from mxfp8_jax.bench._timing import add_fresh_pages_flag, reuse_freed_memory
+
+    add_fresh_pages_flag(p)
+    args = p.parse_args(argv)
+    reuse_freed_memory(not args.fresh_pages)
+    import jax
+
+    try:
+        jax.config.update("jax_num_cpu_devices", args.devices)  # before the CPU backend starts
+    except RuntimeError:  # backends already running: use the devices there are
+        pass
+    try:
+        depths = tuple(int(d) for d in args.depths.split(","))
+    except ValueError:
+        p.error(f"--depths={args.depths!r} must be comma-separated ints")
+    variants = tuple(v for v in args.variants.split(",") if v)
+    bad = [v for v in variants if v not in VARIANTS]
+    if bad or not variants:
+        p.error(f"--variants: {bad or args.variants!r} not in {VARIANTS}")
+    if any(d < 1 for d in depths) or args.iters < 1:
+        p.error("--depths and --iters must be positive")
+    run(depths, args.width, args.devices, args.iters, not args.no_time, variants, args.json)
+    return 0
+
+
+if __name__ == "__main__":
+    import sys
+
+    sys.exit(main())
