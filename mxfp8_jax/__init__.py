@@ -4,18 +4,13 @@ Exact MXFP8 numerics (one rule set for the pure-JAX reference and the CPU/CUDA/R
 sharded FSDP buffers of MXFP8 planes, and a fused all-gather + RMSNorm + MXFP8 quantize.
 """
 
-from mxfp8_jax._src._ffi import (
-    ExtensionMissingError,
-    available_backends,
-    cpu_isa,
-    cpu_isas,
-    set_cpu_isa,
-    use_cpu_isa,
-)
+from mxfp8_jax._src._ffi import ExtensionMissingError, available_backends
+from mxfp8_jax._src.cpu_isa import cpu_isa, cpu_isas, set_cpu_isa, use_cpu_isa
 from mxfp8_jax._src.format import BLOCK, ScaleRule, e8m0_to_float32, e8m0_view
 from mxfp8_jax._src.quantize import dequantize, quantize
 from mxfp8_jax._src.tensor import (
     MXFP8Tensor,
+    PaddedMXFP8Tensor,
     pad_columnwise_scale,
     pad_rowwise_scale,
     swizzle_scale,
@@ -33,11 +28,12 @@ from mxfp8_jax._src.placement import (
 )
 from mxfp8_jax._src.dbuffer import DBuffer
 from mxfp8_jax._src.quantized import QuantizedDBuffer
+from mxfp8_jax._src.te import from_te, to_te
+from mxfp8_jax._src.rmsnorm import rmsnorm_quant
 from mxfp8_jax._src.fused import (
     ExperimentalGpuP2PWarning,
     allgather_rmsnorm_quant,
     allgather_rmsnorm_quant_local,
-    rmsnorm_quant,
 )
 
 __version__ = "0.1.0"
@@ -60,6 +56,7 @@ __all__ = [
     "ExperimentalGpuP2PWarning",
     "ExtensionMissingError",
     "MXFP8Tensor",
+    "PaddedMXFP8Tensor",
     "ScaleRule",
     "available_backends",
     "cpu_isa",
@@ -74,4 +71,6 @@ __all__ = [
     "quantize",
     "swizzle_scale",
     "update_mxfp8_tensor",
+    "to_te",
+    "from_te",
 ]

@@ -23,8 +23,8 @@ from conftest import as_bytes
 from jax.sharding import Mesh, PartitionSpec as P
 
 import mxfp8_jax as mx
-from mxfp8_jax._src import _ffi
-from mxfp8_jax._src.quantized import _segment_reference
+from mxfp8_jax._src import _ffi, ffi_calls
+from mxfp8_jax._src.segments import quantize_segments_reference
 from rmsnorm_oracle import BF16, canonical
 
 
@@ -197,13 +197,13 @@ def test_quantize_segments(dtype, rowwise, columnwise, seed):
     x, desc, ordered = _segment_case(rng, 1 << 17, dtype)
     x = np.where(rng.random(x.shape) < 0.001, np.nan, x).astype(dtype)  # some NaN tiles
     kernel = _gpu_jit(
-        lambda x, d: _ffi.quantize_segments(x, d, scale_rule=0, rowwise=rowwise, columnwise=columnwise),
+        lambda x, d: ffi_calls.quantize_segments(x, d, scale_rule=0, rowwise=rowwise, columnwise=columnwise),
         "mxfp8_quantize_segments",
     )
     (rq, rs), (cq, cs) = kernel(jnp.asarray(x), jnp.asarray(desc))
     got = [p for p in (rq, rs, cq, cs) if p is not None]
     ref = jax.jit(
-        lambda x, d: _segment_reference(x, d, mx.ScaleRule.RCEIL, rowwise, columnwise)
+        lambda x, d: quantize_segments_reference(x, d, mx.ScaleRule.RCEIL, rowwise, columnwise)
     )(jax.device_put(jnp.asarray(x), _cpu()), jax.device_put(jnp.asarray(ordered), _cpu()))
     assert len(got) == len(ref)
     for a, b in zip(got, ref):

@@ -20,7 +20,7 @@ import pytest
 from jax.sharding import Mesh
 
 import mxfp8_jax as mx
-from mxfp8_jax._src import _ffi
+from mxfp8_jax._src import _ffi, ffi_calls
 from mxfp8_jax._src import fused as fused_impl
 
 PLATFORMS = ("cuda", "rocm")
@@ -69,7 +69,7 @@ def _spec(shape, dtype):
 @pytest.mark.parametrize("rowwise,columnwise", [(True, True), (True, False), (False, True)])
 def test_quantize_call(platform, dtype, tname, rowwise, columnwise):
     m, k = 64, 96
-    fn = lambda x: _ffi.quantize(x, scale_rule=1, rowwise=rowwise, columnwise=columnwise)  # noqa: E731
+    fn = lambda x: ffi_calls.quantize(x, scale_rule=1, rowwise=rowwise, columnwise=columnwise)  # noqa: E731
     (call,) = _custom_calls(_lower(fn, _spec((m, k), dtype), platform=platform), "mxfp8_quantize")
     operands, results, attrs = call
     assert operands == [f"tensor<{m}x{k}x{tname}>"]
@@ -86,7 +86,7 @@ def test_quantize_call(platform, dtype, tname, rowwise, columnwise):
 @pytest.mark.parametrize("desc_dtype,dname", [(jnp.int32, "i32")])
 def test_quantize_segments_call(platform, desc_dtype, dname):
     s, p = 4096, 3
-    fn = lambda x, d: _ffi.quantize_segments(  # noqa: E731
+    fn = lambda x, d: ffi_calls.quantize_segments(  # noqa: E731
         x, d, scale_rule=0, rowwise=True, columnwise=True
     )
     text = _lower(fn, _spec((s,), jnp.bfloat16), _spec((p, 3), desc_dtype), platform=platform)
@@ -101,7 +101,7 @@ def test_quantize_segments_call(platform, desc_dtype, dname):
 @pytest.mark.parametrize("columnwise", [False, True])
 def test_rmsnorm_quantize_call(platform, columnwise):
     r, h = 64, 288
-    fn = lambda x, g: _ffi.rmsnorm_quantize(  # noqa: E731
+    fn = lambda x, g: ffi_calls.rmsnorm_quantize(  # noqa: E731
         x, g, eps=1e-5, weight_offset=1.0, quantize_from_fp32=True, columnwise=columnwise,
         scale_rule=0,
     )
@@ -123,7 +123,7 @@ def test_rmsnorm_quantize_call(platform, columnwise):
 def test_allgather_rmsnorm_quantize_call(platform, columnwise):
     rows_max, h, counts = 24, 96, (24, 0, 8, 0, 16, 16, 24, 8)  # groups of 4, R = 32 each
     r = sum(counts[:4])
-    fn = lambda x, g, w: _ffi.allgather_rmsnorm_quantize(  # noqa: E731
+    fn = lambda x, g, w: ffi_calls.allgather_rmsnorm_quantize(  # noqa: E731
         x, g, w, rows=r, op_id=7, group_size=4, row_counts=counts, eps=1e-5, weight_offset=1.0,
         quantize_from_fp32=False, columnwise=columnwise, scale_rule=1, timeout_ms=2500,
     )

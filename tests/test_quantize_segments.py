@@ -15,7 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import mxfp8_jax as mx
-from mxfp8_jax._src import _ffi
+from mxfp8_jax._src import _ffi, ffi_calls
 import numpy_oracle
 from conftest import as_bytes
 
@@ -54,7 +54,7 @@ def segments(draw):
 def _kernel(rule, rowwise, columnwise):
     code = mx.ScaleRule.parse(rule).code
     return jax.jit(
-        lambda x, d: _ffi.quantize_segments(x, d, scale_rule=code, rowwise=rowwise, columnwise=columnwise)
+        lambda x, d: ffi_calls.quantize_segments(x, d, scale_rule=code, rowwise=rowwise, columnwise=columnwise)
     )
 
 

@@ -89,12 +89,12 @@ def _te_quantize(
 
 @functools.partial(jax.jit, static_argnames=("flatten", "dq_dtype"))
 def _to_te(t, *, flatten=False, dq_dtype=None):
-    return t.to_te(flatten=flatten, dq_dtype=dq_dtype)
+    return mx.to_te(t, flatten=flatten, dq_dtype=dq_dtype)
 
 
 @functools.partial(jax.jit, static_argnames=("shape",))
 def _from_te(s, *, shape=None):
-    return mx.MXFP8Tensor.from_te(s, shape=shape)
+    return mx.from_te(s, shape=shape)
 
 
 _te_dequantize = jax.jit(lambda s: s.dequantize())
@@ -169,7 +169,7 @@ def test_from_te_follows_te_flatten_axis(te):
 def test_to_te_matches_te_own_tensor_and_dequantize(te, shape, dtype):
     x = _normal_range_input(3, shape, dtype)
     t = _quantize(x)
-    ours = t.to_te()
+    ours = mx.to_te(t)
     theirs = _te_quantize(x, te=te)
     # Same TE classes and static metadata (scaling mode, layouts, flatten axis, dq dtype, the
     # dequantize function) and leaf shapes/dtypes as TE's own quantizer output ...
@@ -195,9 +195,9 @@ def test_to_te_matches_te_own_tensor_and_dequantize(te, shape, dtype):
 def test_round_trip_is_exact(te, shape, rowwise, columnwise):
     x = jnp.asarray(np.random.default_rng(11).normal(size=shape).astype(np.float32) * 100)
     t = _quantize(x, rowwise=rowwise, columnwise=columnwise)
-    s = t.to_te()  # eager
+    s = mx.to_te(t)  # eager
     assert isinstance(s, te.ScaledTensor2x if rowwise and columnwise else te.ScaledTensor1x)
-    _assert_same_tensor(mx.MXFP8Tensor.from_te(s), t)
+    _assert_same_tensor(mx.from_te(s), t)
     _assert_same_tensor(_from_te(_to_te(t)), t)  # under jit
     flat = _to_te(t, flatten=True)
     assert flat.ndim == 2
@@ -230,23 +230,23 @@ def test_te_padding_and_swizzle_agree(te):
 def test_conversion_errors(te):
     t = _quantize(jnp.ones((2, 48, 32), jnp.float32))  # M = 96, but shape[-2] = 48
     with pytest.raises(ValueError, match=r"shape\[-2\]=48 must be a multiple of 32.*flatten=True"):
-        t.to_te()
+        mx.to_te(t)
     _assert_same_tensor(_from_te(_to_te(t, flatten=True), shape=t.shape), t)
     with pytest.raises(ValueError, match="holds no plane"):
-        mx.MXFP8Tensor(None, None, None, None, shape=(32, 32)).to_te()
+        mx.to_te(mx.MXFP8Tensor(None, None, None, None, shape=(32, 32)))
     with pytest.raises(TypeError, match="ScaledTensor2x or ScaledTensor1x"):
-        mx.MXFP8Tensor.from_te(t)
+        mx.from_te(t)
     x = jnp.ones((32, 64), jnp.bfloat16)
     with pytest.raises(ValueError, match=r"2-D view .*\(32, 64\)"):
-        mx.MXFP8Tensor.from_te(_to_te(_quantize(x)), shape=(64, 32))
+        mx.from_te(_to_te(_quantize(x)), shape=(64, 32))
     e5m2 = _te_quantize(x, te=te, q_dtype=jnp.float8_e5m2, columnwise=False)
     with pytest.raises(ValueError, match="float8_e5m2; MXFP8Tensor holds float8_e4m3fn"):
-        mx.MXFP8Tensor.from_te(e5m2)
+        mx.from_te(e5m2)
     tensor_scaled = jax.jit(
         lambda x: te.CurrentScaleQuantizer(q_dtype=jnp.float8_e4m3fn).quantize(x, is_colwise=False)
     )(x)
     with pytest.raises(ValueError, match="need MXFP8_1D_SCALING"):
-        mx.MXFP8Tensor.from_te(tensor_scaled)
+        mx.from_te(tensor_scaled)
 
 
 def test_missing_te_names_the_extra(monkeypatch):
@@ -254,6 +254,6 @@ def test_missing_te_names_the_extra(monkeypatch):
     monkeypatch.setitem(sys.modules, "transformer_engine.jax.quantize", None)
     t = _quantize(jnp.ones((32, 32), jnp.float32))
     with pytest.raises(ImportError, match=r"\[te\] extra"):
-        t.to_te()
+        mx.to_te(t)
     with pytest.raises(ImportError, match=r"\[te\] extra"):
-        mx.MXFP8Tensor.from_te(object())
+        mx.from_te(object())

@@ -29,24 +29,13 @@ import numpy as np
 from jax import lax
 from jax.sharding import Mesh, NamedSharding
 
+from mxfp8_jax._src import checks, spmd
 from mxfp8_jax._src import placement as pl
 from mxfp8_jax._src.layout import GlobalLayout, ShardLayout
 
 
 def _shard_map(fn, mesh: Mesh, in_placements, out_placements):
-    return jax.shard_map(
-        fn,
-        mesh=mesh,
-        in_specs=pl.partition_spec(mesh, in_placements),
-        out_specs=pl.partition_spec(mesh, out_placements),
-        check_vma=False,  # Partial axes hold different values under a replicated spec
-    )
-
-
-def _axis_group(names: Sequence[str]):
-    """A collective's axis_name: names innermost first, the order the shard index uses."""
-    names = tuple(reversed(names))
-    return names[0] if len(names) == 1 else names
+    return spmd.shard_map(fn, mesh, pl.partition_spec(mesh, in_placements), pl.partition_spec(mesh, out_placements))
 
 
 @jax.tree_util.register_dataclass
@@ -142,9 +131,9 @@ class DBuffer:
             dtype = jnp.result_type(*tensors) if tensors else jnp.float32
         dtype = jnp.dtype(dtype)
         if any(isinstance(t, jax.core.Tracer) for t in tensors):  # under jit: pack in the graph
-            flat = _pack_traced(layout, [jnp.asarray(t).astype(dtype) for t in tensors], dtype)
+            flat = _flat_buffer_traced(layout, [jnp.asarray(t).astype(dtype) for t in tensors], dtype)
         else:  # concrete: pack on the host, one transfer
-            flat = _pack(layout, [np.asarray(t).astype(dtype) for t in tensors], dtype, np)
+            flat = _flat_buffer(layout, [np.asarray(t).astype(dtype) for t in tensors], dtype, np)
         base = tuple(pl.Replicate() if pl.is_partial(p) else p for p in placements)
         flat = _place(flat, NamedSharding(mesh, pl.partition_spec(mesh, base)))
         return cls(flat, mesh, base, layout).redistribute(placements)
@@ -166,7 +155,7 @@ class DBuffer:
     @property
     def local_size(self) -> int:
         """Elements of each device's local buffer."""
-        return self.layout.physical_size // self.num_shards
+        return self.layout.local_size(self.num_shards)
 
     def segments_of(self, device) -> range:
         """Layout segments held by ``device``, in local-buffer order."""
@@ -181,7 +170,7 @@ class DBuffer:
         A sharded buffer is first all-gathered (one all-gather of the whole buffer); a buffer with
         Partial axes must be reduced first (``redistribute``).
         """
-        self._check_index(i)
+        checks.index(i, self.layout.num_tensors)
         self._check_no_partial("get_tensor")
         full = self if self.num_shards == 1 else self.allgather()
         return _unpack_one(self.layout, i, full.data)
@@ -198,7 +187,7 @@ class DBuffer:
         The rows are ``layout.rows_in_segments(i, segs.start, segs.stop)`` for
         ``segs = self.segments_of(device)``; under Partial axes they are that device's addends.
         """
-        self._check_index(i)
+        checks.index(i, self.layout.num_tensors)
         if isinstance(self.data, jax.core.Tracer):
             raise TypeError("local_tensor inspects concrete device buffers; call it outside jit")
         segs = self.segments_of(device)
@@ -207,13 +196,11 @@ class DBuffer:
             raise ValueError(f"device {device} holds no addressable shard of this buffer")
         local = np.asarray(local)
         lay = self.layout
-        start, end = lay.tensor_range(i)
         parts = []
         for j, k in enumerate(segs):
-            s, e = lay.rank_segments[k]
-            a, b = max(start, s), min(end, e)
-            if a < b:
-                p = j * lay.segment_capacity + a - s
+            part = lay.overlap(i, k)
+            if part is not None:
+                (a, b), p = part, j * lay.segment_capacity + part[0] - lay.rank_segment_offsets[k]
                 parts.append(local[p : p + b - a])
         shape = lay.tensor_shapes[i]
         flat = np.concatenate(parts) if parts else np.zeros((0,), local.dtype)
@@ -294,11 +281,6 @@ class DBuffer:
                 f"redistribute to Replicate (or Shard) first"
             )
 
-    def _check_index(self, i: int) -> None:
-        n = self.layout.num_tensors
-        if not isinstance(i, (int, np.integer)) or not 0 <= i < n:
-            raise ValueError(f"tensor index {i!r} must be an int in [0, {n})")
-
     def _axis_names(self, mesh_axes) -> tuple[str, ...]:
         names = tuple(self.mesh.axis_names)
         if mesh_axes is None:
@@ -347,13 +329,12 @@ def _place(x, sharding: NamedSharding) -> jax.Array:
 
 def _build_layout(mesh, placements, tensor_shapes, shard_layout, block_size) -> GlobalLayout:
     placements = pl.validate_placements(mesh, placements)
-    if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size < 1:
-        raise ValueError(f"block_size={block_size!r} must be a positive int")
+    block_size = checks.positive_int(block_size, "block_size")
     block = math.lcm(block_size, *(p.n for p in placements if isinstance(p, pl.BlockAtomic)))
     return GlobalLayout.build(tensor_shapes, mesh.size, block_size=block, shard_layout=shard_layout)
 
 
-def _pack(layout: GlobalLayout, tensors, dtype, xp):
+def _flat_buffer(layout: GlobalLayout, tensors, dtype, xp):
     """The physical flat array (``xp`` is numpy or jax.numpy): each segment's pieces in place,
     zeros elsewhere."""
     flats = [t.reshape(-1) for t in tensors]
@@ -371,18 +352,17 @@ def _pack(layout: GlobalLayout, tensors, dtype, xp):
     return xp.concatenate(parts) if parts else xp.zeros((0,), dtype)
 
 
-_pack_traced = jax.jit(functools.partial(_pack, xp=jnp), static_argnums=(0, 2))
+_flat_buffer_traced = jax.jit(functools.partial(_flat_buffer, xp=jnp), static_argnums=(0, 2))
 
 
 def _unpack(layout: GlobalLayout, i: int, data: jax.Array) -> jax.Array:
     """Tensor ``i`` from a replicated physical buffer: its pieces in segment order."""
-    start, end = layout.tensor_range(i)
     parts = []
-    for k, (s, e) in enumerate(layout.rank_segments):
-        a, b = max(start, s), min(end, e)
-        if a < b:
-            p = layout.physical_offset(a, k)
-            parts.append(data[p : p + b - a])
+    for k in range(layout.dp_size):
+        part = layout.overlap(i, k)
+        if part is not None:
+            p = layout.physical_offset(part[0], k)
+            parts.append(data[p : p + part[1] - part[0]])
     flat = parts[0] if len(parts) == 1 else jnp.concatenate(parts)
     return flat.reshape(layout.tensor_shapes[i])
 
@@ -432,18 +412,18 @@ class _Plan:
             x = x.reshape(-1)
             if scattered:
                 names = [n for n in self.split if n in scattered]
-                x = lax.psum_scatter(x, _axis_group(names), scatter_dimension=0, tiled=True)
+                x = lax.psum_scatter(x, spmd.axis_group(names), scatter_dimension=0, tiled=True)
                 x = _avg(x, [n for n in names if scattered[n] == "avg"], mesh)
         if self.reduce:
             names = [n for n, _ in self.reduce]
-            x = lax.psum(x, _axis_group(names))
+            x = lax.psum(x, spmd.axis_group(names))
             x = _avg(x, [n for n, op in self.reduce if op == "avg"], mesh)
         if self.gather:
             dtype = x.dtype
             bits = _bits_dtype(dtype)
             if bits != x.dtype:  # pure movement: travel as same-width ints, never widened
                 x = lax.bitcast_convert_type(x, bits)
-            x = lax.all_gather(x, _axis_group(self.gather), axis=0, tiled=True)
+            x = lax.all_gather(x, spmd.axis_group(self.gather), axis=0, tiled=True)
             x = lax.bitcast_convert_type(x, dtype) if bits != dtype else x
         if self.keep_first:
             first = functools.reduce(

@@ -1,18 +1,8 @@
-"""All-gather + RMSNorm + MXFP8 quantize (SPEC section 5): strategies, ragged shards, gradients.
+"""All-gather + RMSNorm + MXFP8 quantize over a mesh axis: strategies, ragged shards, gradients.
 
-Per row ``x`` (bf16, hidden size ``H``) of the rows gathered from the devices of a group::
-
-    inv      = 1 / sqrt(sum(f32(x)^2) / H + eps)
-    normed   = bf16_rne((f32(x) * inv) * (f32(gamma) + weight_offset))      [R, H] bf16
-    quant    = E4M3 codes of normed, blocks of 32 along H (rceil scales)     [R, H] float8_e4m3fn
-    scales   = E8M0 bytes                                                   [R, H/32] uint8
-    residual = the gathered x, bit for bit                                   [R, H] bf16
-
-``quant``/``scales`` are byte-identical to ``mx.quantize(normed)``; ``quantize_from="fp32"``
-quantizes the unrounded fp32 product instead (as TE's fused norm does). The sum of squares runs
-in the order pinned in ``xla_ffi/include/mxfp8/numerics.h``, so every kernel gives the same bits.
-With ``columnwise=True`` the columnwise planes ``[R, H]`` and ``[R/32, H]`` are appended to the
-result.
+The rows of a group of devices are gathered and each gathered row gets the RMSNorm + MXFP8
+numerics of ``rmsnorm`` (``normed``, ``quant``, ``scales``, byte-identical to the local op on
+the gathered rows), plus ``residual [R, H]`` bf16: the gathered ``x``, bit for bit.
 
 Strategies:
 
@@ -53,7 +43,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import inspect
 import itertools
 import math
 import numbers
@@ -65,13 +54,10 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, PartitionSpec as P
 
-from mxfp8_jax._src import _ffi, vma
+from mxfp8_jax._src import _ffi, ffi_calls, rmsnorm, spmd, vma
 from mxfp8_jax._src import format as fmt
 
 STRATEGIES = ("auto", "xla", "p2p")
-QUANTIZE_FROM = ("normed", "fp32")
-BACKENDS = ("auto", "ffi", "jax")
-_NORM_TARGET = "mxfp8_rmsnorm_quantize"
 _P2P_TARGET = "mxfp8_allgather_rmsnorm_quantize"
 DEFAULT_P2P_TIMEOUT_S = 120.0
 
@@ -85,17 +71,6 @@ _op_ids = itertools.count(1)
 
 
 @dataclasses.dataclass(frozen=True)
-class _NormConfig:
-    """What the per-row math needs (static)."""
-
-    eps: float
-    weight_offset: float
-    quantize_from_fp32: bool
-    columnwise: bool
-    rule: fmt.ScaleRule
-
-
-@dataclasses.dataclass(frozen=True)
 class _GatherConfig:
     """One fused call as one device sees it (static; hashable for custom_vjp)."""
 
@@ -105,7 +80,7 @@ class _GatherConfig:
     rows_max: int  # local rows, valid ones first
     hidden: int
     row_counts: tuple[int, ...]  # valid rows of every device of the axis
-    norm: _NormConfig
+    norm: rmsnorm.NormConfig
     strategy: str  # "xla" or "p2p" (resolved)
     op_id: int
     timeout_ms: int
@@ -140,49 +115,6 @@ class _GatherConfig:
 
 # ------------------------------------------------------------------------------------------------
 # validation (errors name the argument, the value and the rule)
-
-
-def _check_x(x, argname: str = "x") -> tuple[int, int]:
-    dt = jnp.dtype(getattr(x, "dtype", None))
-    if dt != jnp.bfloat16:
-        raise TypeError(
-            f"{argname} has dtype {dt}; the fused RMSNorm + MXFP8 op takes bfloat16 input "
-            f"(cast with {argname}.astype(jnp.bfloat16))"
-        )
-    if x.ndim != 2:
-        raise ValueError(f"{argname} has shape {tuple(x.shape)}; it must be 2-D [rows, H]")
-    rows, h = x.shape
-    if h % fmt.BLOCK:
-        raise ValueError(f"{argname}: H={h} (last axis) must be a multiple of 32 for MXFP8 blocks")
-    return rows, h
-
-
-def _check_gamma(gamma, h: int, shapes: tuple[tuple[int, ...], ...]) -> None:
-    dt = jnp.dtype(getattr(gamma, "dtype", None))
-    if dt != jnp.bfloat16:
-        raise TypeError(
-            f"gamma has dtype {dt}; it must be bfloat16 like x (cast with gamma.astype(jnp.bfloat16))"
-        )
-    if tuple(gamma.shape) not in shapes:
-        raise ValueError(
-            f"gamma has shape {tuple(gamma.shape)}; expected one of {list(shapes)} for H={h}"
-        )
-
-
-def _norm_config(eps, weight_offset, quantize_from, columnwise, scale_rule) -> _NormConfig:
-    if not isinstance(eps, numbers.Real) or not eps >= 0:
-        raise ValueError(f"eps={eps!r} must be a non-negative real number")
-    if not isinstance(weight_offset, numbers.Real) or not math.isfinite(weight_offset):
-        raise ValueError(f"weight_offset={weight_offset!r} must be a finite real number")
-    if quantize_from not in QUANTIZE_FROM:
-        raise ValueError(f"quantize_from={quantize_from!r} is not one of {QUANTIZE_FROM}")
-    return _NormConfig(
-        eps=float(np.float32(eps)),
-        weight_offset=float(np.float32(weight_offset)),
-        quantize_from_fp32=quantize_from == "fp32",
-        columnwise=bool(columnwise),
-        rule=fmt.ScaleRule.parse(scale_rule),
-    )
 
 
 def _check_group_size(group_size, n: int, axis) -> int:
@@ -224,14 +156,6 @@ def _check_row_counts(row_counts, n: int, rows_max: int, group_size: int, axis) 
             f"every group must gather the same number of rows (the outputs have one shape)"
         )
     return counts
-
-
-def _check_columnwise_rows(cfg: _NormConfig, r: int) -> None:
-    if cfg.columnwise and r % fmt.BLOCK:
-        raise ValueError(
-            f"columnwise=True needs R={r} gathered rows to be a multiple of 32 for MXFP8 "
-            f"columnwise blocks; pass columnwise=False"
-        )
 
 
 def _p2p_timeout_ms(p2p_timeout_s) -> int:
@@ -285,127 +209,6 @@ def _resolve_strategy(strategy: str, platform: str, devices_here: bool, axis) ->
 
 
 # ------------------------------------------------------------------------------------------------
-# local RMSNorm + quantize: kernel and pure-JAX reference (same evaluation order)
-
-
-def _rmsnorm_reference(x, gamma, cfg: _NormConfig):
-    """The canonical order in jnp (exact where XLA does not flush subnormals)."""
-    r, h = x.shape
-    f32 = jnp.float32
-    xf = x.astype(f32)
-    sq = jnp.pad(xf * xf, ((0, 0), (0, (-h) % 256)))
-    # step (i, v) adds x[256 i + 8 j + v]^2 to partial j, in increasing i then v
-    n_i = sq.shape[1] // 256
-    steps = sq.reshape(r, n_i, 32, 8).transpose(1, 3, 0, 2).reshape(n_i * 8, r, 32)
-    init = jnp.zeros_like(steps[0]) if steps.shape[0] else jnp.zeros((r, 32), f32)
-    part, _ = jax.lax.scan(lambda p, s: (p + s, None), init, steps)
-    for s in (16, 8, 4, 2, 1):
-        part = part[:, :s] + part[:, s: 2 * s]
-    # The barriers keep XLA from rewriting sumsq / H as sumsq * (1/H) and 1/sqrt(v) as rsqrt,
-    # which round differently.
-    h_f32 = jax.lax.optimization_barrier(jnp.full((r,), h, f32))
-    root = jax.lax.optimization_barrier(jnp.sqrt(part[:, 0] / h_f32 + f32(cfg.eps)))
-    inv = f32(1.0) / root
-    g = gamma.astype(f32) + f32(cfg.weight_offset)
-    y = (xf * inv[:, None]) * g
-    normed = fmt.f32_bits_to(jax.lax.bitcast_convert_type(y, jnp.uint32), jnp.bfloat16)
-    src = y if cfg.quantize_from_fp32 else normed
-    q, s = fmt.quantize_rowwise(src, cfg.rule)
-    cq, cs = fmt.quantize_columnwise(src, cfg.rule) if cfg.columnwise else (None, None)
-    return normed, q, s, cq, cs
-
-
-def _rmsnorm_kernel(x, gamma, cfg: _NormConfig):
-    normed, rq, rs, cq, cs = _ffi.rmsnorm_quantize(
-        x, gamma, eps=cfg.eps, weight_offset=cfg.weight_offset,
-        quantize_from_fp32=cfg.quantize_from_fp32, columnwise=cfg.columnwise,
-        scale_rule=cfg.rule.code,
-    )
-    return normed, rq, rs, cq, cs
-
-
-def _norm_quant(x, gamma, cfg: _NormConfig, backend: str):
-    if backend == "jax" or x.shape[0] == 0:
-        return _rmsnorm_reference(x, gamma, cfg)
-    if backend == "ffi":
-        _ffi.require(_NORM_TARGET, _ffi.default_platform())
-        return _rmsnorm_kernel(x, gamma, cfg)
-    return _ffi.platform_dispatch(
-        _NORM_TARGET,
-        lambda x, g: _rmsnorm_kernel(x, g, cfg),
-        lambda x, g: _rmsnorm_reference(x, g, cfg),
-        x, gamma,
-    )
-
-
-def _rmsnorm_vjp(x, gamma, d_normed, cfg: _NormConfig):
-    """Cotangents (fp32) of ``x [R, H]`` and ``gamma [H]`` for ``normed = (x * inv) * g``."""
-    f32 = jnp.float32
-    xf = x.astype(f32)
-    g = gamma.astype(f32) + f32(cfg.weight_offset)
-    inv = jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + f32(cfg.eps))
-    dy = d_normed.astype(f32)
-    d_gamma = jnp.sum(dy * xf * inv, axis=0)
-    dxhat = dy * g
-    dx = inv * dxhat - xf * (inv * inv * inv) * jnp.mean(dxhat * xf, axis=-1, keepdims=True)
-    return dx, d_gamma
-
-
-def _ct(ct, like):
-    """A cotangent as fp32, with symbolic/float0 zeros made concrete."""
-    if ct is None or jnp.dtype(ct.dtype) == jax.dtypes.float0:
-        return jnp.zeros(like.shape, jnp.float32)
-    return ct.astype(jnp.float32)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
-def _local_fused(x, gamma, cfg: _NormConfig, backend: str):
-    return _norm_quant(x, gamma, cfg, backend)
-
-
-def _local_fused_fwd(x, gamma, cfg, backend):
-    return _norm_quant(x, gamma, cfg, backend), (x, gamma)
-
-
-def _local_fused_bwd(cfg, backend, res, cts):
-    x, gamma = res
-    dx, d_gamma = _rmsnorm_vjp(x, gamma, _ct(cts[0], x), cfg)
-    dx, d_gamma = vma.cotangent_like(dx, x), vma.cotangent_like(d_gamma, gamma)
-    return dx.astype(x.dtype), d_gamma.astype(gamma.dtype)
-
-
-_local_fused.defvjp(_local_fused_fwd, _local_fused_bwd)
-
-
-def rmsnorm_quant(
-    x: jax.Array,
-    gamma: jax.Array,
-    *,
-    eps: float = 1e-6,
-    weight_offset: float = 0.0,
-    quantize_from: str = "normed",
-    columnwise: bool = False,
-    scale_rule: str = "rceil",
-    backend: str = "auto",
-):
-    """RMSNorm + MXFP8 quantize of local rows ``x [R, H]`` bf16 with ``gamma [H]`` bf16.
-
-    Returns ``(normed, quant, scales)``, plus ``(columnwise_quant, columnwise_scales)`` when
-    ``columnwise=True``; the math is the module's. ``backend``: ``"ffi"`` the compiled kernel,
-    ``"jax"`` the pure-JAX reference of the same evaluation order, ``"auto"`` the kernel where
-    it is installed for the lowering platform. Differentiable in ``x`` and ``gamma``.
-    """
-    r, h = _check_x(x)
-    _check_gamma(gamma, h, ((h,),))
-    cfg = _norm_config(eps, weight_offset, quantize_from, columnwise, scale_rule)
-    _check_columnwise_rows(cfg, r)
-    if backend not in BACKENDS:
-        raise ValueError(f"backend={backend!r} is not one of {BACKENDS}")
-    normed, q, s, cq, cs = _local_fused(x, gamma, cfg, backend)
-    return (normed, q, s, cq, cs) if cfg.columnwise else (normed, q, s)
-
-
-# ------------------------------------------------------------------------------------------------
 # the gather, per device
 
 
@@ -453,7 +256,7 @@ def _where(cfg: _GatherConfig):
 def _fused_forward(x, gamma, cfg: _GatherConfig):
     n = cfg.norm
     if cfg.strategy == "p2p":
-        normed, rq, rs, cq, cs, residual = _ffi.allgather_rmsnorm_quantize(
+        normed, rq, rs, cq, cs, residual = ffi_calls.allgather_rmsnorm_quantize(
             x, gamma, _where(cfg), rows=cfg.rows, op_id=cfg.op_id, group_size=cfg.group_size,
             row_counts=cfg.row_counts, eps=n.eps, weight_offset=n.weight_offset,
             quantize_from_fp32=n.quantize_from_fp32, columnwise=n.columnwise,
@@ -464,7 +267,7 @@ def _fused_forward(x, gamma, cfg: _GatherConfig):
         axes = vma.union(x, gamma) | ({cfg.axis_name} if vma.tracked(cfg.axis_name) else set())
         return tuple(None if o is None else vma.vary(o, axes) for o in out)
     residual = _gather_rows(x, cfg)
-    return _norm_quant(residual, gamma, n, "auto") + (residual,)
+    return rmsnorm.norm_quant(residual, gamma, n, "auto") + (residual,)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
@@ -482,8 +285,8 @@ def _fused_bwd(cfg: _GatherConfig, res, cts):
     residual, gamma, x_type = res
     f32 = jnp.float32
     d_normed, d_residual = cts[0], cts[-1]
-    dx_rows, d_gamma = _rmsnorm_vjp(residual, gamma, _ct(d_normed, residual), cfg.norm)
-    dx_rows = dx_rows + _ct(d_residual, residual)
+    dx_rows, d_gamma = rmsnorm.vjp(residual, gamma, rmsnorm.cotangent(d_normed, residual), cfg.norm)
+    dx_rows = dx_rows + rmsnorm.cotangent(d_residual, residual)
     # The transpose of the gather: a reduce-scatter over the group (scatter-add of ragged rows),
     # taken at a zero x of x's type so that shard_map's checker sees the types of the forward.
     x_zero = jnp.zeros((cfg.rows_max, cfg.hidden), f32) + jnp.sum(x_type.astype(f32))
@@ -497,7 +300,7 @@ def _fused_bwd(cfg: _GatherConfig, res, cts):
 _fused.defvjp(_fused_fwd, _fused_bwd)
 
 
-def _empty_outputs(r: int, h: int, norm: _NormConfig):
+def _empty_outputs(r: int, h: int, norm: rmsnorm.NormConfig):
     out = (
         jnp.zeros((r, h), jnp.bfloat16),
         jnp.zeros((r, h), jnp.float8_e4m3fn),
@@ -509,7 +312,7 @@ def _empty_outputs(r: int, h: int, norm: _NormConfig):
     return out
 
 
-def _pack(out, norm: _NormConfig):
+def _public_order(out, norm: rmsnorm.NormConfig):
     normed, q, s, cq, cs, residual = out
     return (normed, q, s, residual, cq, cs) if norm.columnwise else (normed, q, s, residual)
 
@@ -541,10 +344,10 @@ def allgather_rmsnorm_quant_local(
     an explicit ``"p2p"`` on GPUs is experimental (see the module docstring).
     The outputs vary along ``axis_name`` (equal within a group, not across groups).
     """
-    rows_max, h = _check_x(x)
-    _check_gamma(gamma, h, ((h,),))
+    rows_max, h = rmsnorm.check_rows(x)
+    rmsnorm.check_gamma(gamma, h, ((h,),))
     n = int(jax.lax.axis_size(axis_name))
-    norm = _norm_config(eps, weight_offset, quantize_from, columnwise, scale_rule)
+    norm = rmsnorm.norm_config(eps, weight_offset, quantize_from, columnwise, scale_rule)
     g = _check_group_size(group_size, n, axis_name)
     counts = _check_row_counts(row_counts, n, rows_max, g, axis_name)
     timeout_ms = _p2p_timeout_ms(p2p_timeout_s)
@@ -563,22 +366,14 @@ def allgather_rmsnorm_quant_local(
         row_counts=counts, norm=norm, strategy=strategy,
         op_id=next(_op_ids) if strategy == "p2p" else 0, timeout_ms=timeout_ms,
     )
-    _check_columnwise_rows(norm, cfg.rows)
+    rmsnorm.check_columnwise_rows(norm, cfg.rows)
     if cfg.rows == 0:  # nothing to gather: no collective at all
-        return _pack(_empty_outputs(0, h, norm), norm)
-    return _pack(_fused(x, gamma, cfg), norm)
+        return _public_order(_empty_outputs(0, h, norm), norm)
+    return _public_order(_fused(x, gamma, cfg), norm)
 
 
 # ------------------------------------------------------------------------------------------------
 # the global wrapper
-
-
-def _shard_map(f, mesh, in_specs, out_specs):
-    """``jax.shard_map`` without replication checks (the argument is named differently across
-    jax versions: ``check_vma`` now, ``check_rep`` before)."""
-    params = inspect.signature(jax.shard_map).parameters
-    check = {"check_vma": False} if "check_vma" in params else {"check_rep": False}
-    return jax.shard_map(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs, **check)
 
 
 def allgather_rmsnorm_quant(
@@ -618,18 +413,18 @@ def allgather_rmsnorm_quant(
     if axis not in mesh.axis_names:
         raise ValueError(f"axis={axis!r} is not an axis of the mesh {tuple(mesh.axis_names)}")
     n = mesh.shape[axis]
-    rows, h = _check_x(x)
+    rows, h = rmsnorm.check_rows(x)
     if rows % n:
         raise ValueError(
             f"x has {rows} rows, which the {n} devices of axis {axis!r} cannot split evenly; "
             f"pad every device's shard to the same row count and pass row_counts"
         )
-    _check_gamma(gamma, h, ((h,), (n, h)))
+    rmsnorm.check_gamma(gamma, h, ((h,), (n, h)))
     # Validate everything here, before tracing, so errors do not surface from inside shard_map.
-    norm = _norm_config(eps, weight_offset, quantize_from, columnwise, scale_rule)
+    norm = rmsnorm.norm_config(eps, weight_offset, quantize_from, columnwise, scale_rule)
     g = _check_group_size(group_size, n, axis)
     counts = _check_row_counts(row_counts, n, rows // n, g, axis)
-    _check_columnwise_rows(norm, sum(counts[:g]))
+    rmsnorm.check_columnwise_rows(norm, sum(counts[:g]))
     _p2p_timeout_ms(p2p_timeout_s)
     devices = mesh.devices.reshape(-1)
     here = all(d.process_index == jax.process_index() for d in devices)
@@ -670,7 +465,7 @@ def _global_fn(spec: _GlobalSpec):
     replicated = kw["group_size"] == n and not spec.per_device_gamma
     out_spec = P() if replicated else P(spec.axis)
     n_out = 6 if kw["columnwise"] else 4
-    return _shard_map(
+    return spmd.shard_map(
         local, spec.mesh, in_specs=(P(spec.axis), P(spec.axis) if spec.per_device_gamma else P()),
         out_specs=(out_spec,) * n_out,
     )

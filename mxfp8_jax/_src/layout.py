@@ -24,6 +24,8 @@ import enum
 import math
 from collections.abc import Iterable, Sequence
 
+from mxfp8_jax._src import checks
+
 Shape = tuple[int, ...]
 
 
@@ -77,7 +79,7 @@ class GlobalLayout:
         object.__setattr__(self, "tensor_to_offset", tuple(int(o) for o in self.tensor_to_offset))
         object.__setattr__(self, "rank_segment_offsets", tuple(int(o) for o in self.rank_segment_offsets))
         object.__setattr__(self, "size", int(self.size))
-        object.__setattr__(self, "block_size", int(self.block_size))
+        object.__setattr__(self, "block_size", checks.positive_int(self.block_size, "block_size"))
         object.__setattr__(self, "shard_layout", ShardLayout(self.shard_layout))
         self._validate()
 
@@ -93,9 +95,9 @@ class GlobalLayout:
         shard_layout: ShardLayout = ShardLayout.PADDED,
     ) -> GlobalLayout:
         """Packs ``tensor_shapes`` for ``dp_size`` segments with the chosen ``shard_layout``."""
+        block_size = checks.positive_int(block_size, "block_size")
         shapes = _check_shapes(tensor_shapes, block_size)
-        if not isinstance(dp_size, int) or isinstance(dp_size, bool) or dp_size < 1:
-            raise ValueError(f"dp_size={dp_size!r} must be a positive int")
+        dp_size = checks.positive_int(dp_size, "dp_size")
         if not isinstance(shard_layout, ShardLayout):
             raise TypeError(f"shard_layout={shard_layout!r} must be a ShardLayout (PADDED or UNPADDED)")
         grains = [block_size * math.prod(s[1:]) for s in shapes]
@@ -166,6 +168,22 @@ class GlobalLayout:
         o = self.tensor_to_offset[i]
         return o, o + self.numel(i)
 
+    def local_size(self, num_shards: int) -> int:
+        """Elements of each device's local buffer when the physical array is split into
+        ``num_shards`` equal shards (a shard holds ``dp_size / num_shards`` whole segments)."""
+        if self.dp_size % num_shards:
+            raise ValueError(f"num_shards={num_shards} must divide dp_size={self.dp_size}")
+        return self.physical_size // num_shards
+
+    def overlap(self, i: int, k: int) -> tuple[int, int] | None:
+        """Logical ``(start, end)`` of the part of tensor ``i`` that segment ``k`` holds, or None."""
+        return self._intersect(i, *self.rank_segments[k])
+
+    def _intersect(self, i: int, start: int, end: int) -> tuple[int, int] | None:
+        lo, hi = self.tensor_range(i)
+        a, b = max(lo, start), min(hi, end)
+        return (a, b) if a < b else None
+
     def physical_offset(self, logical: int, segment: int) -> int:
         """Where logical position ``logical`` of ``segment`` is stored in the physical array."""
         return segment * self.segment_capacity + logical - self.rank_segment_offsets[segment]
@@ -178,14 +196,13 @@ class GlobalLayout:
         """
         if not 0 <= k < self.dp_size:
             raise ValueError(f"segment index k={k} must be in [0, {self.dp_size})")
-        s, e = self.rank_segments[k]
+        s = self.rank_segment_offsets[k]
         out = []
         for i in range(self.num_tensors):
-            lo, hi = self.tensor_range(i)
-            a, b = max(lo, s), min(hi, e)
-            if a < b:
-                rs = self.row_size(i)
-                out.append((i, (a - lo) // rs, (b - a) // rs, a - s))
+            part = self.overlap(i, k)
+            if part is not None:
+                (a, b), rs = part, self.row_size(i)
+                out.append((i, (a - self.tensor_to_offset[i]) // rs, (b - a) // rs, a - s))
         return tuple(sorted(out, key=lambda p: p[3]))
 
     def rows_in_segments(self, i: int, first: int, stop: int) -> tuple[int, int]:
@@ -193,11 +210,11 @@ class GlobalLayout:
 
         Consecutive segments cover one logical range, so the rows form one contiguous run.
         """
-        lo, hi = self.tensor_range(i)
-        s, e = self.rank_segment_offsets[first], self.rank_segment_offsets[stop]
-        a, b = max(lo, s), min(hi, e)
-        rs = self.row_size(i)
-        return ((a - lo) // rs, (b - a) // rs) if a < b else (0, 0)
+        part = self._intersect(i, self.rank_segment_offsets[first], self.rank_segment_offsets[stop])
+        if part is None:
+            return 0, 0
+        (a, b), rs = part, self.row_size(i)
+        return (a - self.tensor_to_offset[i]) // rs, (b - a) // rs
 
     # -- validation ----------------------------------------------------------------------------
 
@@ -247,8 +264,7 @@ class GlobalLayout:
 
 
 def _check_shapes(tensor_shapes, block_size) -> tuple[Shape, ...]:
-    if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size < 1:
-        raise ValueError(f"block_size={block_size!r} must be a positive int")
+    block_size = checks.positive_int(block_size, "block_size")
     if isinstance(tensor_shapes, (str, bytes)):
         raise TypeError(f"tensor_shapes must be a sequence of shapes, got {tensor_shapes!r}")
     shapes = []

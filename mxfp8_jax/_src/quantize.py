@@ -1,24 +1,19 @@
-"""``quantize`` / ``dequantize``: argument checks and backend choice over the reference and FFI.
-
-Backends: ``"jax"`` is the pure-JAX reference (``format``), always available; ``"ffi"`` is the
-compiled kernel and raises if it is not installed for the platform; ``"auto"`` picks the kernel
-per lowering platform where the installed extension has one, and the reference elsewhere
-(``lax.platform_dependent``), so one jitted function serves CPU and GPU.
+"""``quantize`` / ``dequantize``: argument checks, then the reference or the kernel
+(``backend.run``; see ``backend`` for what ``"auto"``, ``"ffi"`` and ``"jax"`` mean).
 """
 
 from __future__ import annotations
 
-import functools
 import math
 
 import jax
 import jax.numpy as jnp
 
-from mxfp8_jax._src import _ffi
+from mxfp8_jax._src import backend as backends
+from mxfp8_jax._src import ffi_calls
 from mxfp8_jax._src import format as fmt
 from mxfp8_jax._src.tensor import MXFP8Tensor
 
-BACKENDS = ("auto", "ffi", "jax")
 INPUT_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
 
 
@@ -68,18 +63,16 @@ def quantize(
     x = jnp.asarray(x)
     m, k = check_input(x, rowwise=rowwise, columnwise=columnwise)
     rule = fmt.ScaleRule.parse(scale_rule)
-    if backend not in BACKENDS:
-        raise ValueError(f"backend={backend!r} is not one of {BACKENDS}")
-    if backend == "ffi":
-        _ffi.require("mxfp8_quantize", _ffi.default_platform())
-    rq, rs, cq, cs = _planes(x.reshape(m, k), rowwise=rowwise, columnwise=columnwise, rule=rule, backend=backend)
-    return MXFP8Tensor(rq, rs, cq, cs, shape=tuple(x.shape), dtype=x.dtype)
+    backends.check(backend)
+    # Eager calls (a notebook cell) run one executable compiled per configuration and shape
+    # instead of dispatching the reference's few dozen operations one by one; traced calls are
+    # inlined (see MXFP8Tensor.dequantize for why not as a nested jit).
+    fn = _planes if isinstance(x, jax.core.Tracer) else _planes_jit
+    rq, rs, cq, cs = fn(x.reshape(m, k), rowwise=rowwise, columnwise=columnwise, rule=rule, backend=backend)
+    return MXFP8Tensor(rowwise_data=rq, rowwise_scale=rs, columnwise_data=cq, columnwise_scale=cs,
+                       shape=tuple(x.shape), dtype=x.dtype)
 
 
-# Compiled once per configuration and shape: an eager call (a notebook cell) runs one executable
-# instead of dispatching the reference's few dozen operations one by one; under an outer jit
-# it is inlined like any nested jit.
-@functools.partial(jax.jit, static_argnames=("rowwise", "columnwise", "rule", "backend"))
 def _planes(x2d, *, rowwise: bool, columnwise: bool, rule: fmt.ScaleRule, backend: str):
     def reference(x2d):
         row = fmt.quantize_rowwise(x2d, rule) if rowwise else (None, None)
@@ -87,42 +80,21 @@ def _planes(x2d, *, rowwise: bool, columnwise: bool, rule: fmt.ScaleRule, backen
         return row + col
 
     def kernel(x2d):
-        (rq, rs), (cq, cs) = _ffi.quantize(x2d, scale_rule=rule.code, rowwise=rowwise, columnwise=columnwise)
+        (rq, rs), (cq, cs) = ffi_calls.quantize(x2d, scale_rule=rule.code, rowwise=rowwise, columnwise=columnwise)
         return rq, rs, cq, cs
 
-    if backend == "jax":
-        return reference(x2d)
-    if backend == "ffi":
-        return kernel(x2d)
-    return _ffi.platform_dispatch("mxfp8_quantize", kernel, reference, x2d)
+    return backends.run("mxfp8_quantize", backend, kernel, reference, x2d)
+
+
+_planes_jit = jax.jit(_planes, static_argnames=("rowwise", "columnwise", "rule", "backend"))
 
 
 def dequantize(t: MXFP8Tensor, *, columnwise: bool = False, dtype=jnp.bfloat16) -> jax.Array:
     """``fp32(q) * 2^(byte - 127)`` of the rowwise (default) or columnwise plane, as ``dtype``.
 
-    Exact in fp32 (subnormal results included); bf16 output is rounded to nearest even.
+    Exact in fp32 (subnormal results included); bf16 output is rounded to nearest even. ``t``
+    must satisfy ``MXFP8Tensor.validate`` (E4M3 data, uint8 scales of the planes' shapes).
     """
     if not isinstance(t, MXFP8Tensor):
         raise TypeError(f"t must be an MXFP8Tensor, got {type(t).__name__}")
-    m, k = t.matrix_shape
-    if columnwise:
-        if t.columnwise_data is None:
-            raise ValueError("t holds no columnwise plane (columnwise=True)")
-        data, scale, axis = t.columnwise_data, t.columnwise_scale, 0
-    else:
-        if t.rowwise_data is None:
-            raise ValueError("t holds no rowwise plane (pass columnwise=True for the other one)")
-        data, scale, axis = t.rowwise_data, t.rowwise_scale, 1
-    # Eager calls run one cached executable; traced calls are inlined as plain operations: a
-    # nested jit would let autodiff of a scan hoist its constants out of the loop as full-size
-    # buffers (one per constant, the size of the tensor).
-    fn = _dequantize if isinstance(data, jax.core.Tracer) else _dequantize_jit
-    return fn(data, scale, axis=axis, dtype=jnp.dtype(dtype)).reshape(t.shape)
-
-
-def _dequantize(data, scale, *, axis: int, dtype):
-    bits = fmt.scaled_to_bits(data, jnp.repeat(scale, fmt.BLOCK, axis=axis))
-    return fmt.f32_bits_to(bits, dtype)
-
-
-_dequantize_jit = jax.jit(_dequantize, static_argnames=("axis", "dtype"))
+    return t.dequantize(columnwise=columnwise, dtype=dtype)

@@ -34,13 +34,15 @@ import numpy as np
 from jax import lax
 from jax.sharding import Mesh, NamedSharding
 
-from mxfp8_jax._src import _ffi
+from mxfp8_jax._src import backend as backends
+from mxfp8_jax._src import checks, ffi_calls, spmd
 from mxfp8_jax._src import format as fmt
 from mxfp8_jax._src import placement as pl
 from mxfp8_jax._src.dbuffer import DBuffer
 from mxfp8_jax._src.layout import GlobalLayout, ShardLayout
-from mxfp8_jax._src.quantize import BACKENDS, INPUT_DTYPES
-from mxfp8_jax._src.tensor import MXFP8Tensor
+from mxfp8_jax._src.quantize import INPUT_DTYPES
+from mxfp8_jax._src.segments import quantize_segments_reference
+from mxfp8_jax._src.tensor import MXFP8Tensor, PaddedMXFP8Tensor
 
 BLOCK = fmt.BLOCK
 _TARGET = "mxfp8_quantize_segments"
@@ -124,7 +126,7 @@ def descriptor_table(mesh: Mesh, placements: tuple, layout: GlobalLayout) -> np.
     """
     cap = layout.segment_capacity
     n_shards = pl.num_shards(mesh, placements)
-    local_size = layout.physical_size // n_shards
+    local_size = layout.local_size(n_shards)
     shards = []
     for s in range(n_shards):
         rows = []
@@ -141,69 +143,13 @@ def descriptor_table(mesh: Mesh, placements: tuple, layout: GlobalLayout) -> np.
     return table
 
 
-def _shard_position(mesh: Mesh, axes: Sequence[str]):
-    """This device's shard index inside ``shard_map``: innermost Shard axis most significant."""
-    idx = jnp.int32(0)
-    for name in reversed(axes):
-        idx = idx * mesh.shape[name] + lax.axis_index(name)
-    return idx
-
-
-def _segment_reference(x, desc, rule, rowwise: bool, columnwise: bool):
-    """Pure-JAX ``mxfp8_quantize_segments``: the same descriptor logic, as integer index maps.
-
-    ``desc`` rows are sorted by offset. Every piece starts on a multiple of 32 and has rows of a
-    multiple of 32 elements, so the segment's flat 32-element blocks are exactly the pieces'
-    rowwise blocks, in scale order. Columnwise block ``p`` (scale position, offset/32 + R*K + c
-    within its piece) gathers elements ``o + (32R + i)K + c``, i < 32. Uncovered bytes are 0.
-    """
-    n = x.shape[0]
-    off, rows, k = desc[:, 0], desc[:, 1], desc[:, 2]
-    as_u8 = lambda q: lax.bitcast_convert_type(q, jnp.uint8)
-
-    def piece_of(pos, scale):  # (piece start, row length, covered) at element / scale positions
-        d = BLOCK if scale else 1
-        # index of the last piece starting at or before each position (rows sorted by offset;
-        # unused rows start at n, past the end, and drop out of the scatter)
-        starts = jnp.zeros(pos.shape, jnp.int32).at[off // d].add(1, mode="drop")
-        j = jnp.clip(jnp.cumsum(starts) - 1, 0, desc.shape[0] - 1)
-        o, kk = off[j], k[j]
-        return o, kk, (pos >= o // d) & (pos < (o + rows[j] * kk) // d)
-
-    e = jnp.arange(n, dtype=desc.dtype)
-    o, kk, covered = piece_of(e, False)
-    nb = n // BLOCK
-    blocks = []  # every requested block as one row of 32, quantized in one pass
-    if rowwise:
-        blocks.append(x.reshape(nb, BLOCK))
-    if columnwise:
-        p = jnp.arange(nb, dtype=desc.dtype)
-        po, pk, pcov = piece_of(p, True)
-        local = p - po // BLOCK
-        first = po + (local // pk) * BLOCK * pk + local % pk
-        members = first[:, None] + jnp.arange(BLOCK, dtype=desc.dtype)[None, :] * pk[:, None]
-        blocks.append(x[jnp.where(pcov[:, None], members, 0)])
-    q, s = fmt.quantize_rowwise(jnp.concatenate(blocks) if len(blocks) > 1 else blocks[0], rule)
-    q = as_u8(q).reshape(-1, BLOCK * nb)
-    s = s.reshape(-1, nb)
-    planes = []
-    if rowwise:
-        planes += [jnp.where(covered, q[0], 0), jnp.where(covered[::BLOCK], s[0], 0)]
-    if columnwise:
-        # element e = o + rK + c sits at index r % 32 of columnwise block o/32 + (r // 32)K + c
-        r, c = (e - o) // kk, (e - o) % kk
-        at = (o // BLOCK + (r // BLOCK) * kk + c) * BLOCK + r % BLOCK
-        planes += [jnp.where(covered, q[-1][jnp.where(covered, at, 0)], 0), jnp.where(pcov, s[-1], 0)]
-    return tuple(planes)
-
-
 @functools.lru_cache(maxsize=None)
 def _quantize_fn(mesh, placements, layout, rule, rowwise, columnwise, backend, x64):
     """The jitted SPMD quantize: local segment -> allocated planes, no collective."""
     table = descriptor_table(mesh, placements, layout)
     axes = pl.shard_axes(mesh, placements)
     desc_dtype = np.int64 if x64 else np.int32  # jax without x64 has no int64 arrays
-    local_size = layout.physical_size // pl.num_shards(mesh, placements)
+    local_size = layout.local_size(pl.num_shards(mesh, placements))
     if local_size > np.iinfo(desc_dtype).max:
         raise ValueError(
             f"local buffers of {local_size} elements do not fit int32 descriptors; enable "
@@ -212,27 +158,21 @@ def _quantize_fn(mesh, placements, layout, rule, rowwise, columnwise, backend, x
     table = table.astype(desc_dtype)
 
     def reference(x, desc):
-        return _segment_reference(x, desc, rule, rowwise, columnwise)
+        return quantize_segments_reference(x, desc, rule, rowwise, columnwise)
 
     def kernel(x, desc):
-        (rq, rs), (cq, cs) = _ffi.quantize_segments(
+        (rq, rs), (cq, cs) = ffi_calls.quantize_segments(
             x, desc, scale_rule=rule.code, rowwise=rowwise, columnwise=columnwise
         )
         return tuple(p for p in (rq, rs, cq, cs) if p is not None)
 
     def local(x):
-        desc = jnp.asarray(table)[_shard_position(mesh, axes)]  # this device's row of the table
-        if backend == "jax":
-            return reference(x, desc)
-        if backend == "ffi":
-            return kernel(x, desc)
-        return _ffi.platform_dispatch(_TARGET, kernel, reference, x, desc)
+        desc = jnp.asarray(table)[spmd.shard_position(mesh, axes)]  # this device's row of the table
+        return backends.run(_TARGET, backend, kernel, reference, x, desc)
 
     spec = pl.partition_spec(mesh, placements)
     n_out = 2 * (int(rowwise) + int(columnwise))
-    return jax.jit(
-        jax.shard_map(local, mesh=mesh, in_specs=spec, out_specs=(spec,) * n_out, check_vma=False)
-    )
+    return jax.jit(spmd.shard_map(local, mesh, spec, (spec,) * n_out))
 
 
 @functools.lru_cache(maxsize=None)
@@ -248,7 +188,7 @@ def _zeros_fn(mesh: Mesh, geometries: tuple):
 
 
 @jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class QuantizedDBuffer:
     """MXFP8 planes of N packed 2-D tensors over one mesh.
 
@@ -342,7 +282,9 @@ class QuantizedDBuffer:
         """Zero-filled planes over an existing MXFP8 layout (``check_mxfp8_layout``)."""
         check_mxfp8_layout(layout)
         placements = _check_placements(mesh, placements, "placements")
-        released = cls(None, None, None, None, mesh, layout, placements, placements)
+        released = cls(rowwise_data=None, columnwise_data=None, rowwise_scale=None, columnwise_scale=None,
+                       mesh=mesh, layout=layout, rowwise_placements=placements,
+                       columnwise_placements=placements)
         return released.reallocate_storage(rowwise=rowwise, columnwise=columnwise)
 
     # -- structure -----------------------------------------------------------------------------
@@ -423,8 +365,7 @@ class QuantizedDBuffer:
         if not isinstance(main_weight, DBuffer):
             raise TypeError(f"main_weight must be a DBuffer, got {type(main_weight).__name__}")
         rule = fmt.ScaleRule.parse(scale_rule)
-        if backend not in BACKENDS:
-            raise ValueError(f"backend={backend!r} is not one of {BACKENDS}")
+        backends.check(backend)
         rowwise, columnwise = self.is_rowwise_allocated, self.is_columnwise_allocated
         if not (rowwise or columnwise):
             raise ValueError("quantize: no plane is allocated; call reallocate_storage() first")
@@ -449,8 +390,6 @@ class QuantizedDBuffer:
         dt = jnp.dtype(main_weight.dtype)
         if dt not in [jnp.dtype(d) for d in INPUT_DTYPES]:
             raise TypeError(f"main_weight has dtype {dt}; MXFP8 quantize takes bfloat16, float16 or float32")
-        if backend == "ffi":
-            _ffi.require(_TARGET, _ffi.default_platform())
         fn = _quantize_fn(self.mesh, main_weight.placements, self.layout, rule, rowwise, columnwise,
                           backend, bool(jax.config.jax_enable_x64))
         outs = iter(fn(main_weight.data))
@@ -474,7 +413,7 @@ class QuantizedDBuffer:
         ``allgather(rowwise=True, columnwise=False)`` the view holds the rowwise planes only.
         A selected direction must be allocated and gathered; at least one must be included.
         """
-        self._check_index(i)
+        checks.index(i, self.layout.num_tensors)
         planes = {}
         for direction, sel in (("rowwise", rowwise), ("columnwise", columnwise)):
             data, scale = getattr(self, f"{direction}_data"), getattr(self, f"{direction}_scale")
@@ -500,18 +439,17 @@ class QuantizedDBuffer:
 
     def get_tensor(
         self, i: int, *, rowwise: bool | None = None, columnwise: bool | None = None
-    ) -> TEPaddedMXFP8:
-        """``get_tensor_view`` with the scales in TE's physical (padded, unswizzled) shapes."""
-        view = self.get_tensor_view(i, rowwise=rowwise, columnwise=columnwise)
-        row, col = view.padded_scales()
-        return TEPaddedMXFP8(view.rowwise_data, row, view.columnwise_data, col, shape=view.shape)
+    ) -> PaddedMXFP8Tensor:
+        """``get_tensor_view`` with the scales in the padded shapes an MXFP8 GEMM takes
+        (``MXFP8Tensor.padded``)."""
+        return self.get_tensor_view(i, rowwise=rowwise, columnwise=columnwise).padded()
 
     def local_tensor_view(self, i: int, device) -> MXFP8Tensor:
         """Host copy of the rows of tensor ``i`` that ``device`` holds, as a compact MXFP8Tensor.
 
         Shape ``[n_rows, K]`` (``n_rows`` may be 0); scales ``[n_rows, K/32]``/``[n_rows/32, K]``.
         """
-        self._check_index(i)
+        checks.index(i, self.layout.num_tensors)
         planes = {}
         for name, plane in zip(("rowwise_data", "columnwise_data", "rowwise_scale", "columnwise_scale"), self.planes):
             planes[name] = None if plane is None else plane.local_tensor(i, device)
@@ -521,10 +459,6 @@ class QuantizedDBuffer:
         data = next(d for d in (planes["rowwise_data"], planes["columnwise_data"], np.zeros((0,))) if d is not None)
         k = self.layout.tensor_shapes[i][1]
         return MXFP8Tensor(**planes, shape=(data.size // k, k), dtype=jnp.bfloat16)
-
-    def to_te(self, i: int, **kwargs):
-        """Tensor ``i`` as TE JAX's ``ScaledTensor2x``/``ScaledTensor1x`` (TE must be importable)."""
-        return self.get_tensor_view(i).to_te(**kwargs)
 
     # -- movement ------------------------------------------------------------------------------
 
@@ -596,26 +530,6 @@ class QuantizedDBuffer:
                     f"{what}: the {direction} planes are released; reallocate_storage() first or "
                     f"pass {direction}=False"
                 )
-
-    def _check_index(self, i: int) -> None:
-        n = self.layout.num_tensors
-        if not isinstance(i, (int, np.integer)) or isinstance(i, bool) or not 0 <= i < n:
-            raise ValueError(f"tensor index {i!r} must be an int in [0, {n})")
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class TEPaddedMXFP8:
-    """One tensor's planes as a GEMM takes them: data ``[M, K]`` e4m3, scales in TE's padded
-    shapes (rowwise ``[ceil128(M), ceil4(K/32)]``, columnwise ``[ceil4(M/32), ceil128(K)]``),
-    unswizzled, padding 0. Absent planes are None."""
-
-    rowwise_data: jax.Array | None
-    rowwise_scale: jax.Array | None
-    columnwise_data: jax.Array | None
-    columnwise_scale: jax.Array | None
-    shape: tuple[int, ...] = dataclasses.field(metadata=dict(static=True))
-
 
 def _check_placements(mesh: Mesh, placements, argname: str) -> tuple[pl.Placement, ...]:
     placements = pl.validate_placements(mesh, placements)

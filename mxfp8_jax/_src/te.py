@@ -43,7 +43,7 @@ def _te_quantize():
     # RuntimeError, FileNotFoundError or AssertionError. All mean "TE JAX is not usable here".
     except Exception as e:  # noqa: BLE001
         raise ImportError(
-            "MXFP8Tensor.to_te/from_te need Transformer Engine for JAX, the optional [te] extra "
+            "mx.to_te/mx.from_te need Transformer Engine for JAX, the optional [te] extra "
             "(pip install 'mxfp8-jax[te]', on a CUDA host); importing "
             f"transformer_engine.jax.quantize failed with {type(e).__name__}: {e}"
         ) from e
@@ -160,7 +160,8 @@ def from_te(scaled, *, shape=None) -> MXFP8Tensor:
     row = planes.get("rowwise", (None, None))
     col = planes.get("columnwise", (None, None))
     (dtype,) = dq_dtypes
-    return MXFP8Tensor(*row, *col, shape=shape, dtype=dtype).validate()
+    return MXFP8Tensor(rowwise_data=row[0], rowwise_scale=row[1], columnwise_data=col[0],
+                       columnwise_scale=col[1], shape=shape, dtype=dtype).validate()
 
 
 def _check_te_part(te, part, name: str) -> tuple[int, int]:

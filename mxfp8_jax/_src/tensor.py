@@ -95,10 +95,28 @@ class MXFP8Tensor:
     # -- values ------------------------------------------------------------------------------
 
     def dequantize(self, *, columnwise: bool = False, dtype=None) -> jax.Array:
-        """``fp32(q) * 2^(byte - 127)`` of one plane, as ``dtype`` (default: the nominal dtype)."""
-        from mxfp8_jax._src.quantize import dequantize
+        """``fp32(q) * 2^(byte - 127)`` of one plane, as ``dtype`` (default: the nominal dtype),
+        in the logical ``shape``.
 
-        return dequantize(self, columnwise=columnwise, dtype=self.dtype if dtype is None else dtype)
+        Exact in fp32 (subnormal results included); bf16 output is rounded to nearest even.
+        """
+        self.validate()
+        dtype = jnp.dtype(self.dtype if dtype is None else dtype)
+        if not jnp.issubdtype(dtype, jnp.floating):
+            raise TypeError(f"dtype={dtype} must be a floating-point type")
+        if columnwise:
+            if self.columnwise_data is None:
+                raise ValueError("this tensor holds no columnwise plane (columnwise=True)")
+            data, scale, axis = self.columnwise_data, self.columnwise_scale, 0
+        else:
+            if self.rowwise_data is None:
+                raise ValueError("this tensor holds no rowwise plane (pass columnwise=True for the other one)")
+            data, scale, axis = self.rowwise_data, self.rowwise_scale, 1
+        # Eager calls run one cached executable; traced calls are inlined as plain operations:
+        # a nested jit would let autodiff of a scan hoist its constants out of the loop as
+        # full-size buffers (one per constant, the size of the tensor).
+        fn = _dequantize if isinstance(data, jax.core.Tracer) else _dequantize_jit
+        return fn(data, scale, axis=axis, dtype=dtype).reshape(self.shape)
 
     def scale_e8m0(self, *, columnwise: bool = False) -> jax.Array:
         """A plane's scales as ``float8_e8m0fnu`` (bitcast view of the uint8 bytes)."""
@@ -116,24 +134,36 @@ class MXFP8Tensor:
             col = None if col is None else swizzle_scale(col, columnwise=True)
         return row, col
 
-    # -- Transformer Engine interop (TE imported lazily) ---------------------------------------
+    def padded(self) -> PaddedMXFP8Tensor:
+        """The planes as an MXFP8 GEMM takes them: data as is, scales padded (unswizzled)."""
+        row, col = self.padded_scales()
+        return PaddedMXFP8Tensor(
+            rowwise_data=self.rowwise_data, rowwise_scale=row,
+            columnwise_data=self.columnwise_data, columnwise_scale=col, shape=tuple(self.shape),
+        )
 
-    def to_te(self, *, dq_dtype=None, flatten: bool = False):
-        """This tensor as TE JAX's ``ScaledTensor2x`` (both planes) or ``ScaledTensor1x``.
 
-        Compact scales, data layout ``"NN"``, the logical shape (or the 2-D view with
-        ``flatten=True``); ``dq_dtype`` defaults to ``self.dtype``. See ``mxfp8_jax._src.te``.
-        """
-        from mxfp8_jax._src import te
+def _dequantize(data, scale, *, axis: int, dtype):
+    bits = fmt.scaled_to_bits(data, jnp.repeat(scale, BLOCK, axis=axis))
+    return fmt.f32_bits_to(bits, dtype)
 
-        return te.to_te(self, dq_dtype=dq_dtype, flatten=flatten)
 
-    @classmethod
-    def from_te(cls, scaled_tensor, *, shape=None) -> MXFP8Tensor:
-        """Builds an MXFP8Tensor from TE JAX's ``ScaledTensor1x``/``ScaledTensor2x``."""
-        from mxfp8_jax._src import te
+_dequantize_jit = jax.jit(_dequantize, static_argnames=("axis", "dtype"))
 
-        return te.from_te(scaled_tensor, shape=shape)
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class PaddedMXFP8Tensor:
+    """One tensor's planes in the physical shapes of an MXFP8 GEMM (cuBLAS, Transformer Engine):
+    data ``[M, K]`` e4m3 as in ``MXFP8Tensor``, scales padded to rowwise
+    ``[ceil128(M), ceil4(K/32)]`` and columnwise ``[ceil4(M/32), ceil128(K)]`` with 0 bytes,
+    unswizzled (``swizzle_scale`` gives the 128x4 tile order). Absent planes are None."""
+
+    rowwise_data: jax.Array | None
+    rowwise_scale: jax.Array | None
+    columnwise_data: jax.Array | None
+    columnwise_scale: jax.Array | None
+    shape: tuple[int, ...] = dataclasses.field(metadata=dict(static=True))
 
 
 def update_mxfp8_tensor(

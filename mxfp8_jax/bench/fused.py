@@ -54,7 +54,7 @@ def run(rows=(8, 32, 128, 1024, 8192), hidden: int = 6144, devices: int = 8,
 
     import mxfp8_jax as mx
     from mxfp8_jax._src import _ffi
-    from mxfp8_jax._src.fused import _shard_map
+    from mxfp8_jax._src.spmd import shard_map as _shard_map
     from mxfp8_jax.bench._timing import environment, print_table, time_fn, write_json
 
     for target in ("mxfp8_rmsnorm_quantize", "mxfp8_allgather_rmsnorm_quantize"):

@@ -24,8 +24,8 @@ import jax.numpy as jnp
 import numpy as np
 
 import mxfp8_jax as mx
-from mxfp8_jax._src import _ffi
-from mxfp8_jax._src.quantized import _segment_reference
+from mxfp8_jax._src import _ffi, ffi_calls
+from mxfp8_jax._src.segments import quantize_segments_reference
 from mxfp8_jax.bench._timing import environment, print_table, time_fn, write_json
 
 K = 4096   # row length of the quantize inputs
@@ -82,11 +82,11 @@ def _cases(mb: int, rng):
     desc = jnp.asarray(table)
 
     def seg_kernel(x, d):
-        (rq, rs), (cq, cs) = _ffi.quantize_segments(x, d, scale_rule=0, rowwise=True, columnwise=True)
+        (rq, rs), (cq, cs) = ffi_calls.quantize_segments(x, d, scale_rule=0, rowwise=True, columnwise=True)
         return rq, rs, cq, cs
 
     cases.append(("segments both", seg_kernel,
-                  lambda x, d: _segment_reference(x, d, mx.ScaleRule.RCEIL, True, True),
+                  lambda x, d: quantize_segments_reference(x, d, mx.ScaleRule.RCEIL, True, True),
                   "mxfp8_quantize_segments", (seg, desc)))
     r = max(1, (mb << 20) // (2 * H))
     xn = jnp.asarray(rng.standard_normal((r, H), np.float32), bf16)

@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 
 import mxfp8_jax as mx
-from mxfp8_jax._src import _ffi
+from mxfp8_jax._src import _ffi, cpu_isa
 from mxfp8_jax.bench._timing import (
     add_fresh_pages_flag, environment, print_table, reuse_freed_memory, time_fn, write_json,
 )
@@ -31,8 +31,8 @@ def run(m: int = 4096, k: int = 4096, dtype: str = "bfloat16", rowwise: bool = T
         raise ValueError(f"isa={isa!r} selects a CPU instruction set; the default backend is {platform!r}")
     if platform == "cpu":
         if isa is not None:
-            _ffi.set_cpu_isa(isa)
-        isa = _ffi.cpu_isa()
+            cpu_isa.set_cpu_isa(isa)
+        isa = cpu_isa.cpu_isa()
     x = (jax.random.normal(jax.random.key(0), (m, k), jnp.float32) * 3).astype(dtype)
     in_bytes = x.size * x.dtype.itemsize
     planes = int(rowwise) + int(columnwise)
