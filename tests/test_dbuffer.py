@@ -7,7 +7,6 @@ holds comes from jax's own ``NamedSharding.devices_indices_map``.
 
 import bisect
 import itertools
-import re
 
 import jax
 import jax.numpy as jnp
@@ -18,6 +17,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 import mxfp8_jax as mx
 from mxfp8_jax import DBuffer, ShardLayout
+from mxfp8_jax._src import hlo
 from mxfp8_jax._src import placement as pl
 
 R, S, B2 = mx.Replicate(), mx.RowAtomic(), mx.BlockAtomic(2)
@@ -270,21 +270,13 @@ def test_distribute_as_partial_keeps_the_value(meshes):
 
 # -- compiled HLO ---------------------------------------------------------------------------------
 
-COLLECTIVES = ("all-gather", "all-reduce", "reduce-scatter", "collective-permute", "all-to-all",
-               "send", "recv", "collective-broadcast", "ragged-all-to-all")
-OP = re.compile(r"=\s*(\S+)\s+(" + "|".join(COLLECTIVES) + r")(-start)?\(")
-
-
 def collective_ops(compiled):
-    """(kind, result type) of every collective in a compiled function's HLO."""
-    return [(m.group(2), m.group(1)) for m in OP.finditer(compiled.as_text())]
+    """(kind, outputs) of every collective in a compiled function's HLO."""
+    return [(c.op, c.outputs) for c in hlo.collectives(compiled.as_text())]
 
 
 def collective_counts(compiled):
-    out = {}
-    for kind, _ in collective_ops(compiled):
-        out[kind] = out.get(kind, 0) + 1
-    return out
+    return hlo.counts_by_op(compiled.as_text())
 
 
 # Narrow floats travel bitcast to same-width unsigned ints (XLA:CPU would widen bf16 to f32).
@@ -303,7 +295,7 @@ def test_allgather_hlo_is_one_all_gather(mesh_shape, placements, axes, dtype, me
     compiled = jax.jit(lambda b: b.allgather(axes)).lower(buf).compile()
     gathered_local = buf.allgather(axes).local_size
     # exactly one collective: an all-gather of the whole local buffer, element width unchanged
-    assert collective_ops(compiled) == [("all-gather", f"{WIRE_TYPE[dtype]}[{gathered_local}]{{0}}")]
+    assert collective_ops(compiled) == [("all-gather", ((WIRE_TYPE[dtype], (gathered_local,)),))]
     if dtype != jnp.float32:
         assert "f32[" not in compiled.as_text()  # nothing widened on the way
 

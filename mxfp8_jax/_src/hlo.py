@@ -14,12 +14,15 @@ import dataclasses
 import math
 import re
 
-COLLECTIVES = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "collective-permute")
+COLLECTIVES = (
+    "all-gather", "reduce-scatter", "all-reduce", "all-to-all", "ragged-all-to-all",
+    "collective-permute", "collective-broadcast", "send", "recv",
+)
 
 _SHAPE = re.compile(r"\b([a-z][a-z0-9]*)\[([0-9,]*)\]")
 _OP = re.compile(
     r"=\s*(?P<result>\([^=]*?\)|[a-z][a-z0-9]*\[[0-9,]*\](?:\{[^}]*\})?)\s+"
-    r"(?P<op>" + "|".join(COLLECTIVES) + r")(?P<start>-start)?\("
+    r"(?P<op>" + "|".join(sorted(COLLECTIVES, key=len, reverse=True)) + r")(?P<start>-start)?\("
 )
 _HEAD = re.compile(r"^(?P<entry>ENTRY\s+)?%?(?P<name>[\w.\-]+)\s*\(.*\{\s*$")
 _CALL = re.compile(r"\b(?P<kind>calls|to_apply|body|condition)=%(?P<name>[\w.\-]+)")
@@ -89,6 +92,14 @@ def collectives(hlo_text: str) -> list[Collective]:
         depth, count = module.placement(computation)
         found.append(Collective(m["op"], tuple(shapes), computation, depth, count))
     return found
+
+
+def counts_by_op(hlo_text: str) -> dict[str, int]:
+    """How many collectives of each kind ``hlo_text`` holds (as written, loops not unrolled)."""
+    out: dict[str, int] = {}
+    for c in collectives(hlo_text):
+        out[c.op] = out.get(c.op, 0) + 1
+    return out
 
 
 def bytes_by_op(hlo_text: str) -> dict[str, int]:

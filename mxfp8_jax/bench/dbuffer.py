@@ -21,27 +21,18 @@ on the same layout: one MXFP8 plane is (1 + 1/32) / 2 of it.
 from __future__ import annotations
 
 import argparse
-import re
+
+from mxfp8_jax._src import hlo
 
 
 def _shapes(hidden: int, mlp: int) -> list[tuple[int, int]]:
     return [(3 * hidden, hidden), (hidden, hidden), (mlp, hidden), (hidden, mlp)]
 
 
-_ALL_GATHER = re.compile(r"=\s*(\w+)\[([\d,]*)\]\S*\s+all-gather(?:-start)?\(")
-_ITEMSIZE = {"u8": 1, "s8": 1, "bf16": 2, "f16": 2, "u16": 2, "s16": 2, "f32": 4, "u32": 4, "s32": 4}
-
-
 def gathered_bytes(compiled_text: str) -> tuple[int, set[str]]:
     """Total result bytes of the all-gathers in compiled HLO, and their element types."""
-    total, types = 0, set()
-    for dtype, dims in _ALL_GATHER.findall(compiled_text):
-        n = 1
-        for d in filter(None, dims.split(",")):
-            n *= int(d)
-        total += n * _ITEMSIZE[dtype]
-        types.add(dtype)
-    return total, types
+    gathers = [c for c in hlo.collectives(compiled_text) if c.op == "all-gather"]
+    return sum(c.bytes_per_step for c in gathers), {d for c in gathers for d in c.dtypes}
 
 
 def run(hidden: int = 2048, mlp: int = 8192, devices: int = 8, dtype: str = "float32",
