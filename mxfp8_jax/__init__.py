@@ -6,17 +6,13 @@ sharded FSDP buffers of MXFP8 planes, and a fused all-gather + RMSNorm + MXFP8 q
 
 from mxfp8_jax._src._ffi import ExtensionMissingError, available_backends
 from mxfp8_jax._src.cpu_isa import cpu_isa, cpu_isas, set_cpu_isa, use_cpu_isa
+from mxfp8_jax._src.dbuffer import DBuffer
 from mxfp8_jax._src.format import BLOCK, ScaleRule, e8m0_to_float32, e8m0_view
-from mxfp8_jax._src.quantize import dequantize, quantize
-from mxfp8_jax._src.tensor import (
-    MXFP8Tensor,
-    PaddedMXFP8Tensor,
-    pad_columnwise_scale,
-    pad_rowwise_scale,
-    swizzle_scale,
-    update_mxfp8_tensor,
+from mxfp8_jax._src.fused import (
+    ExperimentalGpuP2PWarning,
+    allgather_rmsnorm_quant,
+    allgather_rmsnorm_quant_local,
 )
-
 from mxfp8_jax._src.layout import GlobalLayout, ShardLayout
 from mxfp8_jax._src.placement import (
     BlockAtomic,
@@ -26,51 +22,54 @@ from mxfp8_jax._src.placement import (
     partition_spec,
     segments_of_shard,
 )
-from mxfp8_jax._src.dbuffer import DBuffer
+from mxfp8_jax._src.quantize import dequantize, quantize
 from mxfp8_jax._src.quantized import QuantizedDBuffer
-from mxfp8_jax._src.te import from_te, to_te
 from mxfp8_jax._src.rmsnorm import rmsnorm_quant
-from mxfp8_jax._src.fused import (
-    ExperimentalGpuP2PWarning,
-    allgather_rmsnorm_quant,
-    allgather_rmsnorm_quant_local,
+from mxfp8_jax._src.te import from_te, to_te
+from mxfp8_jax._src.tensor import (
+    MXFP8Tensor,
+    PaddedMXFP8Tensor,
+    pad_columnwise_scale,
+    pad_rowwise_scale,
+    swizzle_scale,
+    update_mxfp8_tensor,
 )
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "allgather_rmsnorm_quant",
-    "allgather_rmsnorm_quant_local",
-    "rmsnorm_quant",
+    "BLOCK",
     "BlockAtomic",
     "DBuffer",
+    "ExperimentalGpuP2PWarning",
+    "ExtensionMissingError",
     "GlobalLayout",
+    "MXFP8Tensor",
+    "PaddedMXFP8Tensor",
     "Partial",
     "QuantizedDBuffer",
     "Replicate",
     "RowAtomic",
-    "ShardLayout",
-    "partition_spec",
-    "segments_of_shard",
-    "BLOCK",
-    "ExperimentalGpuP2PWarning",
-    "ExtensionMissingError",
-    "MXFP8Tensor",
-    "PaddedMXFP8Tensor",
     "ScaleRule",
+    "ShardLayout",
+    "allgather_rmsnorm_quant",
+    "allgather_rmsnorm_quant_local",
     "available_backends",
     "cpu_isa",
     "cpu_isas",
-    "set_cpu_isa",
-    "use_cpu_isa",
     "dequantize",
     "e8m0_to_float32",
     "e8m0_view",
+    "from_te",
     "pad_columnwise_scale",
     "pad_rowwise_scale",
+    "partition_spec",
     "quantize",
+    "rmsnorm_quant",
+    "segments_of_shard",
+    "set_cpu_isa",
     "swizzle_scale",
-    "update_mxfp8_tensor",
     "to_te",
-    "from_te",
+    "update_mxfp8_tensor",
+    "use_cpu_isa",
 ]

@@ -1,8 +1,8 @@
 """The ``mxfp8-jax`` command.
 
-    mxfp8-jax demo [--steps N --devices N --hidden N --seed N --json [PATH]]
-    mxfp8-jax info
-    mxfp8-jax bench NAME [ARGS...]     runs mxfp8_jax.bench.NAME's main(ARGS)
+mxfp8-jax demo [--steps N --devices N --hidden N --seed N --json [PATH]]
+mxfp8-jax info
+mxfp8-jax bench NAME [ARGS...]     runs mxfp8_jax.bench.NAME's main(ARGS)
 """
 
 from __future__ import annotations
@@ -38,7 +38,8 @@ def info() -> int:
     devices = jax.devices()
     print(f"devices ({len(devices)}): {', '.join(str(d) for d in devices)}")
     backends = mx.available_backends()
-    print(f"mxfp8 kernel backends: {', '.join(backends) if backends else 'none (extension not built; pure-JAX paths only)'}")
+    kernels = ", ".join(backends) if backends else "none (extension not built; pure-JAX paths only)"
+    print(f"mxfp8 kernel backends: {kernels}")
     print(f"benchmarks: {', '.join(bench_names())}")
     return 0
 

@@ -51,8 +51,7 @@ def select_devices(devices: int | None):
         return available
     if devices < 1 or devices > len(available):
         raise ValueError(
-            f"--devices={devices}: must be between 1 and the {len(available)} "
-            f"{available[0].platform} devices available"
+            f"--devices={devices}: must be between 1 and the {len(available)} {available[0].platform} devices available"
         )
     return available[:devices]
 
@@ -242,8 +241,16 @@ def _tail_mean(losses, n: int = 10):
     return sum(tail) / len(tail) if tail else None
 
 
-def run(steps: int = 100, devices: int | None = None, hidden: int = 128, seed: int = 0,
-        show_progress: bool = True, console=None, model: str = "transformer", layers: int = 4) -> dict:
+def run(
+    steps: int = 100,
+    devices: int | None = None,
+    hidden: int = 128,
+    seed: int = 0,
+    show_progress: bool = True,
+    console=None,
+    model: str = "transformer",
+    layers: int = 4,
+) -> dict:
     """Both runs on ``devices`` local devices (default all); returns the report dict."""
     import jax
     import numpy as np
@@ -265,9 +272,17 @@ def run(steps: int = 100, devices: int | None = None, hidden: int = 128, seed: i
     platform = devs[0].platform
     work = Workload(model, hidden=hidden, layers=layers, seed=seed, steps=steps)
     report = {
-        "model": model, "description": work.describe, "steps": steps, "hidden": hidden, "layers": layers,
-        "seed": seed, "devices": len(devs), "platform": platform,
-        "batch": work.per_device_batch * len(devs), "mxfp8_jax": mx.__version__, "jax": jax.__version__,
+        "model": model,
+        "description": work.describe,
+        "steps": steps,
+        "hidden": hidden,
+        "layers": layers,
+        "seed": seed,
+        "devices": len(devs),
+        "platform": platform,
+        "batch": work.per_device_batch * len(devs),
+        "mxfp8_jax": mx.__version__,
+        "jax": jax.__version__,
         "quantize_path": "ffi" if _ffi.has_target("mxfp8_quantize", platform) else "pure-JAX reference",
         "runs": {},
     }
@@ -276,8 +291,12 @@ def run(steps: int = 100, devices: int | None = None, hidden: int = 128, seed: i
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
         progress = Progress(
-            TextColumn("{task.description:>6}"), BarColumn(), MofNCompleteColumn(),
-            TextColumn("loss {task.fields[loss]:.4f}"), TimeElapsedColumn(), console=console,
+            TextColumn("{task.description:>6}"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TextColumn("loss {task.fields[loss]:.4f}"),
+            TimeElapsedColumn(),
+            console=console,
         )
         progress.start()
     try:
@@ -340,16 +359,30 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(
         prog="mxfp8-jax demo", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    p.add_argument("--model", choices=MODELS, default="transformer",
-                   help="transformer (scanned Llama-style LM, default) or mlp (residual MLP)")
+    p.add_argument(
+        "--model",
+        choices=MODELS,
+        default="transformer",
+        help="transformer (scanned Llama-style LM, default) or mlp (residual MLP)",
+    )
     p.add_argument("--steps", type=int, default=100, help="training steps per run (default 100)")
-    p.add_argument("--devices", type=int, default=None,
-                   help="devices to use (default: all local accelerators, or 8 simulated CPU devices)")
+    p.add_argument(
+        "--devices",
+        type=int,
+        default=None,
+        help="devices to use (default: all local accelerators, or 8 simulated CPU devices)",
+    )
     p.add_argument("--hidden", type=int, default=128, help="hidden width, a multiple of 32 (default 128)")
     p.add_argument("--layers", type=int, default=4, help="transformer blocks (default 4)")
     p.add_argument("--seed", type=int, default=0, help="seed for weights and data (default 0)")
-    p.add_argument("--json", nargs="?", const="-", default=None, metavar="PATH",
-                   help="write the report as JSON to PATH, or to stdout (without the table) if no PATH")
+    p.add_argument(
+        "--json",
+        nargs="?",
+        const="-",
+        default=None,
+        metavar="PATH",
+        help="write the report as JSON to PATH, or to stdout (without the table) if no PATH",
+    )
     args = p.parse_args(argv)
     if args.steps < 1:
         p.error(f"--steps={args.steps} must be at least 1")
@@ -366,8 +399,16 @@ def main(argv=None) -> int:
     to_stdout = args.json == "-"
     console = Console(stderr=to_stdout)
     try:
-        report = run(args.steps, args.devices, args.hidden, args.seed, show_progress=True, console=console,
-                     model=args.model, layers=args.layers)
+        report = run(
+            args.steps,
+            args.devices,
+            args.hidden,
+            args.seed,
+            show_progress=True,
+            console=console,
+            model=args.model,
+            layers=args.layers,
+        )
     except ValueError as e:
         p.error(str(e))
     if to_stdout:

@@ -49,12 +49,10 @@ def _extension_module() -> types.ModuleType:
     ext.JAXX_Quantize_Layout = enum.Enum("JAXX_Quantize_Layout", "ROWWISE COLWISE ROWWISE_COLWISE")
     ext.JAXX_Scaling_Mode = enum.Enum(
         "JAXX_Scaling_Mode",
-        "NO_SCALING DELAYED_TENSOR_SCALING MXFP8_1D_SCALING CURRENT_TENSOR_SCALING "
-        "NVFP4_1D_SCALING NVFP4_2D_SCALING",
+        "NO_SCALING DELAYED_TENSOR_SCALING MXFP8_1D_SCALING CURRENT_TENSOR_SCALING NVFP4_1D_SCALING NVFP4_2D_SCALING",
     )
     ext.DType = enum.Enum(
-        "DType", "kByte kInt32 kInt64 kFloat32 kFloat16 kBFloat16 kFloat8E4M3 kFloat8E5M2 "
-        "kFloat8E8M0 kFloat4E2M1"
+        "DType", "kByte kInt32 kInt64 kFloat32 kFloat16 kBFloat16 kFloat8E4M3 kFloat8E5M2 kFloat8E8M0 kFloat4E2M1"
     )
     for name in (
         "get_cublasLt_version",
@@ -76,7 +74,7 @@ def _te_root() -> str:
             "the `transformer-engine` wheel is not installed; install the test extra "
             "(pip install -e '.[test]'), which pins transformer-engine==2.20.2"
         )
-    return list(spec.submodule_search_locations)[0]
+    return next(iter(spec.submodule_search_locations))
 
 
 _added: list[str] = []
@@ -107,8 +105,7 @@ def install():
     except ImportError as e:
         uninstall()
         raise TEUnavailable(
-            f"Transformer Engine's JAX quantize package did not import with the CPU stand-in: "
-            f"{type(e).__name__}: {e}"
+            f"Transformer Engine's JAX quantize package did not import with the CPU stand-in: {type(e).__name__}: {e}"
         ) from e
     finally:
         # Only TE's own modules are forgotten again; libraries TE imported (pydantic, flax...)

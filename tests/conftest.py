@@ -40,6 +40,8 @@ def cpu_devices():
 
 def pytest_report_header(config):
     if not _GPU_REQUESTED:
-        return ("tests/test_gpu.py not collected: JAX_PLATFORMS asks for no GPU "
-                "(bench/gpu_check.sh runs it on a GPU machine)")
+        return (
+            "tests/test_gpu.py not collected: JAX_PLATFORMS asks for no GPU "
+            "(bench/gpu_check.sh runs it on a GPU machine)"
+        )
     return None

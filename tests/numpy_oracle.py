@@ -1,4 +1,4 @@
-"""An independent MXFP8 oracle in numpy/float64, written from SPEC section 2 alone.
+"""An independent MXFP8 oracle in numpy/float64, written from the rules of docs/design.md §2 alone.
 
 It shares no code with the package: amax and the scale rules use numpy's IEEE fp32 (numpy never
 flushes subnormals), the cast is one float64 multiply (exact for these ranges) followed by
@@ -80,5 +80,7 @@ def mxfp8_weights(w, rule: str = "rceil"):
     """``(rowwise, columnwise)`` float64 values of ``w [M, K]`` after MXFP8 quantization: what a
     GEMM contracting over K (rowwise blocks) or over M (columnwise blocks) reads."""
     p = quantize(np.asarray(w, np.float32), rule)
-    return (dequantize_rowwise(p["rowwise_data"], p["rowwise_scale"]),
-            dequantize_columnwise(p["columnwise_data"], p["columnwise_scale"]))
+    return (
+        dequantize_rowwise(p["rowwise_data"], p["rowwise_scale"]),
+        dequantize_columnwise(p["columnwise_data"], p["columnwise_scale"]),
+    )

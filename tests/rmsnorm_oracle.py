@@ -31,7 +31,7 @@ def canonical(x, gamma, *, eps: float, offset: float = 0.0):
             cols = base + 8 * np.arange(lanes) + v
             part[:, :lanes] = part[:, :lanes] + xf[:, cols] * xf[:, cols]
     for s in (16, 8, 4, 2, 1):
-        part[:, :s] = part[:, :s] + part[:, s: 2 * s]
+        part[:, :s] = part[:, :s] + part[:, s : 2 * s]
     with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
         inv = np.float32(1.0) / np.sqrt(part[:, 0] / np.float32(h) + np.float32(eps))
         g = np.asarray(gamma).astype(np.float32) + np.float32(offset)

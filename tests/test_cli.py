@@ -23,15 +23,37 @@ def test_demo_end_to_end(tmp_path):
     out = tmp_path / "report.json"
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     proc = subprocess.run(
-        [*command(), "demo", "--steps", "3", "--hidden", "32", "--layers", "2", "--devices", "2", "--seed", "3",
-         "--json", str(out)],
-        capture_output=True, text=True, env=env, timeout=600,
+        [
+            *command(),
+            "demo",
+            "--steps",
+            "3",
+            "--hidden",
+            "32",
+            "--layers",
+            "2",
+            "--devices",
+            "2",
+            "--seed",
+            "3",
+            "--json",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "bits per gathered weight" in proc.stdout and "8.25" in proc.stdout and "16.00" in proc.stdout
     report = json.loads(out.read_text())
     assert (report["model"], report["devices"], report["platform"], report["steps"], report["hidden"]) == (
-        "transformer", 2, "cpu", 3, 32)
+        "transformer",
+        2,
+        "cpu",
+        3,
+        32,
+    )
     mxfp8, bf16 = report["runs"]["mxfp8"], report["runs"]["bf16"]
     for run in (mxfp8, bf16):
         assert len(run["losses"]) == 3 and all(math.isfinite(v) for v in run["losses"])
@@ -39,7 +61,10 @@ def test_demo_end_to_end(tmp_path):
     assert abs(mxfp8["first_loss"] - bf16["first_loss"]) < 0.05 * bf16["first_loss"]
     # The same gathers in both runs: 8 + 8/32 bits per weight against 16.
     assert report["weight_gather_ratio"] == (1 + 1 / 32) / 2
-    assert {tuple(o[0] for o in c["outputs"]) for c in mxfp8["collectives"] if c["op"] == "all-gather"} == {("u8",), ("f32",)}
+    assert {tuple(o[0] for o in c["outputs"]) for c in mxfp8["collectives"] if c["op"] == "all-gather"} == {
+        ("u8",),
+        ("f32",),
+    }
     # the scanned blocks' collectives run once per layer
     assert {c["per_step"] for c in mxfp8["collectives"]} == {1, 2}
     assert mxfp8["reduce_scatter_bytes"] == bf16["reduce_scatter_bytes"] > 0
@@ -107,14 +132,16 @@ def test_demo_run_checks_arguments():
 def test_hlo_collective_accounting():
     from mxfp8_jax._src import hlo
 
-    text = "\n".join([
-        "  %ag = u8[16384]{0} all-gather(u8[2048]{0} %p), channel_id=1, dimensions={0}",
-        "  %ags = (bf16[8]{0}, bf16[64]{0}) all-gather-start(bf16[8]{0} %q), dimensions={0}",
-        "  %agd = bf16[64]{0} all-gather-done((bf16[8]{0}, bf16[64]{0}) %ags)",
-        "  %rs = f32[120]{0} reduce-scatter(f32[960]{0} %g), dimensions={0}, to_apply=%add",
-        "  %ar = (f32[], f32[3]{0}) all-reduce(f32[] %l, f32[3]{0} %m), to_apply=%add",
-        "  %d = f32[8,8]{1,0} dot(f32[8,8]{1,0} %a, f32[8,8]{1,0} %b)",
-    ])
+    text = "\n".join(
+        [
+            "  %ag = u8[16384]{0} all-gather(u8[2048]{0} %p), channel_id=1, dimensions={0}",
+            "  %ags = (bf16[8]{0}, bf16[64]{0}) all-gather-start(bf16[8]{0} %q), dimensions={0}",
+            "  %agd = bf16[64]{0} all-gather-done((bf16[8]{0}, bf16[64]{0}) %ags)",
+            "  %rs = f32[120]{0} reduce-scatter(f32[960]{0} %g), dimensions={0}, to_apply=%add",
+            "  %ar = (f32[], f32[3]{0}) all-reduce(f32[] %l, f32[3]{0} %m), to_apply=%add",
+            "  %d = f32[8,8]{1,0} dot(f32[8,8]{1,0} %a, f32[8,8]{1,0} %b)",
+        ]
+    )
     found = hlo.collectives(text)
     assert [(c.op, c.outputs) for c in found] == [
         ("all-gather", (("u8", (16384,)),)),
@@ -129,36 +156,38 @@ def test_hlo_collective_accounting():
 def test_hlo_loops_count_their_collectives_per_iteration():
     from mxfp8_jax._src import hlo
 
-    text = "\n".join([
-        "%inner (p: u8[4]) -> u8[4] {",
-        "  %ag = u8[32]{0} all-gather(u8[4]{0} %p), dimensions={0}",
-        "}",
-        "%cond (p: s32[]) -> pred[] {",
-        "  ROOT %c = pred[] constant(true)",
-        "}",
-        "%outer (p: u8[4]) -> u8[4] {",
-        '  %w = (s32[]) while(%t), condition=%cond, body=%inner, backend_config={"known_trip_count":{"n":"3"}}',
-        "  %rs = f32[2]{0} reduce-scatter(f32[16]{0} %g), dimensions={0}, to_apply=%add",
-        "}",
-        "%nowhere (p: u8[4]) -> u8[4] {",
-        "  %w2 = (s32[]) while(%t), condition=%cond, body=%loose",
-        "}",
-        "%loose (p: u8[4]) -> u8[4] {",
-        "  %ar = f32[] all-reduce(f32[] %l), to_apply=%add",
-        "}",
-        "ENTRY %main (p: u8[4]) -> u8[4] {",
-        '  %w = (s32[]) while(%t), condition=%cond, body=%outer, backend_config={"known_trip_count":{"n":"5"}}',
-        "  %ag0 = bf16[64]{0} all-gather(bf16[8]{0} %q), dimensions={0}",
-        "  %n = (s32[]) call(%t), to_apply=%nowhere",
-        "}",
-    ])
+    text = "\n".join(
+        [
+            "%inner (p: u8[4]) -> u8[4] {",
+            "  %ag = u8[32]{0} all-gather(u8[4]{0} %p), dimensions={0}",
+            "}",
+            "%cond (p: s32[]) -> pred[] {",
+            "  ROOT %c = pred[] constant(true)",
+            "}",
+            "%outer (p: u8[4]) -> u8[4] {",
+            '  %w = (s32[]) while(%t), condition=%cond, body=%inner, backend_config={"known_trip_count":{"n":"3"}}',
+            "  %rs = f32[2]{0} reduce-scatter(f32[16]{0} %g), dimensions={0}, to_apply=%add",
+            "}",
+            "%nowhere (p: u8[4]) -> u8[4] {",
+            "  %w2 = (s32[]) while(%t), condition=%cond, body=%loose",
+            "}",
+            "%loose (p: u8[4]) -> u8[4] {",
+            "  %ar = f32[] all-reduce(f32[] %l), to_apply=%add",
+            "}",
+            "ENTRY %main (p: u8[4]) -> u8[4] {",
+            '  %w = (s32[]) while(%t), condition=%cond, body=%outer, backend_config={"known_trip_count":{"n":"5"}}',
+            "  %ag0 = bf16[64]{0} all-gather(bf16[8]{0} %q), dimensions={0}",
+            "  %n = (s32[]) call(%t), to_apply=%nowhere",
+            "}",
+        ]
+    )
     found = {c.computation: c for c in hlo.collectives(text)}
     assert (found["inner"].loop_depth, found["inner"].count) == (2, 15)
     assert (found["outer"].loop_depth, found["outer"].count) == (1, 5)
     assert (found["main"].loop_depth, found["main"].count) == (0, 1)
     assert (found["loose"].loop_depth, found["loose"].count) == (1, None)  # no known trip count
     with pytest.raises(ValueError, match="unknown trip count"):
-        found["loose"].bytes_per_step
+        _ = found["loose"].bytes_per_step
     assert found["inner"].bytes_per_step == 32 * 15
     assert hlo.while_loops(text) == [("inner", 3), ("loose", None), ("outer", 5)]
 

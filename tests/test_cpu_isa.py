@@ -12,14 +12,13 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
-from conftest import as_bytes
 
 import mxfp8_jax as mx
-import numpy_oracle as oracle
 
-pytestmark = pytest.mark.skipif(
-    "cpu" not in mx.available_backends(), reason="needs the compiled CPU extension"
-)
+import numpy_oracle as oracle
+from conftest import as_bytes
+
+pytestmark = pytest.mark.skipif("cpu" not in mx.available_backends(), reason="needs the compiled CPU extension")
 
 ISAS = mx.cpu_isas() if "cpu" in mx.available_backends() else ()
 PLANES = ("rowwise_data", "rowwise_scale", "columnwise_data", "columnwise_scale")

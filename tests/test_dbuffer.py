@@ -12,13 +12,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import as_bytes
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 import mxfp8_jax as mx
 from mxfp8_jax import DBuffer, ShardLayout
 from mxfp8_jax._src import hlo
 from mxfp8_jax._src import placement as pl
+
+from conftest import as_bytes
 
 R, S, B2 = mx.Replicate(), mx.RowAtomic(), mx.BlockAtomic(2)
 PSUM, PAVG = mx.Partial("sum"), mx.Partial("avg")
@@ -59,9 +60,7 @@ def check_shards(buf, expected_global):
     index_map = buf.sharding.devices_indices_map(expected_global.shape)
     assert len(buf.data.addressable_shards) == 8
     for shard in buf.data.addressable_shards:
-        np.testing.assert_array_equal(
-            as_bytes(shard.data), as_bytes(expected_global[index_map[shard.device]])
-        )
+        np.testing.assert_array_equal(as_bytes(shard.data), as_bytes(expected_global[index_map[shard.device]]))
 
 
 @pytest.fixture(scope="module")
@@ -270,6 +269,7 @@ def test_distribute_as_partial_keeps_the_value(meshes):
 
 # -- compiled HLO ---------------------------------------------------------------------------------
 
+
 def collective_ops(compiled):
     """(kind, outputs) of every collective in a compiled function's HLO."""
     return [(c.op, c.outputs) for c in hlo.collectives(compiled.as_text())]
@@ -285,9 +285,14 @@ WIRE_TYPE = {jnp.bfloat16: "u16", jnp.float8_e4m3fn: "u8", jnp.uint8: "u8", jnp.
 
 @pytest.mark.parametrize(
     "mesh_shape, placements, axes, dtype",
-    [((8,), (S,), "x", jnp.bfloat16), ((2, 4), (S, S), "a", jnp.uint8),
-     ((2, 4), (R, B2), "b", jnp.float8_e4m3fn), ((4, 2), (S, S), ("a", "b"), jnp.bfloat16),
-     ((2, 2, 2), (S, S, S), (0, 1), jnp.float32), ((2, 2, 2), (R, S, S), None, jnp.bfloat16)],
+    [
+        ((8,), (S,), "x", jnp.bfloat16),
+        ((2, 4), (S, S), "a", jnp.uint8),
+        ((2, 4), (R, B2), "b", jnp.float8_e4m3fn),
+        ((4, 2), (S, S), ("a", "b"), jnp.bfloat16),
+        ((2, 2, 2), (S, S, S), (0, 1), jnp.float32),
+        ((2, 2, 2), (R, S, S), None, jnp.bfloat16),
+    ],
 )
 def test_allgather_hlo_is_one_all_gather(mesh_shape, placements, axes, dtype, meshes):
     mesh = meshes[mesh_shape]
@@ -302,8 +307,13 @@ def test_allgather_hlo_is_one_all_gather(mesh_shape, placements, axes, dtype, me
 
 @pytest.mark.parametrize(
     "mesh_shape, old, new",
-    [((8,), (R,), (S,)), ((2, 4), (R, S), (B2, S)), ((2, 4), (S, S), (B2, B2)),
-     ((2, 2, 2), (R, R, R), (R, B2, S)), ((2, 2, 2), (PSUM, R, S), (PSUM, B2, S))],
+    [
+        ((8,), (R,), (S,)),
+        ((2, 4), (R, S), (B2, S)),
+        ((2, 4), (S, S), (B2, B2)),
+        ((2, 2, 2), (R, R, R), (R, B2, S)),
+        ((2, 2, 2), (PSUM, R, S), (PSUM, B2, S)),
+    ],
 )
 def test_view_hlo_has_no_collective(mesh_shape, old, new, meshes):
     mesh = meshes[mesh_shape]
@@ -345,7 +355,9 @@ def test_errors(meshes):
         buf.allgather("z")
     with pytest.raises(ValueError, match=r"cannot change mesh axis 'a' from RowAtomic\(\) to Partial"):
         buf.redistribute((PSUM, S))
-    with pytest.raises(ValueError, match=r"cannot change mesh axis 'a' from Partial\(reduce_op='sum'\) to Partial\(reduce_op='avg'\)"):
+    with pytest.raises(
+        ValueError, match=r"cannot change mesh axis 'a' from Partial\(reduce_op='sum'\) to Partial\(reduce_op='avg'\)"
+    ):
         DBuffer.distribute_tensors(tensors, m24, (PSUM, S)).redistribute((PAVG, S))
     with pytest.raises(ValueError, match=r"get_tensor needs a buffer without Partial placements"):
         DBuffer.distribute_tensors(tensors, m24, (PSUM, S)).get_tensor(0)

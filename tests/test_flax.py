@@ -9,16 +9,16 @@ with ``mxfp8_jax._src.hlo``, whose parser has its own tests (test_cli.py).
 import jax
 import jax.numpy as jnp
 import numpy as np
-import numpy_oracle as npo
 import optax
 import pytest
-from conftest import as_bytes
 from flax import nnx
 from jax.sharding import Mesh
 
-import mxfp8_jax as mx
 from mxfp8_jax._src import hlo
 from mxfp8_jax.flax import FSDP, Linear
+
+import numpy_oracle as npo
+from conftest import as_bytes
 
 IN, HIDDEN, CLASSES, BATCH = 32, 64, 10, 64
 
@@ -124,6 +124,7 @@ def reference_loss(kernels, plain, batch):
 @jax.jit
 def reference_grads(kernels, plain, batch):
     """Loss and gradients keyed like ``params_of`` (kernel gradients are the forward kernels')."""
+
     def loss(fwd, plain):
         return reference_loss({k: (fwd[k], kernels[k][1]) for k in fwd}, plain, batch)
 
@@ -181,9 +182,12 @@ def test_init_round_trip_and_quantized_planes(f32_setup):
         want = oracle_planes(before[p.name])
         q = state.quantized[p.name]
         out = p.unit.out_features
-        got = {"rowwise_data": np.asarray(q.rowwise_data)[:out], "rowwise_scale": np.asarray(q.rowwise_scale)[:out],
-               "columnwise_data": np.asarray(q.columnwise_data)[:out],
-               "columnwise_scale": np.asarray(q.columnwise_scale)[: out // 32]}
+        got = {
+            "rowwise_data": np.asarray(q.rowwise_data)[:out],
+            "rowwise_scale": np.asarray(q.rowwise_scale)[:out],
+            "columnwise_data": np.asarray(q.columnwise_data)[:out],
+            "columnwise_scale": np.asarray(q.columnwise_scale)[: out // 32],
+        }
         for plane, v in want.items():
             np.testing.assert_array_equal(as_bytes(got[plane]), as_bytes(v), err_msg=f"{p.name} {plane}")
 
@@ -245,7 +249,9 @@ def test_step_hlo_moves_weights_as_8_bit(bf16_training):
     assert gathers == sorted(want)
     # Gradients: one reduce-scatter per unit into its rows, one for the plain buffer.
     scatters = sorted((d, s) for op, d, s in found if op == "reduce-scatter")
-    assert scatters == sorted([("f32", (plain // 8,))] + [("f32", (p.unit.rows, p.unit.in_features)) for p in fsdp.units])
+    assert scatters == sorted(
+        [("f32", (plain // 8,))] + [("f32", (p.unit.rows, p.unit.in_features)) for p in fsdp.units]
+    )
     # Nothing else but the scalar loss mean: no all-reduce of gradients, no weight reshuffles.
     others = [(op, d, s) for op, d, s in found if op not in ("all-gather", "reduce-scatter")]
     assert others == [("all-reduce", "f32", ())]
@@ -324,7 +330,14 @@ def test_which_layers_are_units(mesh):
 
     fsdp = FSDP(nnx.eval_shape(lambda: M(nnx.Rngs(0))), mesh)
     assert [(p.name, p.stack) for p in fsdp.units] == [("a/kernel", ()), ("d/kernel", (3,))]
-    assert {fsdp.params[j].name for j in fsdp.others} == {"a/bias", "b/kernel", "b/bias", "c/kernel", "c/bias", "d/bias"}
+    assert {fsdp.params[j].name for j in fsdp.others} == {
+        "a/bias",
+        "b/kernel",
+        "b/bias",
+        "c/kernel",
+        "c/bias",
+        "d/bias",
+    }
 
 
 def test_misused_units_raise_clear_errors(mesh):
@@ -344,8 +357,10 @@ def test_misused_units_raise_clear_errors(mesh):
 
     x = np.ones((8, 32), np.float32)
     loss = lambda m, x: m(x).mean()
-    for cls, error, match in ((Tied, TypeError, "exists only as this device's shards"),
-                              (Unscanned, ValueError, r"still has stack axes \(2,\).*nnx.scan")):
+    for cls, error, match in (
+        (Tied, TypeError, "exists only as this device's shards"),
+        (Unscanned, ValueError, r"still has stack axes \(2,\).*nnx.scan"),
+    ):
         model = cls(nnx.Rngs(0))
         fsdp = FSDP(model, mesh)
         with pytest.raises(error, match=match):

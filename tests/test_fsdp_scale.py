@@ -10,7 +10,6 @@ independent single-device reference whose weights the numpy oracle quantized.
 import jax
 import jax.numpy as jnp
 import numpy as np
-import numpy_oracle as npo
 import optax
 import pytest
 from flax import nnx
@@ -18,6 +17,8 @@ from jax.sharding import Mesh
 
 from mxfp8_jax._src import hlo
 from mxfp8_jax.flax import FSDP, Linear
+
+import numpy_oracle as npo
 
 MODES = ("scan", "remat", "remat-dots", "loop")
 
@@ -152,7 +153,9 @@ def test_scanned_step_gathers_one_layer_per_iteration(mesh, mode):
     # The loop is kept: two loops (forward, backward) of `depth` iterations, the same program text.
     for depth, text in texts.items():
         assert [trip for _, trip in hlo.while_loops(text)] == [depth, depth]
-    assert [(c.op, c.outputs) for c in hlo.collectives(texts[4])] == [(c.op, c.outputs) for c in hlo.collectives(texts[8])]
+    assert [(c.op, c.outputs) for c in hlo.collectives(texts[4])] == [
+        (c.op, c.outputs) for c in hlo.collectives(texts[8])
+    ]
 
     fwd, bwd, outside = phases(texts[8])
     row = [("u8", (d, d)), ("u8", (d, d // 32))]  # rowwise codes [out, in] and scales [out, in/32]
@@ -253,8 +256,12 @@ def fsdp_grads(mode, mesh):
     fsdp = FSDP(model, mesh)
     loss, g_master, g_plain = fsdp.loss_and_grads(ce_loss)(fsdp.init(model, optax.sgd(0.1)), batch_data())
     g = {p.name: np.asarray(fsdp.to_kernel(p, g_master[p.name])) for p in fsdp.units}
-    g.update({fsdp.params[j].name: np.asarray(t).reshape(fsdp.params[j].shape)
-              for j, t in zip(fsdp.others, g_plain.get_tensors())})
+    g.update(
+        {
+            fsdp.params[j].name: np.asarray(t).reshape(fsdp.params[j].shape)
+            for j, t in zip(fsdp.others, g_plain.get_tensors())
+        }
+    )
     if mode == "loop":
         kernels = np.stack([g[f"blocks/{i}/l/kernel"] for i in range(DEPTH)])
         biases = np.stack([g[f"blocks/{i}/l/bias"] for i in range(DEPTH)])

@@ -14,16 +14,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import as_bytes
 from jax.sharding import Mesh
 
 import mxfp8_jax as mx
 from mxfp8_jax._src import hlo
+
+from conftest import as_bytes
 from rmsnorm_oracle import BF16, canonical, float64, within_one_bf16_ulp
 
-pytestmark = pytest.mark.skipif(
-    "cpu" not in mx.available_backends(), reason="needs the compiled CPU extension"
-)
+pytestmark = pytest.mark.skipif("cpu" not in mx.available_backends(), reason="needs the compiled CPU extension")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,7 +77,7 @@ def _gathered(case: Case, x, group):
     """The group's valid rows, in device order (numpy)."""
     m, g = max(case.counts), case.group_size or case.n
     ks = range(group * g, (group + 1) * g)
-    return np.concatenate([x[k * m: k * m + case.counts[k]] for k in ks]).reshape(-1, case.h)
+    return np.concatenate([x[k * m : k * m + case.counts[k]] for k in ks]).reshape(-1, case.h)
 
 
 def _device_copies(out, case: Case):
@@ -87,16 +86,23 @@ def _device_copies(out, case: Case):
     if stacked:
         a = np.asarray(out)
         r = a.shape[0] // case.n
-        return [a[k * r: (k + 1) * r] for k in range(case.n)]
+        return [a[k * r : (k + 1) * r] for k in range(case.n)]
     shards = sorted(out.addressable_shards, key=lambda s: s.device.id)
     return [np.asarray(s.data) for s in shards]
 
 
 def _run(case: Case, strategy, cpu_devices, x, gamma):
     return mx.allgather_rmsnorm_quant(
-        jnp.asarray(x), jnp.asarray(gamma), mesh=_mesh(cpu_devices, case.n), axis="x",
-        eps=case.eps, weight_offset=case.offset, group_size=case.group_size,
-        row_counts=case.counts, quantize_from=case.quantize_from, columnwise=case.columnwise,
+        jnp.asarray(x),
+        jnp.asarray(gamma),
+        mesh=_mesh(cpu_devices, case.n),
+        axis="x",
+        eps=case.eps,
+        weight_offset=case.offset,
+        group_size=case.group_size,
+        row_counts=case.counts,
+        quantize_from=case.quantize_from,
+        columnwise=case.columnwise,
         strategy=strategy,
     )
 
@@ -135,10 +141,8 @@ def test_strategies_agree_and_match_oracles(case, cpu_devices):
         np.testing.assert_array_equal(as_bytes(copies["quant"][k]), as_bytes(ref.rowwise_data))
         np.testing.assert_array_equal(as_bytes(copies["scales"][k]), as_bytes(ref.rowwise_scale))
         if case.columnwise:
-            np.testing.assert_array_equal(
-                as_bytes(copies["col_quant"][k]), as_bytes(ref.columnwise_data))
-            np.testing.assert_array_equal(
-                as_bytes(copies["col_scales"][k]), as_bytes(ref.columnwise_scale))
+            np.testing.assert_array_equal(as_bytes(copies["col_quant"][k]), as_bytes(ref.columnwise_data))
+            np.testing.assert_array_equal(as_bytes(copies["col_scales"][k]), as_bytes(ref.columnwise_scale))
         if case.quantize_from == "normed":  # quant is mx.quantize(normed) of this very output
             mine = _quantize(jnp.asarray(normed))
             np.testing.assert_array_equal(as_bytes(copies["quant"][k]), as_bytes(mine.rowwise_data))
@@ -197,9 +201,15 @@ def test_per_device_form_in_user_shard_map(cpu_devices):
 
     outs = []
     for strategy in ("xla", "p2p"):
-        f = jax.jit(jax.shard_map(
-            lambda a, b: body(a, b, strategy), mesh=mesh, in_specs=(P(("dp", "tp")), P()),
-            out_specs=(P("dp"), P("dp")), check_vma=False))
+        f = jax.jit(
+            jax.shard_map(
+                lambda a, b: body(a, b, strategy),
+                mesh=mesh,
+                in_specs=(P(("dp", "tp")), P()),
+                out_specs=(P("dp"), P("dp")),
+                check_vma=False,
+            )
+        )
         outs.append(f(x, gamma))
     for a, b in zip(*outs):
         np.testing.assert_array_equal(as_bytes(a), as_bytes(b))

@@ -4,21 +4,19 @@ The reference is built from lax.all_gather + plain jnp RMSNorm inside the same s
 differentiated by jax itself; check_grads compares the custom VJP with finite differences.
 """
 
-import functools
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import Mesh, PartitionSpec as P
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
 from jax.test_util import check_grads
 
 import mxfp8_jax as mx
+
 from rmsnorm_oracle import BF16
 
-pytestmark = pytest.mark.skipif(
-    "cpu" not in mx.available_backends(), reason="needs the compiled CPU extension"
-)
+pytestmark = pytest.mark.skipif("cpu" not in mx.available_backends(), reason="needs the compiled CPU extension")
 
 N, H = 4, 64
 COUNTS = (3, 0, 1, 4)  # ragged; two groups of two gather 3 and 5 rows -> not equal
@@ -37,8 +35,9 @@ def _reference(mesh, counts, group_size, offset, eps):
         groups = [list(range(k, k + g)) for k in range(0, N, g)] if g != N else None
         xg = jax.lax.all_gather(xl, "x", axis_index_groups=groups, tiled=True)
         # the group's valid rows, in device order: a row table per group
-        table = np.array([[k * m + l for k in range(g) for l in range(counts[grp * g + k])]
-                          for grp in range(N // g)], np.int32)
+        table = np.array(
+            [[k * m + l for k in range(g) for l in range(counts[grp * g + k])] for grp in range(N // g)], np.int32
+        )
         rows = xg[jnp.asarray(table)[jax.lax.axis_index("x") // g]]
         xf = rows.astype(jnp.float32)
         inv = jax.lax.rsqrt(jnp.mean(xf * xf, -1, keepdims=True) + eps)
@@ -51,8 +50,15 @@ def _reference(mesh, counts, group_size, offset, eps):
 def _fused(mesh, counts, group_size, offset, eps, strategy):
     def f(x, gamma):
         normed, _, _, residual = mx.allgather_rmsnorm_quant(
-            x, gamma, mesh=mesh, axis="x", eps=eps, weight_offset=offset, group_size=group_size,
-            row_counts=counts, strategy=strategy,
+            x,
+            gamma,
+            mesh=mesh,
+            axis="x",
+            eps=eps,
+            weight_offset=offset,
+            group_size=group_size,
+            row_counts=counts,
+            strategy=strategy,
         )
         return normed, residual
 
@@ -82,8 +88,7 @@ def test_gradients_match_reference(cpu_devices, strategy, counts, group_size, of
     fused = _fused(mesh, counts, group_size, offset, 1e-6, strategy)
     ref = _reference(mesh, counts, group_size, offset, 1e-6)  # in fp32 (check_grads'ed below)
     got = jax.jit(jax.grad(_loss(fused, w1, w2), argnums=(0, 1)))(x, gamma)
-    want = jax.jit(jax.grad(_loss(ref, w1, w2), argnums=(0, 1)))(
-        x.astype(jnp.float32), gamma.astype(jnp.float32))
+    want = jax.jit(jax.grad(_loss(ref, w1, w2), argnums=(0, 1)))(x.astype(jnp.float32), gamma.astype(jnp.float32))
     for a, b in zip(got, want):
         a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
         np.testing.assert_allclose(a, b, rtol=2e-2, atol=1e-2 * np.abs(b).max())
@@ -157,12 +162,14 @@ def test_local_form_under_checked_shard_map(cpu_devices, strategy, gamma_spec):
     def run(check_vma):
         def local(xl, gl, wl):
             normed, quant, scales, residual = mx.allgather_rmsnorm_quant_local(
-                xl, gl, axis_name="x", group_size=2, strategy=strategy)
+                xl, gl, axis_name="x", group_size=2, strategy=strategy
+            )
             loss = jnp.sum(normed.astype(jnp.float32) * wl) + jnp.sum(residual.astype(jnp.float32) * wl)
             return jax.lax.psum(loss, "x"), (normed, quant, scales)
 
-        f = jax.shard_map(local, mesh=mesh, in_specs=(P("x"), gamma_spec, P("x")),
-                          out_specs=(P(), P("x")), check_vma=check_vma)
+        f = jax.shard_map(
+            local, mesh=mesh, in_specs=(P("x"), gamma_spec, P("x")), out_specs=(P(), P("x")), check_vma=check_vma
+        )
         (loss, outs), grads = jax.jit(jax.value_and_grad(f, argnums=(0, 1), has_aux=True))(x, gamma, w)
         return loss, outs, grads
 

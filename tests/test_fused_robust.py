@@ -10,16 +10,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import as_bytes
-from jax.sharding import Mesh, PartitionSpec as P
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
 
 import mxfp8_jax as mx
 from mxfp8_jax._src import fused as fused_impl
+
+from conftest import as_bytes
 from rmsnorm_oracle import BF16, canonical
 
-pytestmark = pytest.mark.skipif(
-    "cpu" not in mx.available_backends(), reason="needs the compiled CPU extension"
-)
+pytestmark = pytest.mark.skipif("cpu" not in mx.available_backends(), reason="needs the compiled CPU extension")
 
 H = 32
 
@@ -42,15 +42,15 @@ def test_64_independent_calls_with_groups_interleaved(cpu_devices):
         outs = []
         for k in range(64):
             g = 4 if k % 2 else None  # odd calls gather groups of 4, even ones the whole axis
-            outs.append(mx.allgather_rmsnorm_quant(
-                xs[k], gamma, mesh=mesh, axis="x", group_size=g, strategy="p2p")[0])
+            outs.append(mx.allgather_rmsnorm_quant(xs[k], gamma, mesh=mesh, axis="x", group_size=g, strategy="p2p")[0])
         return outs
 
     outs = many(jnp.asarray(xs), jnp.asarray(gamma))
     for k, out in enumerate(outs):
         if k % 2:  # stacked per device: device d holds its group's 4 rows
-            want = np.concatenate([canonical(xs[k][(d // 4) * 4:(d // 4) * 4 + 4], gamma,
-                                             eps=1e-6)[0] for d in range(8)])
+            want = np.concatenate(
+                [canonical(xs[k][(d // 4) * 4 : (d // 4) * 4 + 4], gamma, eps=1e-6)[0] for d in range(8)]
+            )
         else:
             want = canonical(xs[k], gamma, eps=1e-6)[0]
         np.testing.assert_array_equal(as_bytes(out), as_bytes(want), err_msg=f"call {k}")
@@ -65,16 +65,14 @@ def test_200_calls_in_a_scan(cpu_devices):
     def run(strategy):
         def body(carry, xk):
             # per device: xk [steps, 1, H] sliced per step; carry makes steps depend in order
-            normed, _, _, res = mx.allgather_rmsnorm_quant_local(
-                xk + carry, gamma, axis_name="x", strategy=strategy)
+            normed, _, _, res = mx.allgather_rmsnorm_quant_local(xk + carry, gamma, axis_name="x", strategy=strategy)
             return carry + jnp.bfloat16(0), (normed, res)
 
         def local(xl):
             _, (normed, res) = jax.lax.scan(body, jnp.zeros((1, H), jnp.bfloat16), xl)
             return normed, res
 
-        f = jax.shard_map(local, mesh=mesh, in_specs=P(None, "x"), out_specs=P(None, "x"),
-                          check_vma=False)
+        f = jax.shard_map(local, mesh=mesh, in_specs=P(None, "x"), out_specs=P(None, "x"), check_vma=False)
         return jax.jit(f)(xs)
 
     p2p = run("p2p")
@@ -86,7 +84,8 @@ def test_200_calls_in_a_scan(cpu_devices):
     for k in (0, 1, 99, 199):
         np.testing.assert_array_equal(as_bytes(res[k, :8]), as_bytes(np.asarray(xs[k])))
         np.testing.assert_array_equal(
-            as_bytes(normed[k, 8:16]), as_bytes(canonical(np.asarray(xs[k]), np.ones(H, BF16), eps=1e-6)[0]))
+            as_bytes(normed[k, 8:16]), as_bytes(canonical(np.asarray(xs[k]), np.ones(H, BF16), eps=1e-6)[0])
+        )
 
 
 def test_missing_peers_fail_with_deadline_and_process_stays_usable(cpu_devices):
@@ -96,15 +95,12 @@ def test_missing_peers_fail_with_deadline_and_process_stays_usable(cpu_devices):
 
     def local(xl):
         def call(v):
-            return mx.allgather_rmsnorm_quant_local(
-                v, gamma, axis_name="x", strategy="p2p", p2p_timeout_s=1.0)[0]
+            return mx.allgather_rmsnorm_quant_local(v, gamma, axis_name="x", strategy="p2p", p2p_timeout_s=1.0)[0]
 
         # ranks 4..7 never reach the gather
-        return jax.lax.cond(jax.lax.axis_index("x") < 4, call,
-                            lambda v: jnp.zeros((8, H), jnp.bfloat16), xl)
+        return jax.lax.cond(jax.lax.axis_index("x") < 4, call, lambda v: jnp.zeros((8, H), jnp.bfloat16), xl)
 
-    f = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=P("x"), out_specs=P("x"),
-                              check_vma=False))
+    f = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=P("x"), out_specs=P("x"), check_vma=False))
     with pytest.raises(Exception, match=r"ranks \[4, 5, 6, 7\].*did not arrive") as info:
         jax.block_until_ready(f(x))
     assert "DEADLINE" in str(info.value).upper()
@@ -128,8 +124,7 @@ def test_p2p_across_processes_is_refused():
         ((8, 64), BF16, {"row_counts": (1, 1)}, ValueError, r"2 entries.*one per device.*\(8\)"),
         ((8, 64), BF16, {"row_counts": (2,) + (1,) * 7}, ValueError, r"row_counts\[0\]=2 does not fit"),
         ((8, 64), BF16, {"row_counts": (-1,) + (1,) * 7}, ValueError, r"row_counts\[0\]=-1"),
-        ((8, 64), BF16, {"row_counts": (1, 0) + (1,) * 6, "group_size": 4}, ValueError,
-         r"row totals \[3, 4\]"),
+        ((8, 64), BF16, {"row_counts": (1, 0) + (1,) * 6, "group_size": 4}, ValueError, r"row totals \[3, 4\]"),
         ((8, 64), BF16, {"group_size": 3}, ValueError, r"group_size=3 must divide the size 8"),
         ((64, 64), BF16, {"columnwise": True}, ValueError, r"R=64|multiple of 32"),
         ((8, 64), BF16, {"columnwise": True}, ValueError, r"R=8 gathered rows.*multiple of 32"),

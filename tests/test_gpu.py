@@ -19,15 +19,16 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
-from conftest import as_bytes
-from jax.sharding import Mesh, PartitionSpec as P
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
 
 import mxfp8_jax as mx
 from mxfp8_jax._src import _ffi, ffi_calls
 from mxfp8_jax._src.hlo import collectives as hlo_collectives
 from mxfp8_jax._src.segments import quantize_segments_reference
-from rmsnorm_oracle import BF16, canonical
 
+from conftest import as_bytes
+from rmsnorm_oracle import BF16, canonical
 
 PLATFORM = _ffi.gpu_platform()
 TARGETS = ("mxfp8_quantize", "mxfp8_quantize_segments", "mxfp8_rmsnorm_quantize")
@@ -72,9 +73,7 @@ def _gpu_quantize(rule, rowwise, columnwise):
 
 @functools.cache
 def _cpu_quantize(rule, rowwise, columnwise):
-    return jax.jit(
-        lambda x: mx.quantize(x, rowwise=rowwise, columnwise=columnwise, scale_rule=rule, backend="jax")
-    )
+    return jax.jit(lambda x: mx.quantize(x, rowwise=rowwise, columnwise=columnwise, scale_rule=rule, backend="jax"))
 
 
 def _check_quantize(x, rule="rceil", rowwise=True, columnwise=True):
@@ -203,9 +202,9 @@ def test_quantize_segments(dtype, rowwise, columnwise, seed):
     )
     (rq, rs), (cq, cs) = kernel(jnp.asarray(x), jnp.asarray(desc))
     got = [p for p in (rq, rs, cq, cs) if p is not None]
-    ref = jax.jit(
-        lambda x, d: quantize_segments_reference(x, d, mx.ScaleRule.RCEIL, rowwise, columnwise)
-    )(jax.device_put(jnp.asarray(x), _cpu()), jax.device_put(jnp.asarray(ordered), _cpu()))
+    ref = jax.jit(lambda x, d: quantize_segments_reference(x, d, mx.ScaleRule.RCEIL, rowwise, columnwise))(
+        jax.device_put(jnp.asarray(x), _cpu()), jax.device_put(jnp.asarray(ordered), _cpu())
+    )
     assert len(got) == len(ref)
     for a, b in zip(got, ref):
         np.testing.assert_array_equal(as_bytes(a), as_bytes(b))
@@ -225,9 +224,7 @@ def _gpu_norm(eps, offset, quantize_from, columnwise):
     )
 
 
-@pytest.mark.parametrize(
-    "r,h", [(1, 32), (33, 96), (64, 288), (32, 4096), (96, 8192), (32, 8448), (8, 16384)]
-)
+@pytest.mark.parametrize("r,h", [(1, 32), (33, 96), (64, 288), (32, 4096), (96, 8192), (32, 8448), (8, 16384)])
 @pytest.mark.parametrize("quantize_from", ["normed", "fp32"])
 @pytest.mark.parametrize("columnwise", [False, True])
 def test_rmsnorm_quantize(r, h, quantize_from, columnwise):
@@ -279,8 +276,7 @@ def test_rmsnorm_quantize_specials():
 
 P2P_TARGET = "mxfp8_allgather_rmsnorm_quantize"
 needs_p2p = pytest.mark.skipif(
-    PLATFORM is not None
-    and not (_ffi.has_target(P2P_TARGET, PLATFORM) and _ffi.has_target(P2P_TARGET, "cpu")),
+    PLATFORM is not None and not (_ffi.has_target(P2P_TARGET, PLATFORM) and _ffi.has_target(P2P_TARGET, "cpu")),
     reason=f"the installed extension lacks the {P2P_TARGET} handler for {PLATFORM} or cpu",
 )
 # The warning is checked once, by test_p2p_warns_once; elsewhere it is expected noise.
@@ -301,7 +297,7 @@ def _gather(devices, x, gamma, strategy, **kw):
 
 def _gather_hlo(devices, x, gamma, **kw):
     mesh = Mesh(np.array(devices), ("x",))
-    fn = lambda x, g: mx.allgather_rmsnorm_quant(x, g, mesh=mesh, axis="x", **kw)  # noqa: E731
+    fn = lambda x, g: mx.allgather_rmsnorm_quant(x, g, mesh=mesh, axis="x", **kw)
     return jax.jit(fn).lower(x, gamma).compile().as_text()
 
 
@@ -327,7 +323,7 @@ def _check_p2p(n, rows_max, h, counts, *, group_size=None, per_device_gamma=Fals
             np.testing.assert_array_equal(as_bytes(a), as_bytes(b), err_msg=f"{name} vs {ref_name}")
     # the residual is the gathered x itself
     g = group_size or n
-    rows = np.concatenate([x[k * rows_max: k * rows_max + counts[k]] for k in range(g)])
+    rows = np.concatenate([x[k * rows_max : k * rows_max + counts[k]] for k in range(g)])
     res = np.asarray(p2p[3])
     np.testing.assert_array_equal(as_bytes(res[: len(rows)]), as_bytes(rows))
     return p2p
@@ -341,8 +337,17 @@ def _check_p2p(n, rows_max, h, counts, *, group_size=None, per_device_gamma=Fals
 def test_p2p_one_gpu(columnwise, scale_rule, quantize_from):
     # ragged: 64 valid rows of 72 (columnwise needs R % 32 == 0), else 37 of 40
     rows_max, count = (72, 64) if columnwise else (40, 37)
-    _check_p2p(1, rows_max, 4096, (count,), columnwise=columnwise, scale_rule=scale_rule,
-               quantize_from=quantize_from, eps=1e-5, weight_offset=1.0)
+    _check_p2p(
+        1,
+        rows_max,
+        4096,
+        (count,),
+        columnwise=columnwise,
+        scale_rule=scale_rule,
+        quantize_from=quantize_from,
+        eps=1e-5,
+        weight_offset=1.0,
+    )
 
 
 @needs_p2p
@@ -366,12 +371,16 @@ def test_p2p_one_gpu_repeated_in_a_scan():
 
     def run(strategy):
         def body(carry, xk):
-            normed, _, _, res = mx.allgather_rmsnorm_quant_local(xk, gamma, axis_name="x",
-                                                                 strategy=strategy)
+            normed, _, _, res = mx.allgather_rmsnorm_quant_local(xk, gamma, axis_name="x", strategy=strategy)
             return carry, (normed, res)
 
-        f = jax.shard_map(lambda xl: jax.lax.scan(body, 0, xl)[1], mesh=mesh,
-                          in_specs=P(None, "x"), out_specs=P(None, "x"), check_vma=False)
+        f = jax.shard_map(
+            lambda xl: jax.lax.scan(body, 0, xl)[1],
+            mesh=mesh,
+            in_specs=P(None, "x"),
+            out_specs=P(None, "x"),
+            check_vma=False,
+        )
         return jax.jit(f)(xs)
 
     for _ in range(2):  # a second execution: new run id, same op ids
@@ -425,15 +434,12 @@ def test_p2p_gpus_missing_peer_fails_with_deadline():
 
     def local(xl):
         def call(v):
-            return mx.allgather_rmsnorm_quant_local(v, gamma, axis_name="x", strategy="p2p",
-                                                    p2p_timeout_s=1.0)[0][:4]
+            return mx.allgather_rmsnorm_quant_local(v, gamma, axis_name="x", strategy="p2p", p2p_timeout_s=1.0)[0][:4]
 
         # rank 1 never reaches the gather
-        return jax.lax.cond(jax.lax.axis_index("x") == 0, call,
-                            lambda v: jnp.zeros((4, h), jnp.bfloat16), xl)
+        return jax.lax.cond(jax.lax.axis_index("x") == 0, call, lambda v: jnp.zeros((4, h), jnp.bfloat16), xl)
 
-    f = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=P("x"), out_specs=P("x"),
-                              check_vma=False))
+    f = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=P("x"), out_specs=P("x"), check_vma=False))
     x = np.ones((8, h), BF16)
     with pytest.raises(Exception, match=r"ranks \[1\].*did not arrive") as info:
         jax.block_until_ready(f(x))

@@ -16,7 +16,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
 from jax.sharding import Mesh
 
 import mxfp8_jax as mx
@@ -49,7 +48,7 @@ def _custom_calls(text, target):
             continue
         head, sig = line.rsplit(" : ", 1)
         operands, results = sig.split(" -> ")
-        types = lambda s: re.findall(r"tensor<[^>]*>", s)  # noqa: E731
+        types = lambda s: re.findall(r"tensor<[^>]*>", s)
         calls.append((types(operands), types(results), head))
     return calls
 
@@ -63,13 +62,11 @@ def _spec(shape, dtype):
 
 
 @pytest.mark.parametrize("platform", PLATFORMS)
-@pytest.mark.parametrize(
-    "dtype,tname", [(jnp.bfloat16, "bf16"), (jnp.float16, "f16"), (jnp.float32, "f32")]
-)
+@pytest.mark.parametrize("dtype,tname", [(jnp.bfloat16, "bf16"), (jnp.float16, "f16"), (jnp.float32, "f32")])
 @pytest.mark.parametrize("rowwise,columnwise", [(True, True), (True, False), (False, True)])
 def test_quantize_call(platform, dtype, tname, rowwise, columnwise):
     m, k = 64, 96
-    fn = lambda x: ffi_calls.quantize(x, scale_rule=1, rowwise=rowwise, columnwise=columnwise)  # noqa: E731
+    fn = lambda x: ffi_calls.quantize(x, scale_rule=1, rowwise=rowwise, columnwise=columnwise)
     (call,) = _custom_calls(_lower(fn, _spec((m, k), dtype), platform=platform), "mxfp8_quantize")
     operands, results, attrs = call
     assert operands == [f"tensor<{m}x{k}x{tname}>"]
@@ -86,9 +83,7 @@ def test_quantize_call(platform, dtype, tname, rowwise, columnwise):
 @pytest.mark.parametrize("desc_dtype,dname", [(jnp.int32, "i32")])
 def test_quantize_segments_call(platform, desc_dtype, dname):
     s, p = 4096, 3
-    fn = lambda x, d: ffi_calls.quantize_segments(  # noqa: E731
-        x, d, scale_rule=0, rowwise=True, columnwise=True
-    )
+    fn = lambda x, d: ffi_calls.quantize_segments(x, d, scale_rule=0, rowwise=True, columnwise=True)
     text = _lower(fn, _spec((s,), jnp.bfloat16), _spec((p, 3), desc_dtype), platform=platform)
     (call,) = _custom_calls(text, "mxfp8_quantize_segments")
     operands, results, attrs = call
@@ -101,8 +96,13 @@ def test_quantize_segments_call(platform, desc_dtype, dname):
 @pytest.mark.parametrize("columnwise", [False, True])
 def test_rmsnorm_quantize_call(platform, columnwise):
     r, h = 64, 288
-    fn = lambda x, g: ffi_calls.rmsnorm_quantize(  # noqa: E731
-        x, g, eps=1e-5, weight_offset=1.0, quantize_from_fp32=True, columnwise=columnwise,
+    fn = lambda x, g: ffi_calls.rmsnorm_quantize(
+        x,
+        g,
+        eps=1e-5,
+        weight_offset=1.0,
+        quantize_from_fp32=True,
+        columnwise=columnwise,
         scale_rule=0,
     )
     text = _lower(fn, _spec((r, h), jnp.bfloat16), _spec((h,), jnp.bfloat16), platform=platform)
@@ -113,7 +113,7 @@ def test_rmsnorm_quantize_call(platform, columnwise):
     assert results == [f"tensor<{r}x{h}xbf16>", f"tensor<{r}x{h}xf8E4M3FN>", f"tensor<{r}x{h // 32}xui8>"] + col
     assert "quantize_from_fp32 = true" in attrs
     assert f"columnwise = {str(columnwise).lower()}" in attrs
-    f32_attr = lambda name: np.float32(re.search(rf"{name} = (\S+) : f32", attrs).group(1))  # noqa: E731
+    f32_attr = lambda name: np.float32(re.search(rf"{name} = (\S+) : f32", attrs).group(1))
     assert f32_attr("eps") == np.float32(1e-5)
     assert f32_attr("weight_offset") == np.float32(1.0)
 
@@ -123,24 +123,42 @@ def test_rmsnorm_quantize_call(platform, columnwise):
 def test_allgather_rmsnorm_quantize_call(platform, columnwise):
     rows_max, h, counts = 24, 96, (24, 0, 8, 0, 16, 16, 24, 8)  # groups of 4, R = 32 each
     r = sum(counts[:4])
-    fn = lambda x, g, w: ffi_calls.allgather_rmsnorm_quantize(  # noqa: E731
-        x, g, w, rows=r, op_id=7, group_size=4, row_counts=counts, eps=1e-5, weight_offset=1.0,
-        quantize_from_fp32=False, columnwise=columnwise, scale_rule=1, timeout_ms=2500,
+    fn = lambda x, g, w: ffi_calls.allgather_rmsnorm_quantize(
+        x,
+        g,
+        w,
+        rows=r,
+        op_id=7,
+        group_size=4,
+        row_counts=counts,
+        eps=1e-5,
+        weight_offset=1.0,
+        quantize_from_fp32=False,
+        columnwise=columnwise,
+        scale_rule=1,
+        timeout_ms=2500,
     )
-    text = _lower(fn, _spec((rows_max, h), jnp.bfloat16), _spec((h,), jnp.bfloat16),
-                  _spec((3,), jnp.int32), platform=platform)
+    text = _lower(
+        fn, _spec((rows_max, h), jnp.bfloat16), _spec((h,), jnp.bfloat16), _spec((3,), jnp.int32), platform=platform
+    )
     (call,) = _custom_calls(text, "mxfp8_allgather_rmsnorm_quantize")
     operands, results, attrs = call
     assert operands == [f"tensor<{rows_max}x{h}xbf16>", f"tensor<{h}xbf16>", "tensor<3xi32>"]
     col = [f"tensor<{r}x{h}xf8E4M3FN>", f"tensor<{r // 32}x{h}xui8>"] if columnwise else ["tensor<0xui8>"] * 2
     assert results == (
         [f"tensor<{r}x{h}xbf16>", f"tensor<{r}x{h}xf8E4M3FN>", f"tensor<{r}x{h // 32}xui8>"]
-        + col + [f"tensor<{r}x{h}xbf16>"]
+        + col
+        + [f"tensor<{r}x{h}xbf16>"]
     )
-    for attr in ("op_id = 7 : i64", "group_size = 4 : i64", "timeout_ms = 2500 : i64",
-                 "row_counts = dense<[24, 0, 8, 0, 16, 16, 24, 8]> : tensor<8xi64>",
-                 "scale_rule = 1 : i32", "quantize_from_fp32 = false",
-                 f"columnwise = {str(columnwise).lower()}"):
+    for attr in (
+        "op_id = 7 : i64",
+        "group_size = 4 : i64",
+        "timeout_ms = 2500 : i64",
+        "row_counts = dense<[24, 0, 8, 0, 16, 16, 24, 8]> : tensor<8xi64>",
+        "scale_rule = 1 : i32",
+        "quantize_from_fp32 = false",
+        f"columnwise = {str(columnwise).lower()}",
+    ):
         assert attr in attrs, attr
 
 
@@ -150,8 +168,7 @@ def test_public_p2p_lowers_to_the_gather_call(platform, cpu_devices):
     if not _ffi.has_target("mxfp8_allgather_rmsnorm_quantize", "cpu"):
         pytest.skip("the mesh is on CPU here, whose p2p handler is not installed")
     mesh = Mesh(np.array(cpu_devices[:4]), ("x",))
-    fn = lambda x, g: mx.allgather_rmsnorm_quant(  # noqa: E731
-        x, g, mesh=mesh, axis="x", strategy="p2p", row_counts=(2, 0, 1, 2))
+    fn = lambda x, g: mx.allgather_rmsnorm_quant(x, g, mesh=mesh, axis="x", strategy="p2p", row_counts=(2, 0, 1, 2))
     text = _lower(fn, _spec((8, 64), jnp.bfloat16), _spec((64,), jnp.bfloat16), platform=platform)
     (call,) = _custom_calls(text, "mxfp8_allgather_rmsnorm_quantize")
     assert call[0] == ["tensor<2x64xbf16>", "tensor<64xbf16>", "tensor<3xi32>"]
@@ -161,7 +178,7 @@ def test_public_p2p_lowers_to_the_gather_call(platform, cpu_devices):
 
 @pytest.mark.parametrize("platform", ["gpu", "cuda", "rocm"])
 def test_gpu_strategy_resolution(platform, monkeypatch):
-    """"auto" stays "xla" on GPUs; an explicit "p2p" needs the GPU handler and warns once."""
+    """ "auto" stays "xla" on GPUs; an explicit "p2p" needs the GPU handler and warns once."""
     assert fused_impl._resolve_strategy("auto", platform, True, "x") == "xla"
     kernel_platform = _ffi.extension_platform(platform)
     if not _ffi.has_target("mxfp8_allgather_rmsnorm_quantize", kernel_platform):
@@ -193,7 +210,7 @@ def _expect_call(text, target, platform):
 
 @pytest.mark.parametrize("platform", PLATFORMS)
 def test_public_quantize_dispatch(platform):
-    fn = lambda x: mx.quantize(x, backend="auto")  # noqa: E731
+    fn = lambda x: mx.quantize(x, backend="auto")
     text = _lower(fn, _spec((4, 32, 64), jnp.bfloat16), platform=platform)
     for call in _expect_call(text, "mxfp8_quantize", platform):
         assert call[0] == ["tensor<128x64xbf16>"]
@@ -203,14 +220,14 @@ def test_public_quantize_dispatch(platform):
 
 @pytest.mark.parametrize("platform", PLATFORMS)
 def test_public_rmsnorm_dispatch(platform):
-    fn = lambda x, g: mx.rmsnorm_quant(x, g, backend="auto")  # noqa: E731
+    fn = lambda x, g: mx.rmsnorm_quant(x, g, backend="auto")
     text = _lower(fn, _spec((16, 256), jnp.bfloat16), _spec((256,), jnp.bfloat16), platform=platform)
     _expect_call(text, "mxfp8_rmsnorm_quantize", platform)
 
 
 @pytest.mark.parametrize("platform", PLATFORMS)
 def test_reference_path_has_no_custom_call(platform):
-    fn = lambda x: mx.quantize(x, backend="jax")  # noqa: E731
+    fn = lambda x: mx.quantize(x, backend="jax")
     text = _lower(fn, _spec((64, 64), jnp.float32), platform=platform)
     assert not _CALL.search(text)
 
@@ -223,9 +240,7 @@ def _built_modules():
     """Platforms whose GPU module file is installed (wherever the install put the package's
     extension modules: an editable install keeps them outside the source tree)."""
     return [
-        platform
-        for platform, name in GPU_MODULES.items()
-        if importlib.util.find_spec(f"mxfp8_jax.{name}") is not None
+        platform for platform, name in GPU_MODULES.items() if importlib.util.find_spec(f"mxfp8_jax.{name}") is not None
     ]
 
 

@@ -1,6 +1,6 @@
-"""GlobalLayout / ShardLayout: the SPEC's worked examples and properties of random layouts.
+"""GlobalLayout / ShardLayout: the design doc's worked example and properties of random layouts.
 
-Expected offsets below are worked by hand from the algorithm as SPEC §3 states it; the
+Expected offsets below are worked by hand from the algorithm as docs/design.md §3 states it; the
 properties are checked from the layout's plain fields (offsets, bounds), not its helpers.
 """
 
@@ -177,8 +177,7 @@ def test_unpadded_segments_are_as_short_as_cuts_allow(args):
     shapes, dp, block = args
     lay = GlobalLayout.build(shapes, dp, block_size=block, shard_layout=UNPADDED)
     cuts = {0, lay.size}
-    starts = sorted((off, off + math.prod(s), block * math.prod(s[1:]))
-                    for s, off in zip(shapes, lay.tensor_to_offset))
+    starts = sorted((off, off + math.prod(s), block * math.prod(s[1:])) for s, off in zip(shapes, lay.tensor_to_offset))
     at = 0
     for off, end, grain in starts:
         cuts.update({at, off, *range(-(-at // block) * block, off, block)})  # gap: block multiples

@@ -1,7 +1,7 @@
 """mx.quantize: the FFI kernel and the pure-JAX reference against an independent numpy oracle.
 
 Every comparison is byte for byte, on all four planes. The oracle (tests/numpy_oracle.py) is
-written from the SPEC with float64 arithmetic and ml_dtypes; it shares no code with the package.
+written from docs/design.md §2 with float64 arithmetic and ml_dtypes; it shares no code with the package.
 """
 
 import functools
@@ -13,12 +13,13 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
-from conftest import as_bytes
 from hypothesis import given
 from hypothesis import strategies as st
 
 import mxfp8_jax as mx
+
 import numpy_oracle as oracle
+from conftest import as_bytes
 
 PLANES = ("rowwise_data", "rowwise_scale", "columnwise_data", "columnwise_scale")
 BACKENDS = ("ffi", "jax")
@@ -276,7 +277,9 @@ def test_requantizing_dequantized_values_keeps_every_value():
         q1 = as_bytes(getattr(t, f"{plane}_data")).reshape(128, 256)
         q2 = as_bytes(getattr(t2, f"{plane}_data")).reshape(128, 256)
         # per block: largest code magnitude (0x76 is 224 = 1.75 * 2^7)
-        blocks = (q1 & 0x7F).reshape(4, 32, 256).max(axis=1) if columnwise else (q1 & 0x7F).reshape(128, 8, 32).max(axis=2)
+        blocks = (
+            (q1 & 0x7F).reshape(4, 32, 256).max(axis=1) if columnwise else (q1 & 0x7F).reshape(128, 8, 32).max(axis=2)
+        )
         at_224 = blocks == 0x76
         assert at_224.any() and not at_224.all()
         np.testing.assert_array_equal(s2, np.where(at_224, s1 - 1, s1))

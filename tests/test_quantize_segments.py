@@ -1,7 +1,7 @@
 """The packed-segment CPU kernel ``mxfp8_quantize_segments`` against an independent oracle.
 
 Each piece of a segment must come out exactly as the numpy oracle (tests/numpy_oracle.py, written
-from the SPEC, no shared code) quantizes it on its own, at the piece's offset (data) and
+from docs/design.md, no shared code) quantizes it on its own, at the piece's offset (data) and
 offset/32 (both scale planes); bytes no piece covers must be 0, whatever the input holds there.
 """
 
@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 
 import mxfp8_jax as mx
 from mxfp8_jax._src import _ffi, ffi_calls
+
 import numpy_oracle
 from conftest import as_bytes
 

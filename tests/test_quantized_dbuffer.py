@@ -1,7 +1,7 @@
 """QuantizedDBuffer on 8 simulated CPU devices: local quantize == global quantize, byte for byte.
 
 Oracle: each logical tensor quantized whole on the host by tests/numpy_oracle.py (written from the
-SPEC, sharing no code with the package), i.e. what ``mx.quantize`` gives on one device. The sharded
+design doc, sharing no code with the package), i.e. what ``mx.quantize`` gives on one device. The sharded
 buffer is quantized locally (each device its own segment), gathered, and every tensor's planes
 compared with the oracle's bytes; the FFI and pure-JAX paths must agree on every stored byte.
 """
@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 
 import mxfp8_jax as mx
 from mxfp8_jax._src import _ffi, hlo
+
 import numpy_oracle
 from conftest import as_bytes
 
@@ -50,8 +51,11 @@ def oracle(x, rule="rceil") -> mx.MXFP8Tensor:
     planes = numpy_oracle.quantize(np.asarray(x), rule)
     e4m3 = lambda q: q.view(ml_dtypes.float8_e4m3fn)
     return mx.MXFP8Tensor(
-        e4m3(planes["rowwise_data"]), planes["rowwise_scale"],
-        e4m3(planes["columnwise_data"]), planes["columnwise_scale"], shape=tuple(x.shape),
+        e4m3(planes["rowwise_data"]),
+        planes["rowwise_scale"],
+        e4m3(planes["columnwise_data"]),
+        planes["columnwise_scale"],
+        shape=tuple(x.shape),
     )
 
 
@@ -149,7 +153,8 @@ def test_pure_jax_path_writes_the_same_bytes_without_collectives():
     layout_kind=st.sampled_from(LAYOUTS),
     shapes=st.lists(
         st.tuples(st.sampled_from([32, 64, 96, 160, 256]), st.sampled_from([32, 64, 96])),
-        min_size=1, max_size=4,
+        min_size=1,
+        max_size=4,
     ),
     rule=st.sampled_from(["rceil", "floor"]),
     dtype=st.sampled_from([jnp.float32, jnp.bfloat16]),
@@ -316,7 +321,7 @@ def test_view_and_redistribute_round_trips():
     assert half.rowwise_placements == rep and half.columnwise_placements == sharded_pl
     assert half.columnwise_data is qs.columnwise_data
     with pytest.raises(ValueError, match="different placements"):
-        half.placements
+        _ = half.placements
     released = half.release_storage().reallocate_storage(columnwise=False)
     assert released.rowwise_placements == rep  # a direction keeps its placements when released
     assert mesh is half.mesh
@@ -362,8 +367,9 @@ def test_master_weight_must_match():
         q.quantize(w_mesh)
     with pytest.raises(ValueError, match="main_weight.placements"):
         q.quantize(w.redistribute((mx.Replicate(),)))
-    w_layout = mx.DBuffer.distribute_tensors(tensors, mesh, placements, shard_layout=mx.ShardLayout.UNPADDED,
-                                             block_size=32)
+    w_layout = mx.DBuffer.distribute_tensors(
+        tensors, mesh, placements, shard_layout=mx.ShardLayout.UNPADDED, block_size=32
+    )
     with pytest.raises(ValueError, match="main_weight.layout differs"):
         q.quantize(w_layout)
     with pytest.raises(TypeError, match="main_weight has dtype int32"):

@@ -11,15 +11,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import as_bytes
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import mxfp8_jax as mx
+
+from conftest import as_bytes
 from rmsnorm_oracle import BF16, canonical, float64, within_one_bf16_ulp
 
-pytestmark = pytest.mark.skipif(
-    "cpu" not in mx.available_backends(), reason="needs the compiled CPU extension"
-)
+pytestmark = pytest.mark.skipif("cpu" not in mx.available_backends(), reason="needs the compiled CPU extension")
 
 
 def _data(rng, r, h, scale=1.0):
@@ -55,8 +55,13 @@ def _check_planes(normed, q, s, src, *, columnwise=False, cq=None, cs=None):
 
 @pytest.mark.parametrize(
     "r,h,eps,offset,also_jax",
-    [(1, 32, 1e-6, 0.0, False), (17, 96, 1e-5, 1.0, True), (64, 288, 1e-6, 0.0, False),
-     (3, 8192, 1e-5, 1.0, False), (32, 6144, 1e-6, 0.0, True)],
+    [
+        (1, 32, 1e-6, 0.0, False),
+        (17, 96, 1e-5, 1.0, True),
+        (64, 288, 1e-6, 0.0, False),
+        (3, 8192, 1e-5, 1.0, False),
+        (32, 6144, 1e-6, 0.0, True),
+    ],
 )
 def test_kernel_matches_oracles(r, h, eps, offset, also_jax):
     rng = np.random.default_rng(r * 1000 + h)
@@ -101,7 +106,7 @@ def test_subnormals_are_kept():
     normed, q, s = _fused(jnp.asarray(x), jnp.asarray(gamma), eps=0.0)
     want, _ = canonical(x, gamma, eps=0.0)
     assert np.isfinite(want.astype(np.float32)).all()  # flushing sumsq would give inf
-    assert (want.astype(np.float32)[:, h // 2:] != 0).any()  # subnormal outputs exist
+    assert (want.astype(np.float32)[:, h // 2 :] != 0).any()  # subnormal outputs exist
     np.testing.assert_array_equal(as_bytes(normed), as_bytes(want))
     _check_planes(normed, q, s, want)
 
@@ -166,10 +171,8 @@ def test_gradients_match_plain_rmsnorm():
         ({}, np.zeros((4, 64), np.float32), np.zeros(64, BF16), TypeError, "float32.*bfloat16"),
         ({}, np.zeros((4, 64), BF16), np.zeros(64, np.float32), TypeError, "gamma.*bfloat16"),
         ({}, np.zeros((4, 64), BF16), np.zeros(32, BF16), ValueError, "gamma has shape"),
-        ({"columnwise": True}, np.zeros((4, 64), BF16), np.zeros(64, BF16), ValueError,
-         "R=4.*multiple of 32"),
-        ({"quantize_from": "x"}, np.zeros((4, 64), BF16), np.zeros(64, BF16), ValueError,
-         "quantize_from"),
+        ({"columnwise": True}, np.zeros((4, 64), BF16), np.zeros(64, BF16), ValueError, "R=4.*multiple of 32"),
+        ({"quantize_from": "x"}, np.zeros((4, 64), BF16), np.zeros(64, BF16), ValueError, "quantize_from"),
         ({"eps": -1.0}, np.zeros((4, 64), BF16), np.zeros(64, BF16), ValueError, "eps"),
         ({"backend": "gpu"}, np.zeros((4, 64), BF16), np.zeros(64, BF16), ValueError, "backend"),
     ],

@@ -2,7 +2,7 @@
 
 TE's pure-JAX MXFP8 quantizer (``BlockScaleQuantizer._quantize_func``: amax / 448 rounded up to
 a power of two on the fp32 bits, x / scale, clip, cast) is a separate implementation of the rule
-set SPEC section 2 fixes; on finite normal-range input it must give our bytes exactly. TE's
+set docs/design.md §2 fixes; on finite normal-range input it must give our bytes exactly. TE's
 tensor classes and dequantizer check that the planes we hand over are what TE expects.
 
 TE comes from the pure-Python ``transformer-engine`` wheel (a pinned test dependency); its CUDA
@@ -18,10 +18,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import as_bytes
+
+import mxfp8_jax as mx
 
 import _te_stub
-import mxfp8_jax as mx
+from conftest import as_bytes
 
 # TE 2.20 reads a jax attribute that jax deprecates; that is TE's business, not this test's.
 pytestmark = pytest.mark.filterwarnings("ignore:.*thread_resources:DeprecationWarning")
@@ -74,17 +75,11 @@ _quantize = jax.jit(mx.quantize, static_argnames=("rowwise", "columnwise", "scal
 _dequantize = jax.jit(mx.dequantize, static_argnames=("columnwise", "dtype"))
 
 
-@functools.partial(
-    jax.jit, static_argnames=("te", "q_dtype", "rowwise", "columnwise", "flatten_axis")
-)
-def _te_quantize(
-    x, *, te, q_dtype=jnp.float8_e4m3fn, rowwise=True, columnwise=True, flatten_axis=-1
-):
+@functools.partial(jax.jit, static_argnames=("te", "q_dtype", "rowwise", "columnwise", "flatten_axis"))
+def _te_quantize(x, *, te, q_dtype=jnp.float8_e4m3fn, rowwise=True, columnwise=True, flatten_axis=-1):
     """TE's own pure-JAX MXFP8 quantizer (BlockScaleQuantizer, i.e. its ``_quantize_func``)."""
     quantizer = te.BlockScaleQuantizer(q_dtype=q_dtype)
-    return quantizer.quantize(
-        x, is_rowwise=rowwise, is_colwise=columnwise, flatten_axis=flatten_axis
-    )
+    return quantizer.quantize(x, is_rowwise=rowwise, is_colwise=columnwise, flatten_axis=flatten_axis)
 
 
 @functools.partial(jax.jit, static_argnames=("flatten", "dq_dtype"))

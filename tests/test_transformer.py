@@ -5,7 +5,6 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from flax import nnx
 from jax.sharding import Mesh
 
 from mxfp8_jax import models

@@ -1,4 +1,4 @@
-"""DBuffer: N tensors packed into one flat sharded ``jax.Array`` (SPEC §3).
+"""DBuffer: N tensors packed into one flat sharded ``jax.Array`` (docs/design.md §3).
 
 The one array leaf ``data`` is ``[layout.physical_size]`` with
 ``NamedSharding(mesh, partition_spec(mesh, placements))``; mesh, placements and layout are
@@ -219,9 +219,7 @@ class DBuffer:
             p = self.placements[self.mesh.axis_names.index(n)]
             if not pl.is_shard(p):
                 raise ValueError(f"allgather: mesh axis {n!r} has placement {p}, not a Shard placement")
-        new = tuple(
-            pl.Replicate() if n in names else p for n, p in zip(self.mesh.axis_names, self.placements)
-        )
+        new = tuple(pl.Replicate() if n in names else p for n, p in zip(self.mesh.axis_names, self.placements))
         try:
             pl.validate_placements(self.mesh, new)
         except ValueError:
@@ -257,8 +255,9 @@ class DBuffer:
         """
         new = pl.validate_placements(self.mesh, placements)
         for name, old, p in zip(self.mesh.axis_names, self.placements, new):
-            if not (old == p or (pl.is_shard(old) and pl.is_shard(p)) or
-                    (isinstance(old, pl.Replicate) and pl.is_shard(p))):
+            if not (
+                old == p or (pl.is_shard(old) and pl.is_shard(p)) or (isinstance(old, pl.Replicate) and pl.is_shard(p))
+            ):
                 raise ValueError(
                     f"view cannot change mesh axis {name!r} from {old} to {p}: that needs "
                     f"communication; use redistribute"
@@ -309,13 +308,13 @@ def _check_static(mesh: Mesh, placements, layout: GlobalLayout) -> None:
     pl.check_layout_fits(placements, layout.block_size)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _transition(plan: _Plan):
     """The compiled per-device transition (cached: plans are hashable static values)."""
     return jax.jit(_shard_map(plan.local_fn, plan.mesh, plan.old, plan.new))
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _cast(mesh: Mesh, placements, dtype):
     return jax.jit(_shard_map(lambda x: x.astype(dtype), mesh, placements, placements))
 
@@ -426,9 +425,7 @@ class _Plan:
             x = lax.all_gather(x, spmd.axis_group(self.gather), axis=0, tiled=True)
             x = lax.bitcast_convert_type(x, dtype) if bits != dtype else x
         if self.keep_first:
-            first = functools.reduce(
-                jnp.logical_and, [lax.axis_index(n) == 0 for n in self.keep_first]
-            )
+            first = functools.reduce(jnp.logical_and, [lax.axis_index(n) == 0 for n in self.keep_first])
             x = jnp.where(first, x, jnp.zeros_like(x))
         return x
 

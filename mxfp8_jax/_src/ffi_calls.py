@@ -43,9 +43,7 @@ def quantize(x2d: jax.Array, *, scale_rule: int, rowwise: bool, columnwise: bool
     return (rq, rs) if rowwise else (None, None), (cq, cs) if columnwise else (None, None)
 
 
-def quantize_segments(
-    x: jax.Array, desc: jax.Array, *, scale_rule: int, rowwise: bool, columnwise: bool
-):
+def quantize_segments(x: jax.Array, desc: jax.Array, *, scale_rule: int, rowwise: bool, columnwise: bool):
     """``mxfp8_quantize_segments``: the planes of one packed flat segment ``x [S]``.
 
     ``desc [P, 3]`` rows ``(offset, rows, row_len)`` say where each tensor piece sits (int64, or
@@ -94,8 +92,14 @@ def _norm_attrs(eps, weight_offset, quantize_from_fp32, columnwise, scale_rule):
 
 
 def rmsnorm_quantize(
-    x: jax.Array, gamma: jax.Array, *, eps: float, weight_offset: float,
-    quantize_from_fp32: bool, columnwise: bool, scale_rule: int,
+    x: jax.Array,
+    gamma: jax.Array,
+    *,
+    eps: float,
+    weight_offset: float,
+    quantize_from_fp32: bool,
+    columnwise: bool,
+    scale_rule: int,
 ):
     """``mxfp8_rmsnorm_quantize``: ``x [R, H]`` bf16, ``gamma [H]`` bf16 ->
     ``(normed, row_q, row_s, col_q, col_s)`` (uint8 planes; the columnwise ones None unless asked).
@@ -108,9 +112,20 @@ def rmsnorm_quantize(
 
 
 def allgather_rmsnorm_quantize(
-    x: jax.Array, gamma: jax.Array, where: jax.Array, *, rows: int, op_id: int,
-    group_size: int, row_counts: tuple[int, ...], eps: float, weight_offset: float,
-    quantize_from_fp32: bool, columnwise: bool, scale_rule: int, timeout_ms: int,
+    x: jax.Array,
+    gamma: jax.Array,
+    where: jax.Array,
+    *,
+    rows: int,
+    op_id: int,
+    group_size: int,
+    row_counts: tuple[int, ...],
+    eps: float,
+    weight_offset: float,
+    quantize_from_fp32: bool,
+    columnwise: bool,
+    scale_rule: int,
+    timeout_ms: int,
 ):
     """``mxfp8_allgather_rmsnorm_quantize`` (one device's call; see xla_ffi/cpu/allgather.cc,
     and xla_ffi/cuda/handlers.cc for the experimental GPU handler):
@@ -119,10 +134,10 @@ def allgather_rmsnorm_quantize(
     """
     h = x.shape[1]
     shapes = _norm_shapes(rows, h, columnwise) + (jax.ShapeDtypeStruct((rows, h), jnp.bfloat16),)
-    normed, rq, rs, cq, cs, residual = jax.ffi.ffi_call(
-        "mxfp8_allgather_rmsnorm_quantize", shapes
-    )(
-        x, gamma, where,
+    normed, rq, rs, cq, cs, residual = jax.ffi.ffi_call("mxfp8_allgather_rmsnorm_quantize", shapes)(
+        x,
+        gamma,
+        where,
         op_id=np.int64(op_id),
         group_size=np.int64(group_size),
         row_counts=np.asarray(row_counts, dtype=np.int64),

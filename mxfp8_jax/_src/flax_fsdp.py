@@ -58,7 +58,6 @@ from mxfp8_jax._src.fsdp_unit import PRECISIONS, ShardedKernel, UnitGeometry
 from mxfp8_jax._src.layout import GlobalLayout
 from mxfp8_jax._src.quantize import quantize
 
-
 # ------------------------------------------------------------------------------------------------
 # State
 
@@ -189,7 +188,8 @@ class FSDP:
         self._owner_paths = tuple(self.params[j].path[:-1] for j in self.eligible)
         self.plain_layout: GlobalLayout | None = (
             GlobalLayout.build([self.params[j].shape or (1,) for j in self.others], self.mesh.size)
-            if self.others else None
+            if self.others
+            else None
         )
 
     # -- what the plan holds ---------------------------------------------------------------------
@@ -224,7 +224,10 @@ class FSDP:
         if self.others:
             plain = DBuffer.distribute_tensors(
                 [np.asarray(values[j], np.float32).reshape(self.params[j].shape or (1,)) for j in self.others],
-                self.mesh, self.plain_placements, dtype=jnp.float32, layout=self.plain_layout,
+                self.mesh,
+                self.plain_placements,
+                dtype=jnp.float32,
+                layout=self.plain_layout,
             )
         quantized = self._quantize_fn(master) if self.precision == "mxfp8" else None
         params = _opt_params(master, plain)
@@ -251,8 +254,12 @@ class FSDP:
         plain = None
         if self.plain_layout is not None:
             flat = NamedSharding(self.mesh, PartitionSpec(self._axes))
-            plain = DBuffer(sds((self.plain_layout.physical_size,), jnp.float32, sharding=flat),
-                            self.mesh, self.plain_placements, self.plain_layout)
+            plain = DBuffer(
+                sds((self.plain_layout.physical_size,), jnp.float32, sharding=flat),
+                self.mesh,
+                self.plain_placements,
+                self.plain_layout,
+            )
         shapes = jax.eval_shape(tx.init, _opt_params(master, plain))
         opt_state = jax.tree.map(lambda a, s: sds(a.shape, a.dtype, sharding=s), shapes, self._opt_shardings(shapes))
         step = sds((), jnp.int32, sharding=NamedSharding(self.mesh, PartitionSpec()))
@@ -342,8 +349,7 @@ class FSDP:
                 loss = loss_fn(self._model_in_step(master, planes, plain), batch)
                 if jnp.ndim(loss) != 0:
                     raise ValueError(
-                        f"loss_fn must return a scalar (the mean loss of its batch), got shape "
-                        f"{jnp.shape(loss)}"
+                        f"loss_fn must return a scalar (the mean loss of its batch), got shape {jnp.shape(loss)}"
                     )
                 return loss.astype(jnp.float32) / n
 
@@ -355,9 +361,14 @@ class FSDP:
             plain_spec = None if plain is None else flat
             planes = state.quantized
             fn = jax.shard_map(
-                local, mesh=mesh,
-                in_specs=(master_specs, None if planes is None else planes_specs, plain_spec,
-                          jax.tree.map(lambda _: flat, batch)),
+                local,
+                mesh=mesh,
+                in_specs=(
+                    master_specs,
+                    None if planes is None else planes_specs,
+                    plain_spec,
+                    jax.tree.map(lambda _: flat, batch),
+                ),
                 out_specs=(PartitionSpec(), master_specs, plain_spec),
                 check_vma=False,
             )
@@ -378,7 +389,8 @@ class FSDP:
                 master[p.name],
                 None if q is None else (q.rowwise_data, q.rowwise_scale),
                 None if q is None else (q.columnwise_data, q.columnwise_scale),
-                p.unit, p.dtype,
+                p.unit,
+                p.dtype,
             )
         if plain is not None:
             full = lax.all_gather(plain, self._axes, tiled=True)  # its VJP is the reduce-scatter
@@ -457,9 +469,7 @@ class FSDP:
 
     def _shardings(self, state: TrainState):
         master = {p.name: self.master_sharding(p) for p in self.units}
-        quantized = None if state.quantized is None else {
-            name: UnitPlanes(*(s,) * 4) for name, s in master.items()
-        }
+        quantized = None if state.quantized is None else {name: UnitPlanes(*(s,) * 4) for name, s in master.items()}
         plain = None
         if state.plain is not None:
             flat = NamedSharding(self.mesh, PartitionSpec(self._axes))

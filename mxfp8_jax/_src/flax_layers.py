@@ -23,6 +23,8 @@ from jax import lax
 from mxfp8_jax._src.format import BLOCK
 from mxfp8_jax._src.fsdp_unit import ShardedKernel, unit_matmul
 
+_LECUN_NORMAL = nnx.initializers.lecun_normal()
+
 
 class Kernel(nnx.Param):
     """A ``Linear`` weight ``[in, out]``: the parameters ``FSDP`` may keep as MXFP8."""
@@ -35,9 +37,17 @@ class Linear(nnx.Module):
     eligible kernel holds a ``ShardedKernel`` and the product is the unit's GEMM.
     """
 
-    def __init__(self, in_features: int, out_features: int, *, use_bias: bool = True,
-                 dtype=jnp.bfloat16, param_dtype=jnp.float32,
-                 kernel_init=nnx.initializers.lecun_normal(), rngs: nnx.Rngs):
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        *,
+        use_bias: bool = True,
+        dtype=jnp.bfloat16,
+        param_dtype=jnp.float32,
+        kernel_init=_LECUN_NORMAL,
+        rngs: nnx.Rngs,
+    ):
         self.in_features, self.out_features, self.dtype = in_features, out_features, dtype
         self.kernel = Kernel(kernel_init(rngs.params(), (in_features, out_features), param_dtype))
         self.bias = nnx.Param(jnp.zeros((out_features,), param_dtype)) if use_bias else None
@@ -50,8 +60,9 @@ class Linear(nnx.Module):
             a, b = x.astype(self.dtype), kernel.astype(self.dtype)
             if jax.default_backend() == "cpu":  # no fast bf16 GEMM on XLA:CPU; same products
                 a, b = a.astype(jnp.float32), b.astype(jnp.float32)
-            y = lax.dot_general(a, b, (((x.ndim - 1,), (0,)), ((), ())),
-                                preferred_element_type=jnp.float32).astype(self.dtype)
+            y = lax.dot_general(a, b, (((x.ndim - 1,), (0,)), ((), ())), preferred_element_type=jnp.float32).astype(
+                self.dtype
+            )
         if self.bias is not None:
             y = y + self.bias.get_value().astype(self.dtype)
         return y
@@ -117,13 +128,17 @@ def promote_dtype(args, /, *, dtype=None, inexact=True):
 def dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None, out_sharding=None):
     """``lax.dot_general``, or the unit GEMM when ``rhs`` is a ``ShardedKernel``."""
     if not isinstance(rhs, ShardedKernel):
-        return lax.dot_general(lhs, rhs, dimension_numbers, precision=precision,
-                               preferred_element_type=preferred_element_type, out_sharding=out_sharding)
+        return lax.dot_general(
+            lhs,
+            rhs,
+            dimension_numbers,
+            precision=precision,
+            preferred_element_type=preferred_element_type,
+            out_sharding=out_sharding,
+        )
     expected = (((lhs.ndim - 1,), (0,)), ((), ()))
     if _normalise(dimension_numbers) != expected:
-        raise ValueError(
-            f"an FSDP kernel supports x @ kernel (dimension_numbers {expected}), got {dimension_numbers}"
-        )
+        raise ValueError(f"an FSDP kernel supports x @ kernel (dimension_numbers {expected}), got {dimension_numbers}")
     if out_sharding is not None:
         raise ValueError("an FSDP kernel runs inside the step's shard_map: out_sharding must be None")
     return unit_matmul(lhs, rhs, compute_dtype=lhs.dtype, out_dtype=preferred_element_type, precision=precision)

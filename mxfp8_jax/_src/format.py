@@ -1,4 +1,4 @@
-"""MXFP8 numerics in pure JAX: the reference every kernel is tested against (SPEC section 2).
+"""MXFP8 numerics in pure JAX: the reference every kernel is tested against (docs/design.md §2).
 
 Element format: OCP float8 E4M3 (``float8_e4m3fn``, max 448, no Inf, NaN 0x7F/0xFF).
 Block: 32 consecutive elements; one E8M0 scale byte per block, value ``2^(byte - 127)``.
@@ -49,8 +49,7 @@ class ScaleRule(str, enum.Enum):
             return cls(rule)
         except ValueError:
             raise ValueError(
-                f"{argname}={rule!r} is not a known MXFP8 scale rule; "
-                f"use one of {[r.value for r in cls]}"
+                f"{argname}={rule!r} is not a known MXFP8 scale rule; use one of {[r.value for r in cls]}"
             ) from None
 
     @property

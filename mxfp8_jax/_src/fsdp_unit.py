@@ -261,9 +261,13 @@ def _gathered_mxfp8(g: UnitGeometry, planes, *, columnwise: bool, dtype) -> jax.
     scales = scales[: g.out_features // BLOCK] if columnwise else scales[: g.out_features]
     shape = (g.out_features, g.in_features)
     if columnwise:
-        t = MXFP8Tensor(rowwise_data=None, rowwise_scale=None, columnwise_data=codes, columnwise_scale=scales, shape=shape)
+        t = MXFP8Tensor(
+            rowwise_data=None, rowwise_scale=None, columnwise_data=codes, columnwise_scale=scales, shape=shape
+        )
     else:
-        t = MXFP8Tensor(rowwise_data=codes, rowwise_scale=scales, columnwise_data=None, columnwise_scale=None, shape=shape)
+        t = MXFP8Tensor(
+            rowwise_data=codes, rowwise_scale=scales, columnwise_data=None, columnwise_scale=None, shape=shape
+        )
     return dequantize(t, columnwise=columnwise, dtype=dtype)
 
 

@@ -27,8 +27,8 @@ while a peer still reads it. Each call also copies the 12-byte ``where`` operand
 (the host needs the rank and group to meet), which waits for the device to catch up, so the
 host no longer runs ahead of that GPU at this op. GPUs that cannot access each other's memory
 give a FAILED_PRECONDITION error that suggests ``strategy="xla"``; groups are limited to 16
-devices. Untested on multi-GPU hardware: ``tests/test_gpu.py`` holds the checks against
-``"xla"`` (one GPU, and several where present).
+devices. ``tests/test_gpu.py`` checks it against ``"xla"`` (one GPU, and several where present);
+the README's limits say where it has run.
 
 Gradients (``custom_vjp``): ``normed`` and ``residual`` carry them to ``x`` -- through the
 transpose of the gather, a reduce-scatter -- and ``normed`` to ``gamma``; ``quant`` and
@@ -44,7 +44,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import itertools
-import math
 import numbers
 import warnings
 from collections.abc import Sequence
@@ -52,7 +51,8 @@ from collections.abc import Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh, PartitionSpec as P
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
 
 from mxfp8_jax._src import _ffi, ffi_calls, rmsnorm, spmd, vma
 from mxfp8_jax._src import format as fmt
@@ -133,12 +133,14 @@ def _check_group_size(group_size, n: int, axis) -> int:
 def _check_row_counts(row_counts, n: int, rows_max: int, group_size: int, axis) -> tuple[int, ...]:
     if row_counts is None:
         return (rows_max,) * n
-    counts = tuple(np.asarray(row_counts).reshape(-1).tolist()) if not isinstance(
-        row_counts, (tuple, list)) else tuple(row_counts)
+    counts = (
+        tuple(np.asarray(row_counts).reshape(-1).tolist())
+        if not isinstance(row_counts, (tuple, list))
+        else tuple(row_counts)
+    )
     if len(counts) != n:
         raise ValueError(
-            f"row_counts={counts} has {len(counts)} entries; it needs one per device of axis "
-            f"{axis!r} ({n})"
+            f"row_counts={counts} has {len(counts)} entries; it needs one per device of axis {axis!r} ({n})"
         )
     for k, c in enumerate(counts):
         if isinstance(c, bool) or not isinstance(c, numbers.Integral):
@@ -149,7 +151,7 @@ def _check_row_counts(row_counts, n: int, rows_max: int, group_size: int, axis) 
                 f"rows, so a count must be in [0, {rows_max}]"
             )
     counts = tuple(int(c) for c in counts)
-    totals = [sum(counts[g: g + group_size]) for g in range(0, n, group_size)]
+    totals = [sum(counts[g : g + group_size]) for g in range(0, n, group_size)]
     if len(set(totals)) > 1:
         raise ValueError(
             f"row_counts={counts} give groups of {group_size} devices the row totals {totals}; "
@@ -161,11 +163,12 @@ def _check_row_counts(row_counts, n: int, rows_max: int, group_size: int, axis) 
 def _p2p_timeout_ms(p2p_timeout_s) -> int:
     if not isinstance(p2p_timeout_s, numbers.Real) or not p2p_timeout_s > 0:
         raise ValueError(f"p2p_timeout_s={p2p_timeout_s!r} must be a positive number of seconds")
-    return max(1, int(round(float(p2p_timeout_s) * 1000)))
+    return max(1, round(float(p2p_timeout_s) * 1000))
 
 
 class ExperimentalGpuP2PWarning(UserWarning):
-    """``strategy="p2p"`` on a GPU: experimental, not yet run on multi-GPU hardware."""
+    """Issued once when ``strategy="p2p"`` is asked for on a GPU, an experimental path (see the
+    README's limits)."""
 
 
 _warned_gpu_p2p = False
@@ -214,9 +217,7 @@ def _resolve_strategy(strategy: str, platform: str, devices_here: bool, axis) ->
 
 def _gather_rows(x, cfg: _GatherConfig):
     """The group's valid rows ``[R, H]`` via ``lax.all_gather`` (linear in x)."""
-    xg = jax.lax.all_gather(
-        x, cfg.axis_name, axis_index_groups=cfg.axis_index_groups, tiled=True
-    )
+    xg = jax.lax.all_gather(x, cfg.axis_name, axis_index_groups=cfg.axis_index_groups, tiled=True)
     if cfg.rows == cfg.group_size * cfg.rows_max:
         return xg
     index = cfg.group_row_index()
@@ -257,10 +258,19 @@ def _fused_forward(x, gamma, cfg: _GatherConfig):
     n = cfg.norm
     if cfg.strategy == "p2p":
         normed, rq, rs, cq, cs, residual = ffi_calls.allgather_rmsnorm_quantize(
-            x, gamma, _where(cfg), rows=cfg.rows, op_id=cfg.op_id, group_size=cfg.group_size,
-            row_counts=cfg.row_counts, eps=n.eps, weight_offset=n.weight_offset,
-            quantize_from_fp32=n.quantize_from_fp32, columnwise=n.columnwise,
-            scale_rule=n.rule.code, timeout_ms=cfg.timeout_ms,
+            x,
+            gamma,
+            _where(cfg),
+            rows=cfg.rows,
+            op_id=cfg.op_id,
+            group_size=cfg.group_size,
+            row_counts=cfg.row_counts,
+            eps=n.eps,
+            weight_offset=n.weight_offset,
+            quantize_from_fp32=n.quantize_from_fp32,
+            columnwise=n.columnwise,
+            scale_rule=n.rule.code,
+            timeout_ms=cfg.timeout_ms,
         )
         out = (normed, rq, rs, cq, cs, residual)
         # the results differ between groups (and gammas): say so to shard_map's checker
@@ -362,9 +372,16 @@ def allgather_rmsnorm_quant_local(
     here = jax.process_count() == 1 and not unmapped
     strategy = _resolve_strategy(strategy, platform, here, axis_name)
     cfg = _GatherConfig(
-        axis_name=axis_name, axis_size=n, group_size=g, rows_max=rows_max, hidden=h,
-        row_counts=counts, norm=norm, strategy=strategy,
-        op_id=next(_op_ids) if strategy == "p2p" else 0, timeout_ms=timeout_ms,
+        axis_name=axis_name,
+        axis_size=n,
+        group_size=g,
+        rows_max=rows_max,
+        hidden=h,
+        row_counts=counts,
+        norm=norm,
+        strategy=strategy,
+        op_id=next(_op_ids) if strategy == "p2p" else 0,
+        timeout_ms=timeout_ms,
     )
     rmsnorm.check_columnwise_rows(norm, cfg.rows)
     if cfg.rows == 0:  # nothing to gather: no collective at all
@@ -392,7 +409,7 @@ def allgather_rmsnorm_quant(
     scale_rule: str = "rceil",
     p2p_timeout_s: float = DEFAULT_P2P_TIMEOUT_S,
 ):
-    """All-gather + RMSNorm + MXFP8 quantize of ``x`` over mesh axis ``axis`` (SPEC section 5).
+    """All-gather + RMSNorm + MXFP8 quantize of ``x`` over mesh axis ``axis`` (docs/design.md §5).
 
     ``x [n * rows_max, H]`` bf16 is row-sharded along ``axis`` (device ``k`` of the axis holds
     rows ``[k * rows_max, (k+1) * rows_max)``, its first ``row_counts[k]`` valid);
@@ -431,11 +448,21 @@ def allgather_rmsnorm_quant(
     strategy = _resolve_strategy(strategy, devices[0].platform, here, axis)
 
     spec = _GlobalSpec(
-        mesh=mesh, axis=axis, hidden=h, per_device_gamma=gamma.ndim == 2,
-        kwargs=(("eps", eps), ("weight_offset", weight_offset), ("group_size", g),
-                ("row_counts", counts), ("quantize_from", quantize_from),
-                ("columnwise", norm.columnwise), ("strategy", strategy),
-                ("scale_rule", scale_rule), ("p2p_timeout_s", p2p_timeout_s)),
+        mesh=mesh,
+        axis=axis,
+        hidden=h,
+        per_device_gamma=gamma.ndim == 2,
+        kwargs=(
+            ("eps", eps),
+            ("weight_offset", weight_offset),
+            ("group_size", g),
+            ("row_counts", counts),
+            ("quantize_from", quantize_from),
+            ("columnwise", norm.columnwise),
+            ("strategy", strategy),
+            ("scale_rule", scale_rule),
+            ("p2p_timeout_s", p2p_timeout_s),
+        ),
     )
     if _is_traced(x, gamma):
         # Inside the caller's trace: a fresh function, so this call site gets its own op id
@@ -466,7 +493,9 @@ def _global_fn(spec: _GlobalSpec):
     out_spec = P() if replicated else P(spec.axis)
     n_out = 6 if kw["columnwise"] else 4
     return spmd.shard_map(
-        local, spec.mesh, in_specs=(P(spec.axis), P(spec.axis) if spec.per_device_gamma else P()),
+        local,
+        spec.mesh,
+        in_specs=(P(spec.axis), P(spec.axis) if spec.per_device_gamma else P()),
         out_specs=(out_spec,) * n_out,
     )
 

@@ -15,8 +15,15 @@ import math
 import re
 
 COLLECTIVES = (
-    "all-gather", "reduce-scatter", "all-reduce", "all-to-all", "ragged-all-to-all",
-    "collective-permute", "collective-broadcast", "send", "recv",
+    "all-gather",
+    "reduce-scatter",
+    "all-reduce",
+    "all-to-all",
+    "ragged-all-to-all",
+    "collective-permute",
+    "collective-broadcast",
+    "send",
+    "recv",
 )
 
 _SHAPE = re.compile(r"\b([a-z][a-z0-9]*)\[([0-9,]*)\]")

@@ -1,4 +1,4 @@
-"""How N logical tensors pack into one flat 1-D buffer split into ``dp_size`` segments (SPEC §3).
+"""How N logical tensors pack into one flat 1-D buffer split into ``dp_size`` segments (docs/design.md §3).
 
 Pure Python: nothing here touches a jax array, so a layout is static metadata (frozen, hashable)
 that can sit in a pytree's static fields and key a jit cache.
@@ -106,9 +106,7 @@ class GlobalLayout:
         if shard_layout is ShardLayout.PADDED:
             bounds = tuple(k * size // dp_size for k in range(dp_size + 1))
         else:
-            offsets, size, bounds = _unpadded(
-                numels, grains, dp_size, block_size=block_size, padded_offsets=offsets
-            )
+            offsets, size, bounds = _unpadded(numels, grains, dp_size, block_size=block_size, padded_offsets=offsets)
         return cls(shapes, tuple(offsets), size, bounds, block_size, shard_layout)
 
     # -- geometry ------------------------------------------------------------------------------
@@ -221,9 +219,7 @@ class GlobalLayout:
     def _validate(self) -> None:
         shapes = _check_shapes(self.tensor_shapes, self.block_size)
         if len(self.tensor_to_offset) != len(shapes):
-            raise ValueError(
-                f"tensor_to_offset has {len(self.tensor_to_offset)} entries for {len(shapes)} tensors"
-            )
+            raise ValueError(f"tensor_to_offset has {len(self.tensor_to_offset)} entries for {len(shapes)} tensors")
         if not isinstance(self.shard_layout, ShardLayout):
             raise TypeError(f"shard_layout={self.shard_layout!r} must be a ShardLayout")
         spans = []
@@ -234,8 +230,7 @@ class GlobalLayout:
                 raise ValueError(f"tensor {i} {shape} at offset {off} lies outside [0, size={self.size})")
             if off % grain:
                 raise ValueError(
-                    f"tensor {i} {shape}: offset {off} must be a multiple of block_size * row_size "
-                    f"= {grain}"
+                    f"tensor {i} {shape}: offset {off} must be a multiple of block_size * row_size = {grain}"
                 )
             spans.append((off, end, i))
         spans.sort()
@@ -245,8 +240,7 @@ class GlobalLayout:
         b = self.rank_segment_offsets
         if len(b) < 2 or b[0] != 0 or b[-1] != self.size or any(x > y for x, y in zip(b, b[1:])):
             raise ValueError(
-                f"rank_segment_offsets={b} must be non-decreasing from 0 to size={self.size} "
-                f"with dp_size + 1 entries"
+                f"rank_segment_offsets={b} must be non-decreasing from 0 to size={self.size} with dp_size + 1 entries"
             )
         starts = [s for s, _, _ in spans]
         for bound in b[1:-1]:
@@ -287,7 +281,7 @@ def _check_shapes(tensor_shapes, block_size) -> tuple[Shape, ...]:
 
 
 # ------------------------------------------------------------------------------------------------
-# PADDED: Megatron's packing, step by step as SPEC §3 states it
+# PADDED: Megatron's packing, step by step as docs/design.md §3 states it
 
 
 def _padded_offsets(numels: list[int], grains: list[int], dp: int) -> tuple[list[int], int]:

@@ -1,4 +1,4 @@
-"""Placements of a flat buffer over a device mesh, and the PartitionSpec they mean (SPEC §3).
+"""Placements of a flat buffer over a device mesh, and the PartitionSpec they mean (docs/design.md §3).
 
 One placement per mesh axis:
 
@@ -83,9 +83,7 @@ def validate_placements(mesh: Mesh, placements: Sequence[Placement]) -> tuple[Pl
     placements = tuple(placements)
     for j, p in enumerate(placements):
         if not isinstance(p, _KINDS):
-            raise TypeError(
-                f"placements[{j}]={p!r} is not a placement (Replicate, Partial, RowAtomic, BlockAtomic)"
-            )
+            raise TypeError(f"placements[{j}]={p!r} is not a placement (Replicate, Partial, RowAtomic, BlockAtomic)")
     names = tuple(mesh.axis_names)
     if len(placements) != len(names):
         raise ValueError(

@@ -21,9 +21,7 @@ def check_input(x, *, rowwise: bool, columnwise: bool, argname: str = "x") -> tu
     """Validates a quantize input; returns its 2-D view ``(M, K)``."""
     dt = jnp.dtype(getattr(x, "dtype", None))
     if dt not in [jnp.dtype(d) for d in INPUT_DTYPES]:
-        raise TypeError(
-            f"{argname} has dtype {dt}; MXFP8 quantize takes bfloat16, float16 or float32 input"
-        )
+        raise TypeError(f"{argname} has dtype {dt}; MXFP8 quantize takes bfloat16, float16 or float32 input")
     if x.ndim < 2:
         raise ValueError(
             f"{argname} has shape {tuple(x.shape)}; MXFP8 quantize needs at least 2-D input "
@@ -33,9 +31,7 @@ def check_input(x, *, rowwise: bool, columnwise: bool, argname: str = "x") -> tu
         raise ValueError("at least one of rowwise=True or columnwise=True is required")
     m, k = math.prod(x.shape[:-1]), x.shape[-1]
     if k % fmt.BLOCK:
-        raise ValueError(
-            f"{argname}: K={k} (last axis) must be a multiple of 32 for MXFP8 blocks"
-        )
+        raise ValueError(f"{argname}: K={k} (last axis) must be a multiple of 32 for MXFP8 blocks")
     if columnwise and m % fmt.BLOCK:
         raise ValueError(
             f"{argname}: M={m} (product of the leading axes) must be a multiple of 32 for "
@@ -69,8 +65,9 @@ def quantize(
     # inlined (see MXFP8Tensor.dequantize for why not as a nested jit).
     fn = _planes if isinstance(x, jax.core.Tracer) else _planes_jit
     rq, rs, cq, cs = fn(x.reshape(m, k), rowwise=rowwise, columnwise=columnwise, rule=rule, backend=backend)
-    return MXFP8Tensor(rowwise_data=rq, rowwise_scale=rs, columnwise_data=cq, columnwise_scale=cs,
-                       shape=tuple(x.shape), dtype=x.dtype)
+    return MXFP8Tensor(
+        rowwise_data=rq, rowwise_scale=rs, columnwise_data=cq, columnwise_scale=cs, shape=tuple(x.shape), dtype=x.dtype
+    )
 
 
 def _planes(x2d, *, rowwise: bool, columnwise: bool, rule: fmt.ScaleRule, backend: str):

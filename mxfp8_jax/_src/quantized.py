@@ -1,4 +1,4 @@
-"""QuantizedDBuffer: MXFP8 weights for FSDP as four sharded uint8 planes (SPEC §4).
+"""QuantizedDBuffer: MXFP8 weights for FSDP as four sharded uint8 planes (docs/design.md §4).
 
 Planes, each a ``DBuffer`` over one mesh (``None`` once released):
 
@@ -52,13 +52,13 @@ _TARGET = "mxfp8_quantize_segments"
 # Scale layouts and placements: the data layout with coordinates divided by 32
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def rowwise_scale_layout(layout: GlobalLayout) -> GlobalLayout:
     """``[M, K]`` at ``o`` -> ``[M, K/32]`` at ``o/32``; still 32-row blocks."""
     return _divided(layout, [(m, k // BLOCK) for m, k in layout.tensor_shapes], BLOCK)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def columnwise_scale_layout(layout: GlobalLayout) -> GlobalLayout:
     """``[M, K]`` at ``o`` -> ``[M/32, K]`` at ``o/32``; one scale row per 32-row block."""
     return _divided(layout, [(m // BLOCK, k) for m, k in layout.tensor_shapes], 1)
@@ -116,7 +116,7 @@ def check_mxfp8_shapes(tensor_shapes, argname: str = "tensor_shapes") -> None:
 # Per-shard piece descriptors
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def descriptor_table(mesh: Mesh, placements: tuple, layout: GlobalLayout) -> np.ndarray:
     """``[num_shards, P, 3]`` int64: per shard, rows ``(offset, rows, row_len)`` of its pieces.
 
@@ -143,7 +143,7 @@ def descriptor_table(mesh: Mesh, placements: tuple, layout: GlobalLayout) -> np.
     return table
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _quantize_fn(mesh, placements, layout, rule, rowwise, columnwise, backend, x64):
     """The jitted SPMD quantize: local segment -> allocated planes, no collective."""
     table = descriptor_table(mesh, placements, layout)
@@ -175,7 +175,7 @@ def _quantize_fn(mesh, placements, layout, rule, rowwise, columnwise, backend, x
     return jax.jit(spmd.shard_map(local, mesh, spec, (spec,) * n_out))
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _zeros_fn(mesh: Mesh, geometries: tuple):
     """One jitted program making zero-filled uint8 planes for ``(layout, placements)`` pairs."""
     shardings = tuple(NamedSharding(mesh, pl.partition_spec(mesh, p)) for _, p in geometries)
@@ -282,9 +282,16 @@ class QuantizedDBuffer:
         """Zero-filled planes over an existing MXFP8 layout (``check_mxfp8_layout``)."""
         check_mxfp8_layout(layout)
         placements = _check_placements(mesh, placements, "placements")
-        released = cls(rowwise_data=None, columnwise_data=None, rowwise_scale=None, columnwise_scale=None,
-                       mesh=mesh, layout=layout, rowwise_placements=placements,
-                       columnwise_placements=placements)
+        released = cls(
+            rowwise_data=None,
+            columnwise_data=None,
+            rowwise_scale=None,
+            columnwise_scale=None,
+            mesh=mesh,
+            layout=layout,
+            rowwise_placements=placements,
+            columnwise_placements=placements,
+        )
         return released.reallocate_storage(rowwise=rowwise, columnwise=columnwise)
 
     # -- structure -----------------------------------------------------------------------------
@@ -340,8 +347,10 @@ class QuantizedDBuffer:
         re-quantized or re-gathered); allocated planes are kept as they are."""
         missing = [
             (f"{d}_{kind}", geometry)
-            for d, sel, alloc in (("rowwise", rowwise, self.is_rowwise_allocated),
-                                  ("columnwise", columnwise, self.is_columnwise_allocated))
+            for d, sel, alloc in (
+                ("rowwise", rowwise, self.is_rowwise_allocated),
+                ("columnwise", columnwise, self.is_columnwise_allocated),
+            )
             if sel and not alloc
             for kind, geometry in zip(("data", "scale"), self._geometry(d))
         ]
@@ -353,9 +362,7 @@ class QuantizedDBuffer:
 
     # -- quantization --------------------------------------------------------------------------
 
-    def quantize(
-        self, main_weight: DBuffer, *, scale_rule: str = "rceil", backend: str = "auto"
-    ) -> QuantizedDBuffer:
+    def quantize(self, main_weight: DBuffer, *, scale_rule: str = "rceil", backend: str = "auto") -> QuantizedDBuffer:
         """Every allocated plane recomputed from ``main_weight``, locally (no communication).
 
         ``main_weight`` (f32/bf16/f16) must have this buffer's mesh, layout and the placements
@@ -390,8 +397,16 @@ class QuantizedDBuffer:
         dt = jnp.dtype(main_weight.dtype)
         if dt not in [jnp.dtype(d) for d in INPUT_DTYPES]:
             raise TypeError(f"main_weight has dtype {dt}; MXFP8 quantize takes bfloat16, float16 or float32")
-        fn = _quantize_fn(self.mesh, main_weight.placements, self.layout, rule, rowwise, columnwise,
-                          backend, bool(jax.config.jax_enable_x64))
+        fn = _quantize_fn(
+            self.mesh,
+            main_weight.placements,
+            self.layout,
+            rule,
+            rowwise,
+            columnwise,
+            backend,
+            bool(jax.config.jax_enable_x64),
+        )
         outs = iter(fn(main_weight.data))
         new = {
             f"{d}_{kind}": DBuffer(next(outs), self.mesh, placements, layout)
@@ -403,9 +418,7 @@ class QuantizedDBuffer:
 
     # -- reading -------------------------------------------------------------------------------
 
-    def get_tensor_view(
-        self, i: int, *, rowwise: bool | None = None, columnwise: bool | None = None
-    ) -> MXFP8Tensor:
+    def get_tensor_view(self, i: int, *, rowwise: bool | None = None, columnwise: bool | None = None) -> MXFP8Tensor:
         """Tensor ``i`` as a compact, unswizzled ``MXFP8Tensor``.
 
         A direction is included when selected (``True``), or by default (``None``) when its planes
@@ -437,9 +450,7 @@ class QuantizedDBuffer:
             )
         return MXFP8Tensor(**planes, shape=self.layout.tensor_shapes[i], dtype=jnp.bfloat16)
 
-    def get_tensor(
-        self, i: int, *, rowwise: bool | None = None, columnwise: bool | None = None
-    ) -> PaddedMXFP8Tensor:
+    def get_tensor(self, i: int, *, rowwise: bool | None = None, columnwise: bool | None = None) -> PaddedMXFP8Tensor:
         """``get_tensor_view`` with the scales in the padded shapes an MXFP8 GEMM takes
         (``MXFP8Tensor.padded``)."""
         return self.get_tensor_view(i, rowwise=rowwise, columnwise=columnwise).padded()
@@ -474,7 +485,10 @@ class QuantizedDBuffer:
         return self._move(new, rowwise=rowwise, columnwise=columnwise, how="redistribute")
 
     def allgather(
-        self, mesh_axes: str | int | Iterable[str | int] | None = None, *, rowwise: bool = True,
+        self,
+        mesh_axes: str | int | Iterable[str | int] | None = None,
+        *,
+        rowwise: bool = True,
         columnwise: bool = True,
     ) -> QuantizedDBuffer:
         """All-gathers the given Shard axes (default: all) of the selected directions' planes.
@@ -490,8 +504,8 @@ class QuantizedDBuffer:
             data = getattr(self, f"{direction}_data").allgather(mesh_axes)
             scale = getattr(self, f"{direction}_scale").allgather(mesh_axes)
             out = dataclasses.replace(
-                out, **{f"{direction}_data": data, f"{direction}_scale": scale,
-                        f"{direction}_placements": data.placements}
+                out,
+                **{f"{direction}_data": data, f"{direction}_scale": scale, f"{direction}_placements": data.placements},
             )
         return out
 
@@ -527,9 +541,9 @@ class QuantizedDBuffer:
         ):
             if sel and not alloc:
                 raise ValueError(
-                    f"{what}: the {direction} planes are released; reallocate_storage() first or "
-                    f"pass {direction}=False"
+                    f"{what}: the {direction} planes are released; reallocate_storage() first or pass {direction}=False"
                 )
+
 
 def _check_placements(mesh: Mesh, placements, argname: str) -> tuple[pl.Placement, ...]:
     placements = pl.validate_placements(mesh, placements)
@@ -540,4 +554,3 @@ def _check_placements(mesh: Mesh, placements, argname: str) -> tuple[pl.Placemen
                 f"weight before quantizing and use Replicate or a Shard placement"
             )
     return placements
-

@@ -66,13 +66,9 @@ def check_rows(x, argname: str = "x") -> tuple[int, int]:
 def check_gamma(gamma, h: int, shapes: tuple[tuple[int, ...], ...]) -> None:
     dt = jnp.dtype(getattr(gamma, "dtype", None))
     if dt != jnp.bfloat16:
-        raise TypeError(
-            f"gamma has dtype {dt}; it must be bfloat16 like x (cast with gamma.astype(jnp.bfloat16))"
-        )
+        raise TypeError(f"gamma has dtype {dt}; it must be bfloat16 like x (cast with gamma.astype(jnp.bfloat16))")
     if tuple(gamma.shape) not in shapes:
-        raise ValueError(
-            f"gamma has shape {tuple(gamma.shape)}; expected one of {list(shapes)} for H={h}"
-        )
+        raise ValueError(f"gamma has shape {tuple(gamma.shape)}; expected one of {list(shapes)} for H={h}")
 
 
 def norm_config(eps, weight_offset, quantize_from, columnwise, scale_rule) -> NormConfig:
@@ -99,8 +95,6 @@ def check_columnwise_rows(cfg: NormConfig, r: int) -> None:
         )
 
 
-
-
 def reference(x, gamma, cfg: NormConfig):
     """The canonical order in jnp (exact where XLA does not flush subnormals)."""
     r, h = x.shape
@@ -113,7 +107,7 @@ def reference(x, gamma, cfg: NormConfig):
     init = jnp.zeros_like(steps[0]) if steps.shape[0] else jnp.zeros((r, 32), f32)
     part, _ = jax.lax.scan(lambda p, s: (p + s, None), init, steps)
     for s in (16, 8, 4, 2, 1):
-        part = part[:, :s] + part[:, s: 2 * s]
+        part = part[:, :s] + part[:, s : 2 * s]
     # The barriers keep XLA from rewriting sumsq / H as sumsq * (1/H) and 1/sqrt(v) as rsqrt,
     # which round differently.
     h_f32 = jax.lax.optimization_barrier(jnp.full((r,), h, f32))
@@ -130,8 +124,12 @@ def reference(x, gamma, cfg: NormConfig):
 
 def _kernel(x, gamma, cfg: NormConfig):
     normed, rq, rs, cq, cs = ffi_calls.rmsnorm_quantize(
-        x, gamma, eps=cfg.eps, weight_offset=cfg.weight_offset,
-        quantize_from_fp32=cfg.quantize_from_fp32, columnwise=cfg.columnwise,
+        x,
+        gamma,
+        eps=cfg.eps,
+        weight_offset=cfg.weight_offset,
+        quantize_from_fp32=cfg.quantize_from_fp32,
+        columnwise=cfg.columnwise,
         scale_rule=cfg.rule.code,
     )
     return normed, rq, rs, cq, cs

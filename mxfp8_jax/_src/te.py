@@ -41,7 +41,7 @@ def _te_quantize():
         return importlib.import_module("transformer_engine.jax.quantize")
     # TE's package __init__ files load CUDA libraries; where that fails they raise ImportError,
     # RuntimeError, FileNotFoundError or AssertionError. All mean "TE JAX is not usable here".
-    except Exception as e:  # noqa: BLE001
+    except Exception as e:
         raise ImportError(
             "mx.to_te/mx.from_te need Transformer Engine for JAX, the optional [te] extra "
             "(pip install 'mxfp8-jax[te]', on a CUDA host); importing "
@@ -99,9 +99,7 @@ def to_te(t: MXFP8Tensor, *, dq_dtype=None, flatten: bool = False):
     if row is not None and col is not None:
         return te.ScaledTensorFactory.create_2x(*row, *col, data_layout="NN", **common)
     data, scale = row if row is not None else col
-    return te.ScaledTensorFactory.create_1x(
-        data, scale, is_colwise=row is None, data_layout="N", **common
-    )
+    return te.ScaledTensorFactory.create_1x(data, scale, is_colwise=row is None, data_layout="N", **common)
 
 
 def from_te(scaled, *, shape=None) -> MXFP8Tensor:
@@ -125,9 +123,7 @@ def from_te(scaled, *, shape=None) -> MXFP8Tensor:
     elif isinstance(scaled, te.ScaledTensor1x):
         parts = (scaled,)
     else:
-        raise TypeError(
-            f"scaled must be TE JAX's ScaledTensor2x or ScaledTensor1x, got {type(scaled).__name__}"
-        )
+        raise TypeError(f"scaled must be TE JAX's ScaledTensor2x or ScaledTensor1x, got {type(scaled).__name__}")
     planes, views, dq_dtypes = {}, set(), set()
     for part in parts:
         name = "columnwise" if part.is_colwise else "rowwise"
@@ -146,7 +142,7 @@ def from_te(scaled, *, shape=None) -> MXFP8Tensor:
             f"scaled's rowwise and columnwise tensors disagree: (data shape, flatten_axis) "
             f"{sorted(views)}, dq_dtype {sorted(map(str, dq_dtypes))}"
         )
-    (data_shape, flatten_axis), = views
+    ((data_shape, flatten_axis),) = views
     rows, cols = math.prod(data_shape[:flatten_axis]), math.prod(data_shape[flatten_axis:])
     if shape is None:
         shape = data_shape if flatten_axis == len(data_shape) - 1 else (rows, cols)
@@ -160,26 +156,26 @@ def from_te(scaled, *, shape=None) -> MXFP8Tensor:
     row = planes.get("rowwise", (None, None))
     col = planes.get("columnwise", (None, None))
     (dtype,) = dq_dtypes
-    return MXFP8Tensor(rowwise_data=row[0], rowwise_scale=row[1], columnwise_data=col[0],
-                       columnwise_scale=col[1], shape=shape, dtype=dtype).validate()
+    return MXFP8Tensor(
+        rowwise_data=row[0],
+        rowwise_scale=row[1],
+        columnwise_data=col[0],
+        columnwise_scale=col[1],
+        shape=shape,
+        dtype=dtype,
+    ).validate()
 
 
 def _check_te_part(te, part, name: str) -> tuple[int, int]:
     """Checks one TE ``ScaledTensor1x`` is MXFP8 as we store it; returns its 2-D view."""
     if part.scaling_mode != te.ScalingMode.MXFP8_1D_SCALING:
-        raise ValueError(
-            f"scaled's {name} tensor has scaling_mode {part.scaling_mode}; need MXFP8_1D_SCALING"
-        )
+        raise ValueError(f"scaled's {name} tensor has scaling_mode {part.scaling_mode}; need MXFP8_1D_SCALING")
     if jnp.dtype(part.data.dtype) != jnp.float8_e4m3fn:
-        raise ValueError(
-            f"scaled's {name} data is {jnp.dtype(part.data.dtype)}; MXFP8Tensor holds float8_e4m3fn"
-        )
+        raise ValueError(f"scaled's {name} data is {jnp.dtype(part.data.dtype)}; MXFP8Tensor holds float8_e4m3fn")
     if part.data_layout != "N":
         raise ValueError(f"scaled's {name} data_layout is {part.data_layout!r}; MXFP8 uses 'N'")
     if jnp.dtype(part.scale_inv.dtype) not in (jnp.dtype(jnp.float8_e8m0fnu), jnp.dtype(jnp.uint8)):
-        raise ValueError(
-            f"scaled's {name} scale_inv is {jnp.dtype(part.scale_inv.dtype)}; need float8_e8m0fnu"
-        )
+        raise ValueError(f"scaled's {name} scale_inv is {jnp.dtype(part.scale_inv.dtype)}; need float8_e8m0fnu")
     shape, fa = tuple(part.data.shape), part.flatten_axis
     rows, cols = math.prod(shape[:fa]), math.prod(shape[fa:])
     want = rows * cols // BLOCK

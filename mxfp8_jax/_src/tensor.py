@@ -1,4 +1,4 @@
-"""The MXFP8Tensor pytree, plane updates, and TE's physical scale padding/swizzle (SPEC section 2).
+"""The MXFP8Tensor pytree, plane updates, and TE's physical scale padding/swizzle (docs/design.md §2).
 
 Planes (each possibly ``None``):
 
@@ -87,8 +87,7 @@ class MXFP8Tensor:
                 )
             if tuple(scale.shape) != sshape or jnp.dtype(scale.dtype) != jnp.uint8:
                 raise ValueError(
-                    f"{name}_scale must be uint8 of shape {sshape}, got "
-                    f"{jnp.dtype(scale.dtype)}{tuple(scale.shape)}"
+                    f"{name}_scale must be uint8 of shape {sshape}, got {jnp.dtype(scale.dtype)}{tuple(scale.shape)}"
                 )
         return self
 
@@ -138,8 +137,11 @@ class MXFP8Tensor:
         """The planes as an MXFP8 GEMM takes them: data as is, scales padded (unswizzled)."""
         row, col = self.padded_scales()
         return PaddedMXFP8Tensor(
-            rowwise_data=self.rowwise_data, rowwise_scale=row,
-            columnwise_data=self.columnwise_data, columnwise_scale=col, shape=tuple(self.shape),
+            rowwise_data=self.rowwise_data,
+            rowwise_scale=row,
+            columnwise_data=self.columnwise_data,
+            columnwise_scale=col,
+            shape=tuple(self.shape),
         )
 
 

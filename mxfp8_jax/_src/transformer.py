@@ -85,7 +85,11 @@ class MLP(nnx.Module):
     def __init__(self, cfg: TransformerConfig, *, rngs: nnx.Rngs):
         dtype = jnp.dtype(cfg.dtype)
         linear = lambda i, o: nnx.Linear(i, o, use_bias=False, dtype=dtype, rngs=rngs)
-        self.gate, self.up, self.down = linear(cfg.hidden, cfg.mlp), linear(cfg.hidden, cfg.mlp), linear(cfg.mlp, cfg.hidden)
+        self.gate, self.up, self.down = (
+            linear(cfg.hidden, cfg.mlp),
+            linear(cfg.hidden, cfg.mlp),
+            linear(cfg.mlp, cfg.hidden),
+        )
 
     def __call__(self, x):
         return self.down(jax.nn.silu(self.gate(x)) * self.up(x))

@@ -52,9 +52,12 @@ def reuse_freed_memory(enable: bool = True) -> bool:
 
 def add_fresh_pages_flag(parser) -> None:
     """``--fresh-pages``: measure with freed buffers returned to the OS (see reuse_freed_memory)."""
-    parser.add_argument("--fresh-pages", action="store_true",
-                        help="let freed XLA:CPU buffers go back to the OS (each call then page-faults "
-                             "its outputs in); by default they are kept for reuse, for every path alike")
+    parser.add_argument(
+        "--fresh-pages",
+        action="store_true",
+        help="let freed XLA:CPU buffers go back to the OS (each call then page-faults "
+        "its outputs in); by default they are kept for reuse, for every path alike",
+    )
 
 
 def print_table(title: str, header: Sequence[str], rows: Sequence[Sequence], console=None) -> None:

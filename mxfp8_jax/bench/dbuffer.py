@@ -35,11 +35,19 @@ def gathered_bytes(compiled_text: str) -> tuple[int, set[str]]:
     return sum(c.bytes_per_step for c in gathers), {d for c in gathers for d in c.dtypes}
 
 
-def run(hidden: int = 2048, mlp: int = 8192, devices: int = 8, dtype: str = "float32",
-        shard_layout: str = "padded", iters: int = 5, json_path: str | None = None) -> dict:
+def run(
+    hidden: int = 2048,
+    mlp: int = 8192,
+    devices: int = 8,
+    dtype: str = "float32",
+    shard_layout: str = "padded",
+    iters: int = 5,
+    json_path: str | None = None,
+) -> dict:
     import jax
     import jax.numpy as jnp
-    from jax.sharding import NamedSharding, PartitionSpec as P
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
 
     import mxfp8_jax as mx
     from mxfp8_jax._src import _ffi
@@ -76,8 +84,9 @@ def run(hidden: int = 2048, mlp: int = 8192, devices: int = 8, dtype: str = "flo
     views = jax.jit(lambda f: [f.get_tensor_view(i) for i in range(len(shapes))])(a.allgather())
     for v, ref in zip(views, per_tensor(sharded_tensors)):
         for x, y in zip(jax.tree.leaves(v), jax.tree.leaves(ref)):
-            if not bool(jnp.array_equal(jax.lax.bitcast_convert_type(x, jnp.uint8),
-                                        jax.lax.bitcast_convert_type(y, jnp.uint8))):
+            if not bool(
+                jnp.array_equal(jax.lax.bitcast_convert_type(x, jnp.uint8), jax.lax.bitcast_convert_type(y, jnp.uint8))
+            ):
                 raise AssertionError("packed buffer and per-tensor quantize disagree; refusing to benchmark")
 
     t_ffi = time_fn(packed_ffi, q, master, iters=iters)
@@ -116,24 +125,47 @@ def run(hidden: int = 2048, mlp: int = 8192, devices: int = 8, dtype: str = "flo
         measured[name] = {"bytes": nbytes, "types": sorted(types), "s": time_fn(fn, arg, iters=iters)}
     base = measured["bf16 buffer (same layout)"]["bytes"]
     for name, m in measured.items():
-        table.append((name, f"{m['bytes'] / 2**20:.2f}", f"{m['bytes'] / numel:.4f}",
-                      f"{m['bytes'] / base:.4f}", ",".join(m["types"]), f"{m['s'] * 1e3:.2f}"))
+        table.append(
+            (
+                name,
+                f"{m['bytes'] / 2**20:.2f}",
+                f"{m['bytes'] / numel:.4f}",
+                f"{m['bytes'] / base:.4f}",
+                ",".join(m["types"]),
+                f"{m['s'] * 1e3:.2f}",
+            )
+        )
     print_table(
         "All-gather per step (bytes of the gathered result per device, from the compiled HLO)",
         ["gather", "MiB", "bytes/weight", "vs bf16", "HLO types", "ms"],
         table,
     )
     ratio = measured["MXFP8 rowwise (forward)"]["bytes"] / base
-    print(f"rowwise gathered bytes / bf16 = {ratio:.4f} (expected (1 + 1/32) / 2 = {(1 + 1 / 32) / 2:.4f}); "
-          f"padding overhead of the layout: {q.layout.padding_overhead:.4f}")
+    print(
+        f"rowwise gathered bytes / bf16 = {ratio:.4f} (expected (1 + 1/32) / 2 = {(1 + 1 / 32) / 2:.4f}); "
+        f"padding overhead of the layout: {q.layout.padding_overhead:.4f}"
+    )
     result = {
-        "bench": "dbuffer", "hidden": hidden, "mlp": mlp, "devices": devices, "dtype": dtype,
-        "shard_layout": layout_kind.value, "numel": numel,
-        "physical_size": q.layout.physical_size, "padding_overhead": q.layout.padding_overhead,
-        "quantize_s": {"packed_ffi": t_ffi, "packed_jax": t_jax, "per_tensor_jax": t_tensor,
-                       "bandwidth_floor": floor, "copy": t_copy},
+        "bench": "dbuffer",
+        "hidden": hidden,
+        "mlp": mlp,
+        "devices": devices,
+        "dtype": dtype,
+        "shard_layout": layout_kind.value,
+        "numel": numel,
+        "physical_size": q.layout.physical_size,
+        "padding_overhead": q.layout.padding_overhead,
+        "quantize_s": {
+            "packed_ffi": t_ffi,
+            "packed_jax": t_jax,
+            "per_tensor_jax": t_tensor,
+            "bandwidth_floor": floor,
+            "copy": t_copy,
+        },
         "copy_GBps": copy_bw / 1e9,
-        "gathers": measured, "rowwise_vs_bf16": ratio, "env": environment(),
+        "gathers": measured,
+        "rowwise_vs_bf16": ratio,
+        "env": environment(),
     }
     write_json(json_path, result)
     return result
@@ -143,8 +175,9 @@ def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--hidden", type=int, default=2048)
     p.add_argument("--mlp", type=int, default=8192)
-    p.add_argument("--devices", type=int, default=8,
-                   help="mesh size; on CPU this many devices are simulated (jax_num_cpu_devices)")
+    p.add_argument(
+        "--devices", type=int, default=8, help="mesh size; on CPU this many devices are simulated (jax_num_cpu_devices)"
+    )
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="master weights")
     p.add_argument("--shard-layout", default="padded", choices=["padded", "unpadded"])
     p.add_argument("--iters", type=int, default=5)

@@ -105,7 +105,8 @@ def _jit(model, mesh, sharded: bool, tx, batch, abstract):
     import jax
     import optax
     from flax import nnx
-    from jax.sharding import NamedSharding, PartitionSpec as P
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
 
     graphdef, params = nnx.split(model, nnx.Param)
     axis = mesh.axis_names[0]
@@ -126,12 +127,19 @@ def _jit(model, mesh, sharded: bool, tx, batch, abstract):
         updates, opt_state = tx.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, loss
 
-    jitted = jax.jit(step, in_shardings=(param_shardings, opt_shardings, batch_sharding),
-                     out_shardings=(param_shardings, opt_shardings, NamedSharding(mesh, P())), donate_argnums=(0, 1))
+    jitted = jax.jit(
+        step,
+        in_shardings=(param_shardings, opt_shardings, batch_sharding),
+        out_shardings=(param_shardings, opt_shardings, NamedSharding(mesh, P())),
+        donate_argnums=(0, 1),
+    )
     sds = lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s)
     if abstract:
-        args = (jax.tree.map(sds, params, param_shardings), jax.tree.map(sds, opt_shapes, opt_shardings),
-                jax.tree.map(lambda a: sds(a, batch_sharding), batch))
+        args = (
+            jax.tree.map(sds, params, param_shardings),
+            jax.tree.map(sds, opt_shapes, opt_shardings),
+            jax.tree.map(lambda a: sds(a, batch_sharding), batch),
+        )
         return jitted.lower(*args).compile(), None
     params = jax.device_put(params, param_shardings)
     opt_state = jax.jit(tx.init, out_shardings=opt_shardings)(params)
@@ -184,19 +192,35 @@ def measure(variant: str, width: int, depth: int, mesh, *, iters: int, timed: bo
         step_s = float(np.median(times))
     model_bytes = depth * width * width * 4
     return {
-        "variant": variant, "depth": depth, "width": width, "devices": mesh.size,
+        "variant": variant,
+        "depth": depth,
+        "width": width,
+        "devices": mesh.size,
         "model_fp32_bytes": model_bytes,
-        "argument_bytes": mem.argument_size_in_bytes, "temp_bytes": mem.temp_size_in_bytes,
-        "output_bytes": mem.output_size_in_bytes, "alias_bytes": mem.alias_size_in_bytes,
-        "all_gather_bytes": per_op.get("all-gather", 0), "all_gather_types": gather_types,
-        "reduce_scatter_bytes": per_op.get("reduce-scatter", 0), "all_reduce_bytes": per_op.get("all-reduce", 0),
+        "argument_bytes": mem.argument_size_in_bytes,
+        "temp_bytes": mem.temp_size_in_bytes,
+        "output_bytes": mem.output_size_in_bytes,
+        "alias_bytes": mem.alias_size_in_bytes,
+        "all_gather_bytes": per_op.get("all-gather", 0),
+        "all_gather_types": gather_types,
+        "reduce_scatter_bytes": per_op.get("reduce-scatter", 0),
+        "all_reduce_bytes": per_op.get("all-reduce", 0),
         "loops": [trip for _, trip in hlo.while_loops(compiled.as_text())],
-        "compile_s": compile_s, "step_s": step_s,
+        "compile_s": compile_s,
+        "step_s": step_s,
     }
 
 
-def run(depths=(4, 8, 16, 32, 64), width: int = 1024, devices: int = 8, iters: int = 3,
-        timed: bool = True, variants=VARIANTS, json_path: str | None = None, progress: bool = True) -> dict:
+def run(
+    depths=(4, 8, 16, 32, 64),
+    width: int = 1024,
+    devices: int = 8,
+    iters: int = 3,
+    timed: bool = True,
+    variants=VARIANTS,
+    json_path: str | None = None,
+    progress: bool = True,
+) -> dict:
     import jax
     import numpy as np
     from jax.sharding import Mesh
@@ -237,42 +261,74 @@ def run(depths=(4, 8, 16, 32, 64), width: int = 1024, devices: int = 8, iters: i
     rows = []
     for r in results:
         comm = r["reduce_scatter_bytes"] + r["all_reduce_bytes"]
-        rows.append([
-            r["variant"], r["depth"], mib(r["model_fp32_bytes"]), mib(r["argument_bytes"]), mib(r["temp_bytes"]),
-            f"{r['temp_bytes'] / r['model_fp32_bytes']:.3f}",
-            f"{(r['argument_bytes'] + r['temp_bytes']) / r['model_fp32_bytes']:.3f}",
-            mib(r["all_gather_bytes"]), ",".join(r["all_gather_types"]) or "-", mib(comm),
-            "-" if r["step_s"] is None else f"{1e3 * r['step_s']:.0f}",
-        ])
+        rows.append(
+            [
+                r["variant"],
+                r["depth"],
+                mib(r["model_fp32_bytes"]),
+                mib(r["argument_bytes"]),
+                mib(r["temp_bytes"]),
+                f"{r['temp_bytes'] / r['model_fp32_bytes']:.3f}",
+                f"{(r['argument_bytes'] + r['temp_bytes']) / r['model_fp32_bytes']:.3f}",
+                mib(r["all_gather_bytes"]),
+                ",".join(r["all_gather_types"]) or "-",
+                mib(comm),
+                "-" if r["step_s"] is None else f"{1e3 * r['step_s']:.0f}",
+            ]
+        )
     from rich.console import Console
 
     console = Console(width=max(150, Console().width))
     print_table(
         f"FSDP step vs depth: {width}x{width} layers, {devices} {platform} devices, 8 rows/device, adam "
         f"(per device; MiB)",
-        ["variant", "depth", "model fp32", "args", "temp", "temp/model", "(args+temp)/model",
-         "all-gathered/step", "gather types", "reduced/step", "step ms"],
-        rows, console,
+        [
+            "variant",
+            "depth",
+            "model fp32",
+            "args",
+            "temp",
+            "temp/model",
+            "(args+temp)/model",
+            "all-gathered/step",
+            "gather types",
+            "reduced/step",
+            "step ms",
+        ],
+        rows,
+        console,
     )
     by = {(r["variant"], r["depth"]): r for r in results}
     ratios = []
     for d in depths:
         if ("mxfp8", d) in by and ("bf16", d) in by:
             m, b = by["mxfp8", d], by["bf16", d]
-            ratios.append([d, f"{m['all_gather_bytes'] / b['all_gather_bytes']:.4f}",
-                           *(f"{m['temp_bytes'] / by[v, d]['temp_bytes']:.3f}" if (v, d) in by else "-"
-                             for v in ("bf16", "gspmd", "dp"))])
+            ratios.append(
+                [
+                    d,
+                    f"{m['all_gather_bytes'] / b['all_gather_bytes']:.4f}",
+                    *(
+                        f"{m['temp_bytes'] / by[v, d]['temp_bytes']:.3f}" if (v, d) in by else "-"
+                        for v in ("bf16", "gspmd", "dp")
+                    ),
+                ]
+            )
     if ratios:
-        print_table("MXFP8 FSDP relative to the others", ["depth", "gathered bytes / bf16 FSDP",
-                    "temp / bf16 FSDP", "temp / gspmd", "temp / dp"], ratios, console)
+        print_table(
+            "MXFP8 FSDP relative to the others",
+            ["depth", "gathered bytes / bf16 FSDP", "temp / bf16 FSDP", "temp / gspmd", "temp / dp"],
+            ratios,
+            console,
+        )
     payload = {"benchmark": "fsdp", "environment": environment(), "results": results}
     write_json(json_path, payload)
     return payload
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m mxfp8_jax.bench.fsdp", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m mxfp8_jax.bench.fsdp", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--depths", default="4,8,16,32,64", help="comma-separated depths (default 4,8,16,32,64)")
     p.add_argument("--width", type=int, default=1024, help="layer width, a multiple of 32 (default 1024)")
     p.add_argument("--devices", type=int, default=8, help="devices in the FSDP mesh (default 8)")

@@ -45,12 +45,18 @@ def _copy_bandwidth(nbytes: int = 128 << 20, repeats: int = 5) -> float:
     return 2 * nbytes / best
 
 
-def run(rows=(8, 32, 128, 1024, 8192), hidden: int = 6144, devices: int = 8,
-        min_time: float = 1.0, json_path: str | None = None) -> dict:
+def run(
+    rows=(8, 32, 128, 1024, 8192),
+    hidden: int = 6144,
+    devices: int = 8,
+    min_time: float = 1.0,
+    json_path: str | None = None,
+) -> dict:
     import jax
     import jax.numpy as jnp
     import numpy as np
-    from jax.sharding import Mesh, PartitionSpec as P
+    from jax.sharding import Mesh
+    from jax.sharding import PartitionSpec as P
 
     import mxfp8_jax as mx
     from mxfp8_jax._src import _ffi
@@ -66,8 +72,7 @@ def run(rows=(8, 32, 128, 1024, 8192), hidden: int = 6144, devices: int = 8,
     n, h, eps = devices, hidden, 1e-6
 
     def fused(strategy):
-        return jax.jit(lambda x, g: mx.allgather_rmsnorm_quant(
-            x, g, mesh=mesh, axis="x", eps=eps, strategy=strategy))
+        return jax.jit(lambda x, g: mx.allgather_rmsnorm_quant(x, g, mesh=mesh, axis="x", eps=eps, strategy=strategy))
 
     def unfused_local(xl, g):
         xg = jax.lax.all_gather(xl, "x", tiled=True)
@@ -99,39 +104,60 @@ def run(rows=(8, 32, 128, 1024, 8192), hidden: int = 6144, devices: int = 8,
         for a, b in zip(outs["p2p"], outs["xla"]):
             if not np.array_equal(np.asarray(a).view(np.uint8), np.asarray(b).view(np.uint8)):
                 raise AssertionError("p2p and xla disagree; refusing to benchmark")
-        if not np.array_equal(np.asarray(outs["unfused"][3]).view(np.uint8),
-                              np.asarray(x).view(np.uint8)):
+        if not np.array_equal(np.asarray(outs["unfused"][3]).view(np.uint8), np.asarray(x).view(np.uint8)):
             raise AssertionError("the unfused residual is not the gathered input")
         del outs
         t = {p: time_fn(f, x, g, warmup=1, iters=3, min_time=min_time) for p, f in paths.items()}
         moved = n * r * h * (2 + 1 + 2) + n * r * (h // 32) + r * h * 2
         floor = moved / copy_bw
-        table.append((
-            r, f"{t['p2p'] * 1e3:.3f}", f"{t['xla'] * 1e3:.3f}", f"{t['unfused'] * 1e3:.3f}",
-            f"{t['unfused'] / t['p2p']:.2f}", f"{t['unfused'] / t['xla']:.2f}",
-            f"{t['xla'] / t['p2p']:.2f}", f"{floor * 1e3:.3f}", f"{floor / t['p2p']:.2f}",
-        ))
-        results.append({"rows": r, "p2p_s": t["p2p"], "xla_s": t["xla"],
-                        "unfused_s": t["unfused"], "floor_s": floor, "bytes": moved})
+        table.append(
+            (
+                r,
+                f"{t['p2p'] * 1e3:.3f}",
+                f"{t['xla'] * 1e3:.3f}",
+                f"{t['unfused'] * 1e3:.3f}",
+                f"{t['unfused'] / t['p2p']:.2f}",
+                f"{t['unfused'] / t['xla']:.2f}",
+                f"{t['xla'] / t['p2p']:.2f}",
+                f"{floor * 1e3:.3f}",
+                f"{floor / t['p2p']:.2f}",
+            )
+        )
+        results.append(
+            {
+                "rows": r,
+                "p2p_s": t["p2p"],
+                "xla_s": t["xla"],
+                "unfused_s": t["unfused"],
+                "floor_s": floor,
+                "bytes": moved,
+            }
+        )
     from rich.console import Console
 
     print_table(
         f"all-gather + RMSNorm + MXFP8, {n} CPU devices, H={h} (copy {copy_bw / 1e9:.1f} GB/s)",
-        ["rows R", "p2p ms", "xla ms", "unfused ms", "unfused/p2p", "unfused/xla", "xla/p2p",
-         "floor ms", "floor/p2p"],
+        ["rows R", "p2p ms", "xla ms", "unfused ms", "unfused/p2p", "unfused/xla", "xla/p2p", "floor ms", "floor/p2p"],
         table,
         console=Console(width=160),
     )
-    payload = {"bench": "fused", "hidden": h, "devices": n, "copy_GBps": copy_bw / 1e9,
-               "results": results, "env": environment()}
+    payload = {
+        "bench": "fused",
+        "hidden": h,
+        "devices": n,
+        "copy_GBps": copy_bw / 1e9,
+        "results": results,
+        "env": environment(),
+    }
     write_json(json_path, payload)
     return payload
 
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--rows", default="8,32,128,1024,8192",
-                   help="gathered row counts R, comma-separated (multiples of --devices)")
+    p.add_argument(
+        "--rows", default="8,32,128,1024,8192", help="gathered row counts R, comma-separated (multiples of --devices)"
+    )
     p.add_argument("--hidden", type=int, default=6144)
     p.add_argument("--devices", type=int, default=8)
     p.add_argument("--min-time", type=float, default=1.0, help="seconds of timing per point")

@@ -28,8 +28,8 @@ from mxfp8_jax._src import _ffi, ffi_calls
 from mxfp8_jax._src.segments import quantize_segments_reference
 from mxfp8_jax.bench._timing import environment, print_table, time_fn, write_json
 
-K = 4096   # row length of the quantize inputs
-H = 8192   # hidden size of the RMSNorm inputs
+K = 4096  # row length of the quantize inputs
+H = 8192  # hidden size of the RMSNorm inputs
 SEGMENT_ROW_LENS = (4096, 1024, 11008 // 32 * 32, 512)  # pieces of the packed segment
 
 
@@ -68,14 +68,20 @@ def _cases(mb: int, rng):
     m = max(32, (mb << 20) // (2 * K) // 32 * 32)
     x = jnp.asarray(rng.standard_normal((m, K), np.float32), bf16)
     cases = []
-    for name, row, col in (("quantize rowwise", True, False), ("quantize columnwise", False, True),
-                           ("quantize both", True, True)):
-        cases.append((
-            name,
-            functools.partial(mx.quantize, rowwise=row, columnwise=col, backend="auto"),
-            functools.partial(mx.quantize, rowwise=row, columnwise=col, backend="jax"),
-            "mxfp8_quantize", (x,),
-        ))
+    for name, row, col in (
+        ("quantize rowwise", True, False),
+        ("quantize columnwise", False, True),
+        ("quantize both", True, True),
+    ):
+        cases.append(
+            (
+                name,
+                functools.partial(mx.quantize, rowwise=row, columnwise=col, backend="auto"),
+                functools.partial(mx.quantize, rowwise=row, columnwise=col, backend="jax"),
+                "mxfp8_quantize",
+                (x,),
+            )
+        )
     n = m * K
     seg = x.reshape(n)
     table = _segment_table(n)
@@ -85,15 +91,27 @@ def _cases(mb: int, rng):
         (rq, rs), (cq, cs) = ffi_calls.quantize_segments(x, d, scale_rule=0, rowwise=True, columnwise=True)
         return rq, rs, cq, cs
 
-    cases.append(("segments both", seg_kernel,
-                  lambda x, d: quantize_segments_reference(x, d, mx.ScaleRule.RCEIL, True, True),
-                  "mxfp8_quantize_segments", (seg, desc)))
+    cases.append(
+        (
+            "segments both",
+            seg_kernel,
+            lambda x, d: quantize_segments_reference(x, d, mx.ScaleRule.RCEIL, True, True),
+            "mxfp8_quantize_segments",
+            (seg, desc),
+        )
+    )
     r = max(1, (mb << 20) // (2 * H))
     xn = jnp.asarray(rng.standard_normal((r, H), np.float32), bf16)
     gamma = jnp.asarray(rng.standard_normal(H, np.float32) * 0.5 + 1, bf16)
-    cases.append(("rmsnorm+quantize", functools.partial(mx.rmsnorm_quant, backend="auto"),
-                  functools.partial(mx.rmsnorm_quant, backend="jax"),
-                  "mxfp8_rmsnorm_quantize", (xn, gamma)))
+    cases.append(
+        (
+            "rmsnorm+quantize",
+            functools.partial(mx.rmsnorm_quant, backend="auto"),
+            functools.partial(mx.rmsnorm_quant, backend="jax"),
+            "mxfp8_rmsnorm_quantize",
+            (xn, gamma),
+        )
+    )
     return cases
 
 
@@ -126,25 +144,45 @@ def run(sizes_mb, *, iters: int, json_path: str | None) -> list[dict]:
             t_r = time_fn(ref, *args, warmup=2, iters=max(3, iters // 4))
             t_c = time_fn(jax.jit(_copy), args[0], warmup=3, iters=iters)
             copy_gbs = 2 * _nbytes(args[0]) / t_c / 1e9
-            row = dict(op=name, mb=mb, bytes=moved, kernel_s=t_k, xla_s=t_r, copy_s=t_c,
-                       kernel_gbs=moved / t_k / 1e9, xla_gbs=moved / t_r / 1e9, copy_gbs=copy_gbs)
+            row = dict(
+                op=name,
+                mb=mb,
+                bytes=moved,
+                kernel_s=t_k,
+                xla_s=t_r,
+                copy_s=t_c,
+                kernel_gbs=moved / t_k / 1e9,
+                xla_gbs=moved / t_r / 1e9,
+                copy_gbs=copy_gbs,
+            )
             results.append(row)
-            print(f"{name:20s} {mb:6d} MB  kernel {row['kernel_gbs']:8.1f} GB/s  "
-                  f"xla {row['xla_gbs']:8.1f} GB/s  copy {copy_gbs:8.1f} GB/s", flush=True)
+            print(
+                f"{name:20s} {mb:6d} MB  kernel {row['kernel_gbs']:8.1f} GB/s  "
+                f"xla {row['xla_gbs']:8.1f} GB/s  copy {copy_gbs:8.1f} GB/s",
+                flush=True,
+            )
     write_json(json_path, dict(environment=environment(), results=results))
     print_table(
         f"MXFP8 GPU kernels ({platform}, {jax.devices()[0].device_kind})",
         ["op", "input MB", "kernel GB/s", "% of copy", "XLA ref GB/s", "speedup vs XLA"],
-        [[r["op"], r["mb"], f"{r['kernel_gbs']:.0f}", f"{100 * r['kernel_gbs'] / r['copy_gbs']:.0f}%",
-          f"{r['xla_gbs']:.0f}", f"{r['xla_s'] / r['kernel_s']:.1f}x"] for r in results],
+        [
+            [
+                r["op"],
+                r["mb"],
+                f"{r['kernel_gbs']:.0f}",
+                f"{100 * r['kernel_gbs'] / r['copy_gbs']:.0f}%",
+                f"{r['xla_gbs']:.0f}",
+                f"{r['xla_s'] / r['kernel_s']:.1f}x",
+            ]
+            for r in results
+        ],
     )
     return results
 
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--sizes-mb", default="1,16,256,1024",
-                   help="comma-separated input sizes in MB (bf16 input bytes)")
+    p.add_argument("--sizes-mb", default="1,16,256,1024", help="comma-separated input sizes in MB (bf16 input bytes)")
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--json", default=None, help="write the results here")
     a = p.parse_args(argv)

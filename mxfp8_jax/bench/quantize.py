@@ -18,13 +18,25 @@ import jax.numpy as jnp
 import mxfp8_jax as mx
 from mxfp8_jax._src import _ffi, cpu_isa
 from mxfp8_jax.bench._timing import (
-    add_fresh_pages_flag, environment, print_table, reuse_freed_memory, time_fn, write_json,
+    add_fresh_pages_flag,
+    environment,
+    print_table,
+    reuse_freed_memory,
+    time_fn,
+    write_json,
 )
 
 
-def run(m: int = 4096, k: int = 4096, dtype: str = "bfloat16", rowwise: bool = True,
-        columnwise: bool = True, iters: int = 10, json_path: str | None = None,
-        isa: str | None = None) -> dict:
+def run(
+    m: int = 4096,
+    k: int = 4096,
+    dtype: str = "bfloat16",
+    rowwise: bool = True,
+    columnwise: bool = True,
+    iters: int = 10,
+    json_path: str | None = None,
+    isa: str | None = None,
+) -> dict:
     platform = jax.default_backend()
     _ffi.require("mxfp8_quantize", platform)  # never silently benchmark the fallback
     if platform != "cpu" and isa is not None:
@@ -43,7 +55,9 @@ def run(m: int = 4096, k: int = 4096, dtype: str = "bfloat16", rowwise: bool = T
     # The kernel and the reference must agree before either is timed.
     a, b = kernel(x), reference(x)
     for pa, pb in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
-        if not bool(jnp.all(jax.lax.bitcast_convert_type(pa, jnp.uint8) == jax.lax.bitcast_convert_type(pb, jnp.uint8))):
+        if not bool(
+            jnp.all(jax.lax.bitcast_convert_type(pa, jnp.uint8) == jax.lax.bitcast_convert_type(pb, jnp.uint8))
+        ):
             raise AssertionError("kernel and reference disagree; refusing to benchmark")
     t_kernel = time_fn(kernel, x, iters=iters)
     t_ref = time_fn(reference, x, iters=max(3, iters // 3))
@@ -53,7 +67,13 @@ def run(m: int = 4096, k: int = 4096, dtype: str = "bfloat16", rowwise: bool = T
     floor = moved / copy_bw
     rows = [
         ("ffi kernel", f"{t_kernel * 1e3:.2f}", f"{moved / t_kernel / 1e9:.2f}", "1.00", f"{floor / t_kernel:.2f}"),
-        ("pure-JAX reference (jit)", f"{t_ref * 1e3:.2f}", f"{moved / t_ref / 1e9:.2f}", f"{t_ref / t_kernel:.2f}", f"{floor / t_ref:.2f}"),
+        (
+            "pure-JAX reference (jit)",
+            f"{t_ref * 1e3:.2f}",
+            f"{moved / t_ref / 1e9:.2f}",
+            f"{t_ref / t_kernel:.2f}",
+            f"{floor / t_ref:.2f}",
+        ),
         ("copy of the input", f"{t_copy * 1e3:.2f}", f"{copy_bw / 1e9:.2f}", f"{t_copy / t_kernel:.2f}", "-"),
     ]
     print_table(
@@ -63,11 +83,22 @@ def run(m: int = 4096, k: int = 4096, dtype: str = "bfloat16", rowwise: bool = T
         rows,
     )
     result = {
-        "bench": "quantize", "m": m, "k": k, "dtype": dtype, "rowwise": rowwise,
-        "columnwise": columnwise, "isa": isa, "bytes_moved": moved, "kernel_s": t_kernel,
-        "reference_s": t_ref, "copy_s": t_copy, "copy_GBps": copy_bw / 1e9,
-        "kernel_GBps": moved / t_kernel / 1e9, "reference_GBps": moved / t_ref / 1e9,
-        "speedup_vs_reference": t_ref / t_kernel, "fraction_of_copy_floor": floor / t_kernel,
+        "bench": "quantize",
+        "m": m,
+        "k": k,
+        "dtype": dtype,
+        "rowwise": rowwise,
+        "columnwise": columnwise,
+        "isa": isa,
+        "bytes_moved": moved,
+        "kernel_s": t_kernel,
+        "reference_s": t_ref,
+        "copy_s": t_copy,
+        "copy_GBps": copy_bw / 1e9,
+        "kernel_GBps": moved / t_kernel / 1e9,
+        "reference_GBps": moved / t_ref / 1e9,
+        "speedup_vs_reference": t_ref / t_kernel,
+        "fraction_of_copy_floor": floor / t_kernel,
         "env": environment(),
     }
     write_json(json_path, result)
@@ -81,14 +112,25 @@ def main(argv=None) -> None:
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     p.add_argument("--planes", default="both", choices=["rowwise", "columnwise", "both"])
     p.add_argument("--iters", type=int, default=10)
-    p.add_argument("--isa", choices=["baseline", "avx2", "avx512"],
-                   help="CPU instruction set of the kernel (default: the best this CPU has)")
+    p.add_argument(
+        "--isa",
+        choices=["baseline", "avx2", "avx512"],
+        help="CPU instruction set of the kernel (default: the best this CPU has)",
+    )
     p.add_argument("--json", dest="json_path")
     add_fresh_pages_flag(p)
     a = p.parse_args(argv)
     reuse_freed_memory(not a.fresh_pages)
-    run(a.m, a.k, a.dtype, a.planes in ("rowwise", "both"), a.planes in ("columnwise", "both"), a.iters, a.json_path,
-        a.isa)
+    run(
+        a.m,
+        a.k,
+        a.dtype,
+        a.planes in ("rowwise", "both"),
+        a.planes in ("columnwise", "both"),
+        a.iters,
+        a.json_path,
+        a.isa,
+    )
 
 
 if __name__ == "__main__":
