@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+from collections.abc import Iterator
 
 from mxfp8_jax._src._ffi import require
 
@@ -36,7 +37,7 @@ def set_cpu_isa(isa: str) -> None:
 
 
 @contextlib.contextmanager
-def use_cpu_isa(isa: str):
+def use_cpu_isa(isa: str) -> Iterator[None]:
     """Context manager: the CPU kernels run with ``isa`` inside, and with the previous choice
     again after. The choice is process-wide, not per thread."""
     before = cpu_isa()

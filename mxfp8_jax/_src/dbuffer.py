@@ -28,6 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 from jax.sharding import Mesh, NamedSharding
+from jax.typing import DTypeLike
 
 from mxfp8_jax._src import checks, spmd
 from mxfp8_jax._src import placement as pl
@@ -75,7 +76,7 @@ class DBuffer:
     # -- construction --------------------------------------------------------------------------
 
     @classmethod
-    def zeros(cls, mesh: Mesh, placements, layout: GlobalLayout, dtype) -> DBuffer:
+    def zeros(cls, mesh: Mesh, placements: pl.Placements, layout: GlobalLayout, dtype: DTypeLike) -> DBuffer:
         """A zero-filled buffer with an existing layout."""
         placements = pl.validate_placements(mesh, placements)
         _check_static(mesh, placements, layout)
@@ -87,9 +88,9 @@ class DBuffer:
     def empty(
         cls,
         mesh: Mesh,
-        placements,
+        placements: pl.Placements,
         tensor_shapes: Iterable[Sequence[int]],
-        dtype,
+        dtype: DTypeLike,
         *,
         shard_layout: ShardLayout = ShardLayout.PADDED,
         block_size: int = 1,
@@ -106,9 +107,9 @@ class DBuffer:
         cls,
         tensors: Sequence[jax.Array],
         mesh: Mesh,
-        placements,
+        placements: pl.Placements,
         *,
-        dtype=None,
+        dtype: DTypeLike | None = None,
         shard_layout: ShardLayout = ShardLayout.PADDED,
         block_size: int = 1,
         layout: GlobalLayout | None = None,
@@ -157,7 +158,7 @@ class DBuffer:
         """Elements of each device's local buffer."""
         return self.layout.local_size(self.num_shards)
 
-    def segments_of(self, device) -> range:
+    def segments_of(self, device: jax.Device) -> range:
         """Layout segments held by ``device``, in local-buffer order."""
         pos = pl.device_position(self.mesh, device)
         return pl.segments_of_shard(self.mesh, self.placements, pl.shard_index(self.mesh, self.placements, pos))
@@ -181,7 +182,7 @@ class DBuffer:
         full = self if self.num_shards == 1 else self.allgather()
         return list(_unpack_all(self.layout, full.data))
 
-    def local_tensor(self, i: int, device) -> np.ndarray:
+    def local_tensor(self, i: int, device: jax.Device) -> np.ndarray:
         """Host copy of the rows of tensor ``i`` held by ``device``: ``[n_rows, *shape[1:]]``.
 
         The rows are ``layout.rows_in_segments(i, segs.start, segs.stop)`` for
@@ -229,7 +230,7 @@ class DBuffer:
             ) from None
         return self.redistribute(new)
 
-    def redistribute(self, placements) -> DBuffer:
+    def redistribute(self, placements: pl.Placements) -> DBuffer:
         """The same value under ``placements``; per mesh axis:
 
         Shard -> Replicate: all-gather; Partial -> Replicate: psum (pmean for avg);
@@ -247,7 +248,7 @@ class DBuffer:
             return dataclasses.replace(self, placements=new)
         return DBuffer(_transition(plan)(self.data), self.mesh, new, self.layout)
 
-    def view(self, placements) -> DBuffer:
+    def view(self, placements: pl.Placements) -> DBuffer:
         """The same value under ``placements`` without any communication.
 
         Allowed per axis: unchanged; one Shard kind to another (same split); Replicate -> Shard
@@ -264,7 +265,7 @@ class DBuffer:
                 )
         return self.redistribute(new)
 
-    def cast(self, dtype) -> DBuffer:
+    def cast(self, dtype: DTypeLike) -> DBuffer:
         """The buffer converted elementwise to ``dtype`` on every device (no communication)."""
         if jnp.dtype(dtype) == self.dtype:
             return self

@@ -46,6 +46,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 from flax import nnx
 from jax import lax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
@@ -143,7 +144,7 @@ class FSDP:
     ``nnx.scan``, ``nnx.vmap``, ``nnx.remat`` and Python loops freely.
     """
 
-    def __init__(self, model: nnx.Module, mesh: Mesh, *, precision: str = "mxfp8", scale_rule: str = "rceil"):
+    def __init__(self, model: nnx.Module, mesh: Mesh, *, precision: str = "mxfp8", scale_rule: str = "rceil") -> None:
         if not isinstance(model, nnx.Module):
             raise TypeError(f"model must be a flax.nnx.Module, got {type(model).__name__}")
         if not isinstance(mesh, Mesh):
@@ -216,7 +217,7 @@ class FSDP:
 
     # -- state ---------------------------------------------------------------------------------
 
-    def init(self, model: nnx.Module, tx) -> TrainState:
+    def init(self, model: nnx.Module, tx: optax.GradientTransformation) -> TrainState:
         """Shards ``model``'s parameters, quantizes the units, initialises ``tx``."""
         values = self._values_of(model)
         master = self._masters_fn({p.name: values[j] for j, p in zip(self.eligible, self.units)})
@@ -236,7 +237,7 @@ class FSDP:
         state = TrainState(master, quantized, plain, opt_state, jnp.zeros((), jnp.int32))
         return jax.device_put(state, self._shardings(state))
 
-    def abstract_state(self, tx) -> TrainState:
+    def abstract_state(self, tx: optax.GradientTransformation) -> TrainState:
         """The ``TrainState`` that ``init`` would return, as ``jax.ShapeDtypeStruct``s with their
         shardings: for ``lower_train_step`` (memory analysis, HLO) without building the model."""
         sds = jax.ShapeDtypeStruct
@@ -278,7 +279,7 @@ class FSDP:
 
     # -- steps ---------------------------------------------------------------------------------
 
-    def place_batch(self, batch):
+    def place_batch(self, batch: Any) -> Any:
         """``batch`` with every leaf's leading axis split over the mesh (as a step takes it).
 
         ``jax.ShapeDtypeStruct`` leaves get the sharding attached (for lowering only)."""
@@ -300,13 +301,15 @@ class FSDP:
         jitted = jax.jit(self._grads_fn(loss_fn))
         return lambda state, batch: jitted(state, self.place_batch(batch))
 
-    def train_step(self, loss_fn: Callable, tx) -> Callable:
+    def train_step(self, loss_fn: Callable, tx: optax.GradientTransformation) -> Callable:
         """``step(state, batch) -> (state, loss)``: gradients, the ``tx`` update on the shards,
         re-quantization. Jitted; the input state is donated."""
         jitted = jax.jit(self._step(loss_fn, tx), donate_argnums=0)
         return lambda state, batch: jitted(state, self.place_batch(batch))
 
-    def lower_train_step(self, loss_fn: Callable, tx, state: TrainState, batch):
+    def lower_train_step(
+        self, loss_fn: Callable, tx: optax.GradientTransformation, state: TrainState, batch: Any
+    ) -> jax.stages.Lowered:
         """``train_step`` lowered for ``state`` and ``batch`` (arrays, or ``abstract_state`` and
         ``jax.ShapeDtypeStruct`` leaves). ``.compile()`` gives a step to call as
         ``compiled(state, fsdp.place_batch(batch))`` (donating ``state``), its HLO text and its

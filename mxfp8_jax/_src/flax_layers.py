@@ -19,6 +19,7 @@ import jax.numpy as jnp
 from flax import nnx
 from flax.nnx.nn import dtypes as nnx_dtypes
 from jax import lax
+from jax.typing import DTypeLike
 
 from mxfp8_jax._src.format import BLOCK
 from mxfp8_jax._src.fsdp_unit import ShardedKernel, unit_matmul
@@ -43,11 +44,11 @@ class Linear(nnx.Module):
         out_features: int,
         *,
         use_bias: bool = True,
-        dtype=jnp.bfloat16,
-        param_dtype=jnp.float32,
-        kernel_init=_LECUN_NORMAL,
+        dtype: DTypeLike = jnp.bfloat16,
+        param_dtype: DTypeLike = jnp.float32,
+        kernel_init: nnx.Initializer = _LECUN_NORMAL,
         rngs: nnx.Rngs,
-    ):
+    ) -> None:
         self.in_features, self.out_features, self.dtype = in_features, out_features, dtype
         self.kernel = Kernel(kernel_init(rngs.params(), (in_features, out_features), param_dtype))
         self.bias = nnx.Param(jnp.zeros((out_features,), param_dtype)) if use_bias else None

@@ -41,6 +41,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.typing import DTypeLike
 
 from mxfp8_jax._src.format import BLOCK
 from mxfp8_jax._src.layout import GlobalLayout
@@ -63,7 +64,9 @@ class UnitGeometry:
     precision: str
 
     @classmethod
-    def build(cls, in_features: int, out_features: int, num_shards: int, axes, precision: str) -> UnitGeometry:
+    def build(
+        cls, in_features: int, out_features: int, num_shards: int, axes: str | tuple[str, ...], precision: str
+    ) -> UnitGeometry:
         if in_features % BLOCK or out_features % BLOCK:
             raise ValueError(
                 f"a unit's kernel [in={in_features}, out={out_features}] needs both dimensions "
@@ -153,7 +156,14 @@ class _Config:
     precision: Any
 
 
-def unit_matmul(x: jax.Array, kernel: ShardedKernel, *, compute_dtype=None, out_dtype=None, precision=None):
+def unit_matmul(
+    x: jax.Array,
+    kernel: ShardedKernel,
+    *,
+    compute_dtype: DTypeLike | None = None,
+    out_dtype: DTypeLike | None = None,
+    precision: lax.PrecisionLike = None,
+) -> jax.Array:
     """``x @ kernel``: ``x [..., in]`` times the unit's kernel ``[in, out]`` -> ``[..., out]``.
 
     Operands are rounded to ``compute_dtype`` (default ``x.dtype``) and accumulated in fp32;

@@ -341,7 +341,7 @@ def allgather_rmsnorm_quant_local(
     strategy: str = "auto",
     scale_rule: str = "rceil",
     p2p_timeout_s: float = DEFAULT_P2P_TIMEOUT_S,
-):
+) -> tuple[jax.Array, ...]:
     """The fused op as one device sees it, for use inside ``jax.shard_map`` over ``axis_name``.
 
     ``x [rows_max, H]`` bf16 are this device's rows (valid rows first, padded to the largest
@@ -408,7 +408,7 @@ def allgather_rmsnorm_quant(
     strategy: str = "auto",
     scale_rule: str = "rceil",
     p2p_timeout_s: float = DEFAULT_P2P_TIMEOUT_S,
-):
+) -> tuple[jax.Array, ...]:
     """All-gather + RMSNorm + MXFP8 quantize of ``x`` over mesh axis ``axis`` (docs/design.md §5).
 
     ``x [n * rows_max, H]`` bf16 is row-sharded along ``axis`` (device ``k`` of the axis holds

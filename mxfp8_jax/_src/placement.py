@@ -64,6 +64,7 @@ class BlockAtomic:
 
 
 Placement = Replicate | Partial | RowAtomic | BlockAtomic
+Placements = Sequence[Placement]  # one per mesh axis
 _KINDS = (Replicate, Partial, RowAtomic, BlockAtomic)
 
 

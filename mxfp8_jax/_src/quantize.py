@@ -8,6 +8,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+from jax.typing import DTypeLike
 
 from mxfp8_jax._src import backend as backends
 from mxfp8_jax._src import ffi_calls
@@ -86,7 +87,7 @@ def _planes(x2d, *, rowwise: bool, columnwise: bool, rule: fmt.ScaleRule, backen
 _planes_jit = jax.jit(_planes, static_argnames=("rowwise", "columnwise", "rule", "backend"))
 
 
-def dequantize(t: MXFP8Tensor, *, columnwise: bool = False, dtype=jnp.bfloat16) -> jax.Array:
+def dequantize(t: MXFP8Tensor, *, columnwise: bool = False, dtype: DTypeLike = jnp.bfloat16) -> jax.Array:
     """``fp32(q) * 2^(byte - 127)`` of the rowwise (default) or columnwise plane, as ``dtype``.
 
     Exact in fp32 (subnormal results included); bf16 output is rounded to nearest even. ``t``

@@ -251,7 +251,7 @@ class QuantizedDBuffer:
     def empty(
         cls,
         mesh: Mesh,
-        placements,
+        placements: pl.Placements,
         tensor_shapes: Iterable[Sequence[int]],
         *,
         shard_layout: ShardLayout = ShardLayout.PADDED,
@@ -277,7 +277,13 @@ class QuantizedDBuffer:
 
     @classmethod
     def zeros(
-        cls, mesh: Mesh, placements, layout: GlobalLayout, *, rowwise: bool = True, columnwise: bool = True
+        cls,
+        mesh: Mesh,
+        placements: pl.Placements,
+        layout: GlobalLayout,
+        *,
+        rowwise: bool = True,
+        columnwise: bool = True,
     ) -> QuantizedDBuffer:
         """Zero-filled planes over an existing MXFP8 layout (``check_mxfp8_layout``)."""
         check_mxfp8_layout(layout)
@@ -455,7 +461,7 @@ class QuantizedDBuffer:
         (``MXFP8Tensor.padded``)."""
         return self.get_tensor_view(i, rowwise=rowwise, columnwise=columnwise).padded()
 
-    def local_tensor_view(self, i: int, device) -> MXFP8Tensor:
+    def local_tensor_view(self, i: int, device: jax.Device) -> MXFP8Tensor:
         """Host copy of the rows of tensor ``i`` that ``device`` holds, as a compact MXFP8Tensor.
 
         Shape ``[n_rows, K]`` (``n_rows`` may be 0); scales ``[n_rows, K/32]``/``[n_rows/32, K]``.
@@ -473,12 +479,14 @@ class QuantizedDBuffer:
 
     # -- movement ------------------------------------------------------------------------------
 
-    def view(self, placements) -> QuantizedDBuffer:
+    def view(self, placements: pl.Placements) -> QuantizedDBuffer:
         """Every plane under ``placements`` without communication (``DBuffer.view`` rules)."""
         new = _check_placements(self.mesh, placements, "placements")
         return self._move(new, rowwise=True, columnwise=True, how="view")
 
-    def redistribute(self, placements, *, rowwise: bool = True, columnwise: bool = True) -> QuantizedDBuffer:
+    def redistribute(
+        self, placements: pl.Placements, *, rowwise: bool = True, columnwise: bool = True
+    ) -> QuantizedDBuffer:
         """The selected directions' planes under ``placements``; the others stay as they are."""
         new = _check_placements(self.mesh, placements, "placements")
         self._require(rowwise, columnwise, "redistribute")

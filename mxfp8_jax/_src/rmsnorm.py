@@ -191,7 +191,7 @@ def rmsnorm_quant(
     columnwise: bool = False,
     scale_rule: str = "rceil",
     backend: str = "auto",
-):
+) -> tuple[jax.Array, ...]:
     """RMSNorm + MXFP8 quantize of local rows ``x [R, H]`` bf16 with ``gamma [H]`` bf16.
 
     Returns ``(normed, quant, scales)``, plus ``(columnwise_quant, columnwise_scales)`` when

@@ -25,9 +25,12 @@ from __future__ import annotations
 
 import importlib
 import math
+from collections.abc import Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax.typing import DTypeLike
 
 from mxfp8_jax._src import format as fmt
 from mxfp8_jax._src.tensor import MXFP8Tensor
@@ -55,7 +58,7 @@ def _te_scale_shapes(shape: tuple[int, ...]) -> tuple[tuple[int, ...], tuple[int
     return (*lead, k // BLOCK), (*lead[:-1], lead[-1] // BLOCK, k)
 
 
-def to_te(t: MXFP8Tensor, *, dq_dtype=None, flatten: bool = False):
+def to_te(t: MXFP8Tensor, *, dq_dtype: DTypeLike | None = None, flatten: bool = False) -> Any:
     """``t`` as TE JAX's ``ScaledTensor2x`` (both planes) or ``ScaledTensor1x`` (one plane).
 
     Args:
@@ -102,7 +105,7 @@ def to_te(t: MXFP8Tensor, *, dq_dtype=None, flatten: bool = False):
     return te.ScaledTensorFactory.create_1x(data, scale, is_colwise=row is None, data_layout="N", **common)
 
 
-def from_te(scaled, *, shape=None) -> MXFP8Tensor:
+def from_te(scaled: Any, *, shape: Sequence[int] | None = None) -> MXFP8Tensor:
     """An ``MXFP8Tensor`` holding the planes of TE JAX's ``ScaledTensor2x``/``ScaledTensor1x``.
 
     Args:

@@ -21,6 +21,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax.typing import DTypeLike
 
 from mxfp8_jax._src import format as fmt
 
@@ -93,7 +94,7 @@ class MXFP8Tensor:
 
     # -- values ------------------------------------------------------------------------------
 
-    def dequantize(self, *, columnwise: bool = False, dtype=None) -> jax.Array:
+    def dequantize(self, *, columnwise: bool = False, dtype: DTypeLike | None = None) -> jax.Array:
         """``fp32(q) * 2^(byte - 127)`` of one plane, as ``dtype`` (default: the nominal dtype),
         in the logical ``shape``.
 

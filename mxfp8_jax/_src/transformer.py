@@ -16,6 +16,7 @@ the previous position and a learned lookup; only the second token is unpredictab
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterator
 
 import jax
 import jax.numpy as jnp
@@ -60,7 +61,7 @@ def rope(x: jax.Array, base: float) -> jax.Array:
 class Attention(nnx.Module):
     """Causal multi-head self-attention with rotary embeddings; softmax in fp32."""
 
-    def __init__(self, cfg: TransformerConfig, *, rngs: nnx.Rngs):
+    def __init__(self, cfg: TransformerConfig, *, rngs: nnx.Rngs) -> None:
         width, dtype = cfg.heads * cfg.head_dim, jnp.dtype(cfg.dtype)
         linear = lambda i, o: nnx.Linear(i, o, use_bias=False, dtype=dtype, rngs=rngs)
         self.q, self.k, self.v = linear(cfg.hidden, width), linear(cfg.hidden, width), linear(cfg.hidden, width)
@@ -82,7 +83,7 @@ class Attention(nnx.Module):
 class MLP(nnx.Module):
     """SwiGLU: ``down(silu(gate(x)) * up(x))``."""
 
-    def __init__(self, cfg: TransformerConfig, *, rngs: nnx.Rngs):
+    def __init__(self, cfg: TransformerConfig, *, rngs: nnx.Rngs) -> None:
         dtype = jnp.dtype(cfg.dtype)
         linear = lambda i, o: nnx.Linear(i, o, use_bias=False, dtype=dtype, rngs=rngs)
         self.gate, self.up, self.down = (
@@ -98,7 +99,7 @@ class MLP(nnx.Module):
 class Block(nnx.Module):
     """Pre-norm residual block: attention, then MLP."""
 
-    def __init__(self, cfg: TransformerConfig, *, rngs: nnx.Rngs):
+    def __init__(self, cfg: TransformerConfig, *, rngs: nnx.Rngs) -> None:
         self.attn_norm = nnx.RMSNorm(cfg.hidden, epsilon=cfg.eps, rngs=rngs)
         self.attn = Attention(cfg, rngs=rngs)
         self.mlp_norm = nnx.RMSNorm(cfg.hidden, epsilon=cfg.eps, rngs=rngs)
@@ -112,7 +113,7 @@ class Block(nnx.Module):
 class TransformerLM(nnx.Module):
     """Decoder-only LM: ``tokens [batch, seq] int32 -> logits [batch, seq, vocab] fp32``."""
 
-    def __init__(self, cfg: TransformerConfig, *, rngs: nnx.Rngs):
+    def __init__(self, cfg: TransformerConfig, *, rngs: nnx.Rngs) -> None:
         self.cfg = cfg
         self.embed = nnx.Embed(cfg.vocab, cfg.hidden, rngs=rngs)
 
@@ -162,7 +163,7 @@ class SequenceTask:
     ``log(vocab) / (seq_len - 1)`` (only the second token is a guess).
     """
 
-    def __init__(self, vocab: int, seq_len: int, seed: int = 0):
+    def __init__(self, vocab: int, seq_len: int, seed: int = 0) -> None:
         if seq_len < 3:
             raise ValueError(f"seq_len={seq_len} must be at least 3")
         self.vocab, self.seq_len, self.seed = vocab, seq_len, seed
@@ -172,7 +173,7 @@ class SequenceTask:
     def loss_floor(self) -> float:
         return float(np.log(self.vocab) / (self.seq_len - 1))
 
-    def batches(self, steps: int, batch: int):
+    def batches(self, steps: int, batch: int) -> Iterator[np.ndarray]:
         rng = np.random.default_rng(self.seed)
         for _ in range(steps):
             x = np.empty((batch, self.seq_len), np.int32)
