@@ -206,10 +206,7 @@ def _matmul_bwd(cfg: _Config, residuals, dy):
     x, keep = residuals
     keep = _after(keep, dy)  # the backward gather waits for the gradient that needs it
     g = cfg.geometry
-    if g.precision == "mxfp8":
-        w = _gathered_mxfp8(g, keep, columnwise=True, dtype=cfg.compute_dtype)
-    else:
-        w = _gathered_bf16(g, keep).astype(cfg.compute_dtype)
+    w = _gathered_weight(cfg, keep, columnwise=True)
     # dx [..., in] = dy @ W contracts over out: the columnwise blocks of W
     dx = _dot(dy, w, (((dy.ndim - 1,), (0,)), ((), ())), cfg)
     # dW [out, in] = dy.T @ x over every leading axis, fp32; padded rows get zeros
@@ -224,11 +221,7 @@ _matmul.defvjp(_matmul_fwd, _matmul_bwd)
 
 
 def _forward(cfg: _Config, x, master, rowwise):
-    g = cfg.geometry
-    if g.precision == "mxfp8":
-        w = _gathered_mxfp8(g, rowwise, columnwise=False, dtype=cfg.compute_dtype)
-    else:
-        w = _gathered_bf16(g, master).astype(cfg.compute_dtype)
+    w = _gathered_weight(cfg, rowwise if cfg.geometry.precision == "mxfp8" else master, columnwise=False)
     # y [..., out] = x @ W.T contracts over in: the rowwise blocks of W
     y = _dot(x, w, (((x.ndim - 1,), (1,)), ((), ())), cfg)
     return y.astype(cfg.out_dtype)
@@ -262,6 +255,14 @@ def all_gather_rows(x: jax.Array, axes) -> jax.Array:
         full = lax.all_gather(bits, axes, axis=x.ndim - 2, tiled=True)
         return lax.bitcast_convert_type(full, dtype)
     return lax.all_gather(x, axes, axis=x.ndim - 2, tiled=True)
+
+
+def _gathered_weight(cfg: _Config, local, *, columnwise: bool) -> jax.Array:
+    """``W [out, in]`` in the compute dtype from this device's ``local`` shards: the planes of
+    one direction under MXFP8, the master rows under bf16."""
+    if cfg.geometry.precision == "mxfp8":
+        return _gathered_mxfp8(cfg.geometry, local, columnwise=columnwise, dtype=cfg.compute_dtype)
+    return _gathered_bf16(cfg.geometry, local).astype(cfg.compute_dtype)
 
 
 def _gathered_mxfp8(g: UnitGeometry, planes, *, columnwise: bool, dtype) -> jax.Array:
