@@ -76,6 +76,12 @@ def test_demo_mlp_in_process():
     assert report["weight_gather_ratio"] == (1 + 1 / 32) / 2
 
 
+def test_version_is_written_once():
+    import importlib.metadata
+
+    assert importlib.metadata.version("mxfp8-jax") == mx.__version__  # the build reads __init__.py
+
+
 def test_info_prints_versions_devices_and_backends(capsys):
     assert cli.main(["info"]) == 0
     out = capsys.readouterr().out
