@@ -35,17 +35,17 @@ endif()
 message(STATUS "mxfp8: CUDA handlers for ${MXFP8_CUDA_ARCHS} (nvcc ${CMAKE_CUDA_COMPILER_VERSION})")
 
 add_library(mxfp8_cuda_kernels OBJECT
-  cuda/quantize.cu
-  cuda/quantize_segments.cu
-  cuda/rmsnorm_quantize.cu
-  cuda/allgather.cu
+  gpu/quantize.cu
+  gpu/quantize_segments.cu
+  gpu/rmsnorm_quantize.cu
+  gpu/allgather.cu
 )
 set_target_properties(mxfp8_cuda_kernels PROPERTIES
   CUDA_ARCHITECTURES "${MXFP8_CUDA_ARCHS}"
   CUDA_STANDARD 17
   CUDA_STANDARD_REQUIRED ON
   POSITION_INDEPENDENT_CODE ON)
-# The kernels see no XLA header: the FFI handlers (cuda/handlers.cc) are host code of the module.
+# The kernels see no XLA header: the FFI handlers (gpu/handlers.cc) are host code of the module.
 target_include_directories(mxfp8_cuda_kernels PRIVATE
   ${CMAKE_CURRENT_SOURCE_DIR}/include ${CMAKE_CURRENT_SOURCE_DIR})
 # IEEE arithmetic: no fast-math, no contraction into FMA (numerics.h asks for mul_rn/add_rn).
@@ -54,7 +54,7 @@ target_compile_options(mxfp8_cuda_kernels PRIVATE
   $<$<COMPILE_LANGUAGE:CUDA>:-O3 --fmad=false --threads=0 -Xcompiler=-fvisibility=hidden>)
 
 mxfp8_gpu_handlers_objects(_handlers)
-nanobind_add_module(_mxfp8_cuda NB_STATIC cuda/module.cc ${_handlers})
+nanobind_add_module(_mxfp8_cuda NB_STATIC gpu/module.cc ${_handlers})
 target_include_directories(_mxfp8_cuda PRIVATE ${MXFP8_INCLUDES})
 target_compile_definitions(_mxfp8_cuda PRIVATE MXFP8_GPU_MODULE=_mxfp8_cuda)
 target_link_libraries(_mxfp8_cuda PRIVATE mxfp8_cuda_kernels CUDA::cudart_static)

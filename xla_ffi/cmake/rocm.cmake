@@ -1,5 +1,5 @@
-# ROCm handlers: the same sources as the CUDA ones (cuda/*.cu through hip/compat.h) compiled as
-# HIP, the _mxfp8_rocm module, registered for jax platform "ROCM"; code for gfx942 (MI300) and
+# ROCm handlers: the same sources as the CUDA ones (gpu/*.cu, through gpu/hip_compat.h) compiled
+# as HIP, the _mxfp8_rocm module, registered for jax platform "ROCM"; code for gfx942 (MI300) and
 # gfx950 (MI350).
 #
 # MXFP8_ROCM: AUTO builds it when a HIP-capable clang (one that knows gfx942 and gfx950), the
@@ -74,8 +74,8 @@ foreach(_src quantize quantize_segments rmsnorm_quantize allgather)
     OUTPUT ${_obj}
     COMMAND ${CMAKE_COMMAND} -E make_directory ${CMAKE_CURRENT_BINARY_DIR}/hip
     COMMAND ${MXFP8_HIP_CLANG} ${_hip_flags} -MD -MF ${_obj}.d -c
-            ${CMAKE_CURRENT_SOURCE_DIR}/cuda/${_src}.cu -o ${_obj}
-    DEPENDS ${CMAKE_CURRENT_SOURCE_DIR}/cuda/${_src}.cu
+            ${CMAKE_CURRENT_SOURCE_DIR}/gpu/${_src}.cu -o ${_obj}
+    DEPENDS ${CMAKE_CURRENT_SOURCE_DIR}/gpu/${_src}.cu
     DEPFILE ${_obj}.d
     COMMENT "HIP ${_src}.cu (${MXFP8_HIP_ARCHS})"
     VERBATIM)
@@ -84,7 +84,7 @@ endforeach()
 set_source_files_properties(${_hip_objects} PROPERTIES EXTERNAL_OBJECT TRUE GENERATED TRUE)
 
 mxfp8_gpu_handlers_objects(_handlers)
-nanobind_add_module(_mxfp8_rocm NB_STATIC cuda/module.cc ${_handlers} ${_hip_objects})
+nanobind_add_module(_mxfp8_rocm NB_STATIC gpu/module.cc ${_handlers} ${_hip_objects})
 target_include_directories(_mxfp8_rocm PRIVATE ${MXFP8_INCLUDES})
 target_compile_definitions(_mxfp8_rocm PRIVATE MXFP8_GPU_MODULE=_mxfp8_rocm)
 target_link_libraries(_mxfp8_rocm PRIVATE ${MXFP8_AMDHIP64})

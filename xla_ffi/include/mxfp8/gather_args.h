@@ -1,6 +1,6 @@
 // The arguments of mxfp8_allgather_rmsnorm_quantize as one device's call sees them: checked the
 // same way, with the same messages, by the CPU handler (cpu/allgather.cc) and the GPU one
-// (cuda/handlers.cc), and turned into the group's row counts and the signature that the devices
+// (gpu/handlers.cc), and turned into the group's row counts and the signature that the devices
 // of a group compare when they meet. Standard C++ only (no XLA type): each handler reads the
 // sizes off its own buffers.
 #pragma once

@@ -1,5 +1,5 @@
 // The XLA FFI signature of mxfp8_allgather_rmsnorm_quantize, one definition for the CPU handler
-// (cpu/allgather.cc) and the GPU one (cuda/handlers.cc): only the execution context differs,
+// (cpu/allgather.cc) and the GPU one (gpu/handlers.cc): only the execution context differs,
 // XLA:CPU's thread pool or the GPU stream. Operands, results and attributes are described in
 // cpu/allgather.cc.
 #pragma once

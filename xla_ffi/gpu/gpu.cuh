@@ -3,12 +3,12 @@
 // launch-status helper of the launchers declared in launch.h.
 //
 // Built as CUDA by nvcc (_mxfp8_cuda) and as HIP by clang -x hip (_mxfp8_rocm, through
-// hip/compat.h). Kernels use 32-lane groups at most, so they behave the same on 32-lane warps
+// hip_compat.h). Kernels use 32-lane groups at most, so they behave the same on 32-lane warps
 // and 64-lane wavefronts.
 #pragma once
 
 #if defined(__HIPCC__)
-#include "hip/compat.h"
+#include "gpu/hip_compat.h"
 #else
 #include <cuda_runtime.h>
 #endif
@@ -16,7 +16,7 @@
 #include <cstdint>
 #include <string>
 
-#include "cuda/launch.h"
+#include "gpu/launch.h"
 #include "mxfp8/numerics.h"
 
 namespace mxfp8::gpu {

@@ -21,7 +21,7 @@
 //
 // The Python wrapper validates the table; here an entry that breaks the rules above (or would
 // reach past the segment) is ignored, so a bad table can never write out of bounds.
-#include "cuda/tile.cuh"
+#include "gpu/tile.cuh"
 
 namespace mxfp8::gpu {
 

@@ -7,7 +7,7 @@
 // independent row: the order is the same as on a 32-lane warp.
 #pragma once
 
-#include "cuda/tile.cuh"
+#include "gpu/tile.cuh"
 
 namespace mxfp8::gpu {
 

@@ -13,7 +13,7 @@
 // The kernels (rmsnorm_kernels.cuh) read rows through a table of ranks: here one rank, x. The
 // launcher of the in-process all-gather (allgather.cu holds its host protocol) is here too, so
 // that both ops use one compiled set of kernels.
-#include "cuda/rmsnorm_kernels.cuh"
+#include "gpu/rmsnorm_kernels.cuh"
 
 namespace mxfp8::gpu {
 

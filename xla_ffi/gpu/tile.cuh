@@ -24,7 +24,7 @@
 // Requires IEEE fp32 (no flush-to-zero): never compile these kernels with fast-math.
 #pragma once
 
-#include "cuda/gpu.cuh"
+#include "gpu/gpu.cuh"
 
 namespace mxfp8::gpu {
 

@@ -13,7 +13,7 @@
 //     the normed band in both directions (tile.cuh).
 #pragma once
 
-#include "cuda/rmsnorm.cuh"
+#include "gpu/rmsnorm.cuh"
 
 namespace mxfp8::gpu {
 

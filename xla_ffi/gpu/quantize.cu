@@ -6,7 +6,7 @@
 //           columnwise_data [M, K] u8, columnwise_scale [M/32, K] u8.
 // Attributes: scale_rule i32 (0 rceil, 1 floor), rowwise bool, columnwise bool.
 // An unrequested plane is passed as a zero-size result and left alone.
-#include "cuda/tile.cuh"
+#include "gpu/tile.cuh"
 
 namespace mxfp8::gpu {
 

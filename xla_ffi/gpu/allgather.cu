@@ -12,8 +12,8 @@
 #include <set>
 #include <utility>
 
-#include "cuda/gpu.cuh"
-#include "cuda/launch.h"
+#include "gpu/gpu.cuh"
+#include "gpu/launch.h"
 
 namespace mxfp8::gpu {
 namespace {

@@ -10,7 +10,7 @@
 #include <utility>
 #include <vector>
 
-#include "cuda/launch.h"
+#include "gpu/launch.h"
 #include "mxfp8/gather_args.h"
 #include "mxfp8/gather_ffi.h"
 #include "mxfp8/rendezvous.h"

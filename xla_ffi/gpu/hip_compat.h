@@ -1,4 +1,4 @@
-// CUDA -> HIP compatibility for the kernels in cuda/: the same sources compile as HIP
+// CUDA -> HIP compatibility for the kernels in this folder: the same sources compile as HIP
 // (`clang -x hip`) for AMD GPUs. Only what those sources use is mapped.
 //
 // Wavefronts are 64 lanes on gfx9 (MI300/MI350). The kernels never assume 64: every
@@ -17,7 +17,7 @@ using cudaError_t = hipError_t;
 #define cudaGetLastError hipGetLastError
 #define cudaGetErrorString hipGetErrorString
 #define cudaMemsetAsync hipMemsetAsync
-// ... and what the all-gather's host protocol needs (cuda/allgather.cu).
+// ... and what the all-gather's host protocol needs (allgather.cu).
 using cudaEvent_t = hipEvent_t;
 using cudaPointerAttributes = hipPointerAttribute_t;
 #define cudaErrorPeerAccessAlreadyEnabled hipErrorPeerAccessAlreadyEnabled
