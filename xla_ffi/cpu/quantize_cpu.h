@@ -17,8 +17,6 @@
 
 namespace mxfp8::cpu {
 
-enum class InType : int { kF32, kBF16, kF16 };
-
 template <InType T>
 struct Input;
 template <>

@@ -11,8 +11,6 @@
 
 namespace mxfp8::gpu {
 
-enum class InType : int { kF32, kBF16, kF16 };
-
 // Destination planes; a null pointer skips its plane.
 struct Planes {
   uint8_t* row_q = nullptr;

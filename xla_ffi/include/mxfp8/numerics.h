@@ -31,6 +31,10 @@ constexpr uint8_t kE4M3NaNCode = 0x7F;
 
 enum class ScaleRule : int32_t { kRceil = 0, kFloor = 1 };
 
+// Element type of a quantize input: the FFI handlers of every platform decode it from the
+// operand, and the kernels are instantiated per type.
+enum class InType : int { kF32, kBF16, kF16 };
+
 // Exactly rounded fp32 multiply and add that no compiler may contract into an FMA.
 MXFP8_HD float mul_rn(float a, float b) {
 #if defined(__CUDA_ARCH__) || defined(__HIP_DEVICE_COMPILE__)
