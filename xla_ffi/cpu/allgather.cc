@@ -43,10 +43,10 @@
 #include <string>
 #include <vector>
 
-#include "cpu/ffi_util.h"
 #include "cpu/fp_env.h"
 #include "cpu/parallel.h"
 #include "cpu/rmsnorm_cpu.h"
+#include "mxfp8/ffi_util.h"
 #include "mxfp8/gather_args.h"
 #include "mxfp8/gather_ffi.h"
 #include "mxfp8/rendezvous.h"

@@ -4,8 +4,9 @@
 // Results:  rowwise_data [M, K] u8, rowwise_scale [M, K/32] u8,
 //           columnwise_data [M, K] u8, columnwise_scale [M/32, K] u8.
 // An unrequested plane is passed as a zero-size result and left alone.
-#include "cpu/ffi_util.h"
 #include "cpu/parallel.h"
+#include "cpu/quantize_cpu.h"
+#include "mxfp8/ffi_util.h"
 
 namespace mxfp8::cpu {
 
@@ -23,8 +24,7 @@ static ffi::Error Quantize(ffi::ThreadPool pool, ffi::AnyBuffer x,
   if (K % kBlock) return invalid("mxfp8_quantize: K must be a multiple of 32");
   if (columnwise && M % kBlock) return invalid("mxfp8_quantize: M must be a multiple of 32");
   const size_t n = static_cast<size_t>(M * K);
-  if ((rowwise && (row_q->size_bytes() != n || row_s->size_bytes() != n / kBlock)) ||
-      (columnwise && (col_q->size_bytes() != n || col_s->size_bytes() != n / kBlock)))
+  if (!plane_sizes_ok(n, rowwise, columnwise, row_q, row_s, col_q, col_s))
     return invalid("mxfp8_quantize: result sizes do not match the input");
   Planes p;
   if (rowwise) p.row_q = bytes(row_q), p.row_s = bytes(row_s);

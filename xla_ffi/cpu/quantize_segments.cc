@@ -15,8 +15,9 @@
 #include <string>
 #include <vector>
 
-#include "cpu/ffi_util.h"
 #include "cpu/parallel.h"
+#include "cpu/quantize_cpu.h"
+#include "mxfp8/ffi_util.h"
 
 namespace mxfp8::cpu {
 
@@ -66,8 +67,7 @@ static ffi::Error QuantizeSegments(ffi::ThreadPool pool, ffi::AnyBuffer x,
                   : static_cast<const int32_t*>(desc.untyped_data())[j];
   };
   const size_t n = static_cast<size_t>(S);
-  if ((rowwise && (row_q->size_bytes() != n || row_s->size_bytes() != n / kBlock)) ||
-      (columnwise && (col_q->size_bytes() != n || col_s->size_bytes() != n / kBlock)))
+  if (!plane_sizes_ok(n, rowwise, columnwise, row_q, row_s, col_q, col_s))
     return invalid("mxfp8_quantize_segments: result sizes do not match the segment");
 
   // The descriptors are checked here only so that a wrong table cannot write out of bounds.

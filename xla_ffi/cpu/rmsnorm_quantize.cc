@@ -9,11 +9,11 @@
 // the quantized planes are those of normed (or of the unrounded fp32 value).
 #include <vector>
 
-#include "cpu/ffi_util.h"
 #include "cpu/fp_env.h"
 #include "cpu/isa.h"
 #include "cpu/parallel.h"
 #include "cpu/rmsnorm_cpu.h"
+#include "mxfp8/ffi_util.h"
 
 namespace mxfp8::cpu {
 
@@ -70,9 +70,8 @@ static ffi::Error RmsnormQuantize(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> x
   if (columnwise && R % kBlock)
     return invalid("mxfp8_rmsnorm_quantize: R must be a multiple of 32 for columnwise output");
   const size_t n = static_cast<size_t>(R * H);
-  if (normed->element_count() != n || row_q->size_bytes() != n ||
-      row_s->size_bytes() != n / kBlock ||
-      (columnwise && (col_q->size_bytes() != n || col_s->size_bytes() != n / kBlock)))
+  if (normed->element_count() != n ||
+      !plane_sizes_ok(n, true, columnwise, row_q, row_s, col_q, col_s))
     return invalid("mxfp8_rmsnorm_quantize: result sizes do not match x");
   if (R == 0) return ffi::Error::Success();
 

@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "gpu/launch.h"
+#include "mxfp8/ffi_util.h"
 #include "mxfp8/gather_args.h"
 #include "mxfp8/gather_ffi.h"
 #include "mxfp8/rendezvous.h"
@@ -19,36 +20,14 @@
 namespace mxfp8::gpu {
 namespace {
 
-namespace ffi = xla::ffi;
-
-bool input_type(ffi::DataType t, InType* out) {
-  switch (t) {
-    case ffi::DataType::F32: *out = InType::kF32; return true;
-    case ffi::DataType::BF16: *out = InType::kBF16; return true;
-    case ffi::DataType::F16: *out = InType::kF16; return true;
-    default: return false;
-  }
-}
-
-ffi::Error invalid(const std::string& msg) {
-  return ffi::Error(ffi::ErrorCode::kInvalidArgument, msg);
-}
-
+// A launcher's result (nullptr or the runtime's message) as the handler's status.
 ffi::Error status(const char* target, const char* launch_error) {
   if (launch_error == nullptr) return ffi::Error::Success();
   return ffi::Error(ffi::ErrorCode::kInternal,
                     std::string(target) + ": kernel launch failed: " + launch_error);
 }
 
-uint8_t* bytes(ffi::Result<ffi::AnyBuffer>& r) { return static_cast<uint8_t*>(r->untyped_data()); }
-
-bool plane_sizes_ok(size_t n, bool rowwise, bool columnwise, ffi::Result<ffi::AnyBuffer>& row_q,
-                    ffi::Result<ffi::AnyBuffer>& row_s, ffi::Result<ffi::AnyBuffer>& col_q,
-                    ffi::Result<ffi::AnyBuffer>& col_s) {
-  return !((rowwise && (row_q->size_bytes() != n || row_s->size_bytes() != n / kBlock)) ||
-           (columnwise && (col_q->size_bytes() != n || col_s->size_bytes() != n / kBlock)));
-}
-
+// The launchers' destination planes: the requested ones, null pointers for the others.
 Planes planes(bool rowwise, bool columnwise, ffi::Result<ffi::AnyBuffer>& row_q,
               ffi::Result<ffi::AnyBuffer>& row_s, ffi::Result<ffi::AnyBuffer>& col_q,
               ffi::Result<ffi::AnyBuffer>& col_s) {

@@ -1,0 +1,47 @@
+// XLA FFI helpers shared by the CPU handlers (cpu/*.cc) and the GPU ones (gpu/handlers.cc):
+// the input element type, argument errors, and the bytes and sizes of the MXFP8 result planes.
+// Host code of the handlers only: the kernels never see an XLA header.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+
+#include "mxfp8/numerics.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace mxfp8 {
+
+namespace ffi = xla::ffi;
+
+// The InType of an operand's element type; false unless it is f32, bf16 or f16.
+inline bool input_type(ffi::DataType t, InType* out) {
+  switch (t) {
+    case ffi::DataType::F32: *out = InType::kF32; return true;
+    case ffi::DataType::BF16: *out = InType::kBF16; return true;
+    case ffi::DataType::F16: *out = InType::kF16; return true;
+    default: return false;
+  }
+}
+
+inline ffi::Error invalid(const std::string& msg) {
+  return ffi::Error(ffi::ErrorCode::kInvalidArgument, msg);
+}
+
+// A plane's bytes: E4M3 codes and E8M0 scales are one byte per element, whatever element type
+// the caller declared the result with.
+inline uint8_t* bytes(ffi::Result<ffi::AnyBuffer>& r) {
+  return static_cast<uint8_t*>(r->untyped_data());
+}
+
+// Whether the requested planes of n input elements have their sizes: n bytes of codes and
+// n / 32 bytes of scales each (rowwise and columnwise alike). Unrequested planes are not looked
+// at (callers pass them as zero-size results).
+inline bool plane_sizes_ok(size_t n, bool rowwise, bool columnwise,
+                           ffi::Result<ffi::AnyBuffer>& row_q, ffi::Result<ffi::AnyBuffer>& row_s,
+                           ffi::Result<ffi::AnyBuffer>& col_q, ffi::Result<ffi::AnyBuffer>& col_s) {
+  return !((rowwise && (row_q->size_bytes() != n || row_s->size_bytes() != n / kBlock)) ||
+           (columnwise && (col_q->size_bytes() != n || col_s->size_bytes() != n / kBlock)));
+}
+
+}  // namespace mxfp8
