@@ -194,8 +194,158 @@ ffi::Error meeting_error(const Result& r) {
                     r.error);
 }
 
+ffi::Error gather_error(ffi::ErrorCode code, const std::string& msg) {
+  return ffi::Error(code, std::string(kGatherName) + ": " + msg);
+}
+
 std::string rank_on_gpu(int rank, int device) {
   return "rank " + std::to_string(rank) + " (GPU " + std::to_string(device) + ")";
+}
+
+// Keeps the first failure of a rank after meeting 1: it is taken to meeting 2.
+void note(Done* done, ffi::ErrorCode code, const std::string& msg) {
+  if (done->error.empty()) done->code = code, done->error = msg;
+}
+
+// One rank's call, once its arguments are checked: what the steps below share.
+struct GatherCall {
+  void* stream = nullptr;
+  int device = -1;  // the GPU that holds this rank's inputs
+  int rank = 0;     // within the group
+  int n = 0;        // ranks in the group
+  GatherPlan plan;
+  rendezvous::Key key;
+  std::string signature;  // what every rank of the group must agree on
+  std::chrono::milliseconds timeout{0};
+  // The kernel's arguments other than the rows.
+  const uint16_t* x = nullptr;
+  const uint16_t* gamma = nullptr;
+  NormParams prm;
+  NormOut out;
+  bool columnwise = false;
+  bool quantize_from_fp32 = false;
+};
+
+// Step 1, decoding the arguments. The kernel's row table holds kMaxGatherRanks ranks.
+ffi::Error check_group_size(int64_t group_size) {
+  if (group_size <= kMaxGatherRanks) return ffi::Error::Success();
+  return invalid(std::string(kGatherName) + ": group_size=" + std::to_string(group_size) +
+                 " exceeds the " + std::to_string(kMaxGatherRanks) +
+                 " ranks the GPU kernel reads from (its row table travels in the kernel's "
+                 "arguments); use smaller groups or strategy='xla'");
+}
+
+// Step 1, continued. `where` (rank, group, rendezvous id) is computed on the device, and the
+// host needs it to find its group: it is copied once the work that produces it is done (this
+// waits for the stream). A `where` of the wrong size is left for plan_gather to reject.
+ffi::Error read_where(void* stream, const ffi::Buffer<ffi::S32>& where, int32_t (&host)[3],
+                      int* device) {
+  if (where.element_count() != 3) return ffi::Error::Success();
+  if (const char* e = gpu_device_of(where.untyped_data(), device))
+    return gather_error(ffi::ErrorCode::kInternal,
+                        std::string("cannot tell the device of the inputs: ") + e);
+  if (const char* e = gpu_copy_to_host(stream, *device, host, where.untyped_data(), sizeof host))
+    return gather_error(ffi::ErrorCode::kInternal, std::string("reading `where` failed: ") + e);
+  return ffi::Error::Success();
+}
+
+// Step 2, meeting 1 (inputs ready): records the "ready" event and exchanges x, device and event
+// with the peers. Fails on every rank alike when the meeting fails or a rank cannot take part.
+ffi::Error meet_inputs_ready(const GatherCall& c, std::vector<Ready>* peers) {
+  Ready mine;
+  mine.x = c.x;
+  mine.device = c.device;
+  void* ready_event = nullptr;
+  if (const char* e = gpu_record_event(c.stream, c.device, &ready_event))
+    mine.error = std::string("recording an event failed: ") + e;
+  else
+    mine.event = owned_event(c.device, ready_event);
+  auto ready = ReadyMeeting().Meet(c.key, c.rank, c.n, c.signature, std::move(mine), c.timeout);
+  if (!ready.ok) return meeting_error(ready);
+  for (int k = 0; k < c.n; ++k)
+    if (!ready.values[k].error.empty())
+      return gather_error(ffi::ErrorCode::kInternal,
+                          rank_on_gpu(k, ready.values[k].device) + ": " + ready.values[k].error);
+  *peers = std::move(ready.values);
+  return ffi::Error::Success();
+}
+
+// Step 3: lets this GPU read the peers' inputs. Peer access to every GPU whose rows it reads
+// (once per pair), then its stream waits for every peer's ready event. Stops at the first
+// failure, noted in `done`.
+void open_peer_reads(const GatherCall& c, const std::vector<Ready>& peers, Done* done) {
+  for (int k = 0; k < c.n && done->error.empty(); ++k) {
+    const int peer = peers[k].device;
+    if (k == c.rank || peer == c.device || c.plan.counts[k] == 0) continue;  // reads nothing there
+    bool can = false;
+    if (const char* e = gpu_can_access_peer(c.device, peer, &can)) {
+      note(done, ffi::ErrorCode::kInternal, "querying peer access failed: " + std::string(e));
+    } else if (!can) {
+      note(done, ffi::ErrorCode::kFailedPrecondition,
+           rank_on_gpu(c.rank, c.device) + " cannot access the memory of " + rank_on_gpu(k, peer) +
+               ": the runtime reports no peer access between GPU " + std::to_string(c.device) +
+               " and GPU " + std::to_string(peer) +
+               " (no NVLink or PCIe P2P path). strategy='p2p' reads the peers' inputs "
+               "directly; use strategy='xla' on this machine");
+    } else if (const char* e = gpu_enable_peer_access(c.device, peer)) {
+      note(done, ffi::ErrorCode::kInternal,
+           "enabling peer access from GPU " + std::to_string(c.device) + " to GPU " +
+               std::to_string(peer) + " failed: " + e);
+    }
+  }
+  for (int k = 0; k < c.n && done->error.empty(); ++k)
+    if (k != c.rank)
+      if (const char* e = gpu_stream_wait(c.stream, c.device, peers[k].event.get()))
+        note(done, ffi::ErrorCode::kInternal,
+             std::string("waiting for a peer's input failed: ") + e);
+}
+
+// Step 4: the kernel over the group's rows, then the "done" event the peers wait for (or, when
+// no event can be had, the kernel is finished here, which does as well). Failures are noted in
+// `done`.
+void launch_gather(const GatherCall& c, const std::vector<Ready>& peers, Done* done) {
+  GatherRows rows;
+  rows.ranks = c.n;
+  for (int k = 0; k < c.n; ++k) {
+    rows.base[k] = peers[k].x;
+    rows.start[k + 1] = rows.start[k] + c.plan.counts[k];
+  }
+  if (const char* e = launch_allgather_rmsnorm_quantize(c.stream, rows, c.gamma, c.plan.R, c.prm,
+                                                        c.out, c.columnwise,
+                                                        c.quantize_from_fp32)) {
+    note(done, ffi::ErrorCode::kInternal, std::string("kernel launch failed: ") + e);
+    return;
+  }
+  void* done_event = nullptr;
+  if (gpu_record_event(c.stream, c.device, &done_event) == nullptr) {
+    done->event = owned_event(c.device, done_event);
+  } else if (const char* e = gpu_stream_sync(c.stream, c.device)) {
+    note(done, ffi::ErrorCode::kInternal,
+         std::string("cannot tell the peers when the kernel is done: ") + e);
+  }
+}
+
+// Step 5, meeting 2 (reads done): exchanges the done events and errors, and makes this stream
+// wait for every peer's event. Returns the group's first error (in rank order) on every rank,
+// this rank's own included; devices[k] is rank k's GPU.
+ffi::Error meet_reads_done(const GatherCall& c, const std::vector<int>& devices, Done done) {
+  auto finished = DoneMeeting().Meet(c.key, c.rank, c.n, c.signature, std::move(done), c.timeout);
+  if (!finished.ok) return meeting_error(finished);
+  std::string wait_error;
+  for (int k = 0; k < c.n; ++k)
+    if (k != c.rank && finished.values[k].event)
+      if (const char* e = gpu_stream_wait(c.stream, c.device, finished.values[k].event.get()))
+        if (wait_error.empty()) wait_error = e;
+  for (int k = 0; k < c.n; ++k) {
+    const Done& d = finished.values[k];
+    if (!d.error.empty())
+      return gather_error(
+          d.code, (k == c.rank ? "" : "peer " + rank_on_gpu(k, devices[k]) + ": ") + d.error);
+  }
+  if (!wait_error.empty())
+    return gather_error(ffi::ErrorCode::kInternal,
+                        "waiting for the peers' reads failed: " + wait_error);
+  return ffi::Error::Success();
 }
 
 ffi::Error AllgatherRmsnormQuantize(
@@ -206,134 +356,47 @@ ffi::Error AllgatherRmsnormQuantize(
     ffi::Result<ffi::Buffer<ffi::BF16>> residual, int64_t op_id, int64_t group_size,
     ffi::Span<const int64_t> row_counts, float eps, float weight_offset, bool quantize_from_fp32,
     bool columnwise, int32_t scale_rule, int64_t timeout_ms) {
-  const std::string name = kGatherName;
-  const auto internal = [&](const std::string& msg) {
-    return ffi::Error(ffi::ErrorCode::kInternal, name + ": " + msg);
-  };
-  if (group_size > kMaxGatherRanks)
-    return invalid(name + ": group_size=" + std::to_string(group_size) + " exceeds the " +
-                   std::to_string(kMaxGatherRanks) +
-                   " ranks the GPU kernel reads from (its row table travels in the kernel's "
-                   "arguments); use smaller groups or strategy='xla'");
-
-  // `where` (rank, group, rendezvous id) is computed on the device, and the host needs it to
-  // find its group: copy it once the work that produces it is done (this waits for the stream).
+  // 1. Decode and check the arguments (the CPU handler's checks: mxfp8/gather_args.h).
+  if (ffi::Error e = check_group_size(group_size); e.failure()) return e;
+  GatherCall c;
   int32_t where_host[3] = {0, 0, 0};
-  int device = -1;
-  if (where.element_count() == 3) {
-    if (const char* e = gpu_device_of(where.untyped_data(), &device))
-      return internal(std::string("cannot tell the device of the inputs: ") + e);
-    if (const char* e = gpu_copy_to_host(stream, device, where_host, where.untyped_data(),
-                                         sizeof where_host))
-      return internal(std::string("reading `where` failed: ") + e);
-  }
-  GatherPlan plan;
+  if (ffi::Error e = read_where(stream, where, where_host, &c.device); e.failure()) return e;
   if (std::string why = plan_gather(
           read_gather_args(x, gamma, where, where_host, group_size, row_counts, columnwise,
                            normed, row_q, row_s, col_q, col_s, residual),
-          &plan);
+          &c.plan);
       !why.empty())
-    return invalid(name + ": " + why);
-  if (plan.R == 0) return ffi::Error::Success();  // the whole group has no rows: nothing to read
+    return invalid(std::string(kGatherName) + ": " + why);
+  if (c.plan.R == 0) return ffi::Error::Success();  // the whole group has no rows: nothing to read
+  c.stream = stream;
+  c.rank = static_cast<int>(c.plan.rank);
+  c.n = static_cast<int>(group_size);
+  c.key = rendezvous::Key{run_id.run_id, op_id, c.plan.rendezvous_id};
+  c.signature =
+      gather_signature(c.plan, eps, weight_offset, quantize_from_fp32, columnwise, scale_rule);
+  c.timeout = std::chrono::milliseconds(timeout_ms);
+  c.x = reinterpret_cast<const uint16_t*>(x.typed_data());
+  c.gamma = reinterpret_cast<const uint16_t*>(gamma.typed_data());
+  c.prm = norm_params(c.plan.H, eps, weight_offset, scale_rule);
+  c.out = norm_out(normed, row_q, row_s, col_q, col_s, columnwise);
+  c.out.residual = reinterpret_cast<uint16_t*>(residual->typed_data());
+  c.columnwise = columnwise;
+  c.quantize_from_fp32 = quantize_from_fp32;
 
-  const int rank = static_cast<int>(plan.rank), n = static_cast<int>(group_size);
-  const rendezvous::Key key{run_id.run_id, op_id, plan.rendezvous_id};
-  const std::string signature =
-      gather_signature(plan, eps, weight_offset, quantize_from_fp32, columnwise, scale_rule);
-  const auto timeout = std::chrono::milliseconds(timeout_ms);
+  // 2. Meeting 1.
+  std::vector<Ready> peers;
+  if (ffi::Error e = meet_inputs_ready(c, &peers); e.failure()) return e;
+  std::vector<int> devices(c.n);
+  for (int k = 0; k < c.n; ++k) devices[k] = peers[k].device;
 
-  // Meeting 1: inputs ready.
-  Ready mine;
-  mine.x = reinterpret_cast<const uint16_t*>(x.typed_data());
-  mine.device = device;
-  void* ready_event = nullptr;
-  if (const char* e = gpu_record_event(stream, device, &ready_event))
-    mine.error = std::string("recording an event failed: ") + e;
-  else
-    mine.event = owned_event(device, ready_event);
-  auto ready = ReadyMeeting().Meet(key, rank, n, signature, std::move(mine), timeout);
-  if (!ready.ok) return meeting_error(ready);
-  for (int k = 0; k < n; ++k)
-    if (!ready.values[k].error.empty())
-      return internal(rank_on_gpu(k, ready.values[k].device) + ": " + ready.values[k].error);
-
-  std::vector<int> devices(n);
-  for (int k = 0; k < n; ++k) devices[k] = ready.values[k].device;
-
-  // From here on a failure is noted and taken to meeting 2 (the peers may read this x).
+  // 3, 4. From here on a failure is noted and taken to meeting 2 (the peers may read this x).
   Done done;
-  const auto note = [&](ffi::ErrorCode code, const std::string& msg) {
-    if (done.error.empty()) done.code = code, done.error = msg;
-  };
-  for (int k = 0; k < n && done.error.empty(); ++k) {
-    const int peer = devices[k];
-    if (k == rank || peer == device || plan.counts[k] == 0) continue;  // reads nothing there
-    bool can = false;
-    if (const char* e = gpu_can_access_peer(device, peer, &can)) {
-      note(ffi::ErrorCode::kInternal, "querying peer access failed: " + std::string(e));
-    } else if (!can) {
-      note(ffi::ErrorCode::kFailedPrecondition,
-           rank_on_gpu(rank, device) + " cannot access the memory of " + rank_on_gpu(k, peer) +
-               ": the runtime reports no peer access between GPU " + std::to_string(device) +
-               " and GPU " + std::to_string(peer) +
-               " (no NVLink or PCIe P2P path). strategy='p2p' reads the peers' inputs "
-               "directly; use strategy='xla' on this machine");
-    } else if (const char* e = gpu_enable_peer_access(device, peer)) {
-      note(ffi::ErrorCode::kInternal, "enabling peer access from GPU " + std::to_string(device) +
-                                          " to GPU " + std::to_string(peer) + " failed: " + e);
-    }
-  }
-  for (int k = 0; k < n && done.error.empty(); ++k)
-    if (k != rank)
-      if (const char* e = gpu_stream_wait(stream, device, ready.values[k].event.get()))
-        note(ffi::ErrorCode::kInternal, std::string("waiting for a peer's input failed: ") + e);
-  bool launched = false;
-  if (done.error.empty()) {
-    GatherRows rows;
-    rows.ranks = n;
-    for (int k = 0; k < n; ++k) {
-      rows.base[k] = ready.values[k].x;
-      rows.start[k + 1] = rows.start[k] + plan.counts[k];
-    }
-    const NormParams prm = norm_params(plan.H, eps, weight_offset, scale_rule);
-    NormOut o = norm_out(normed, row_q, row_s, col_q, col_s, columnwise);
-    o.residual = reinterpret_cast<uint16_t*>(residual->typed_data());
-    if (const char* e = launch_allgather_rmsnorm_quantize(
-            stream, rows, reinterpret_cast<const uint16_t*>(gamma.typed_data()), plan.R, prm, o,
-            columnwise, quantize_from_fp32))
-      note(ffi::ErrorCode::kInternal, std::string("kernel launch failed: ") + e);
-    else
-      launched = true;
-  }
-  if (launched) {
-    void* done_event = nullptr;
-    if (gpu_record_event(stream, device, &done_event) == nullptr) {
-      done.event = owned_event(device, done_event);
-    } else if (const char* e = gpu_stream_sync(stream, device)) {
-      // Without an event the peers cannot wait for this kernel; finishing it here would do.
-      note(ffi::ErrorCode::kInternal, std::string("cannot tell the peers when the kernel is "
-                                                  "done: ") + e);
-    }
-  }
-  ready = {};  // every wait on the peers' ready events is enqueued
+  open_peer_reads(c, peers, &done);
+  if (done.error.empty()) launch_gather(c, peers, &done);
+  peers.clear();  // every wait on the peers' ready events is enqueued
 
-  // Meeting 2: reads done.
-  auto finished = DoneMeeting().Meet(key, rank, n, signature, std::move(done), timeout);
-  if (!finished.ok) return meeting_error(finished);
-  std::string wait_error;
-  for (int k = 0; k < n; ++k)
-    if (k != rank && finished.values[k].event)
-      if (const char* e = gpu_stream_wait(stream, device, finished.values[k].event.get()))
-        if (wait_error.empty()) wait_error = e;
-  for (int k = 0; k < n; ++k) {
-    const Done& d = finished.values[k];
-    if (!d.error.empty())
-      return ffi::Error(d.code, name + ": " +
-                                    (k == rank ? "" : "peer " + rank_on_gpu(k, devices[k]) + ": ") +
-                                    d.error);
-  }
-  if (!wait_error.empty()) return internal("waiting for the peers' reads failed: " + wait_error);
-  return ffi::Error::Success();
+  // 5. Meeting 2.
+  return meet_reads_done(c, devices, std::move(done));
 }
 
 }  // namespace
