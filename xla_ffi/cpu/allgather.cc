@@ -13,9 +13,10 @@
 //                               folds in the device's position along the other mesh axes)
 // Results (R = the group's total row count, sum of its ranks' row_counts):
 //   normed   [R, H] bf16        bf16_rne((x * inv) * (gamma + weight_offset)), order of numerics.h
-//   row_q    [R, H] u8          E4M3 codes of normed (or of the unrounded fp32 value)
+//   row_q    [R, H] e4m3        E4M3 codes of normed (or of the unrounded fp32 value), declared
+//                               float8_e4m3fn by the Python wrapper
 //   row_s    [R, H/32] u8       E8M0 scales
-//   col_q    [R, H] u8          columnwise plane, or uint8[0] unless columnwise
+//   col_q    [R, H] e4m3        columnwise codes, or uint8[0] unless columnwise
 //   col_s    [R/32, H] u8       columnwise scales, or uint8[0] unless columnwise
 //   residual [R, H] bf16        the gathered x, bit for bit
 // Attributes:

@@ -1,8 +1,9 @@
 // mxfp8_rmsnorm_quantize (CPU): RMSNorm of each row, then MXFP8 of the result, in one pass.
 //
 // Operands: x [R, H] bf16, gamma [H] bf16.
-// Results:  normed [R, H] bf16, row_q [R, H] u8, row_s [R, H/32] u8,
-//           col_q [R, H] u8, col_s [R/32, H] u8 (zero-size uint8[0] unless columnwise).
+// Results:  normed [R, H] bf16, row_q [R, H] e4m3, row_s [R, H/32] u8,
+//           col_q [R, H] e4m3, col_s [R/32, H] u8 (zero-size uint8[0] unless columnwise).
+//           e4m3 is float8_e4m3fn, as the Python wrapper declares the codes.
 // Attributes: eps f32, weight_offset f32, quantize_from_fp32 bool, columnwise bool,
 //             scale_rule i32 (0 rceil, 1 floor).
 // normed = bf16_rne((x * inv) * (gamma + weight_offset)) in the order pinned in numerics.h;

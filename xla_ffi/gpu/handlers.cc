@@ -137,7 +137,7 @@ ffi::Error RmsnormQuantize(void* stream, ffi::Buffer<ffi::BF16> x, ffi::Buffer<f
 }
 
 // ---------------------------------------------------------------------------------------------
-// mxfp8_allgather_rmsnorm_quantize (experimental: not yet run on multi-GPU hardware).
+// mxfp8_allgather_rmsnorm_quantize (experimental; see xla_ffi/README.md).
 //
 // Every device of a group runs the kernel for the whole group, reading the peers' rows straight
 // from their inputs over peer access. XLA runs the program of each device of a single-process

@@ -30,7 +30,7 @@ NB_MODULE(MXFP8_GPU_MODULE, m) {
     d["mxfp8_quantize"] = capsule(mxfp8::gpu::QuantizeHandler);
     d["mxfp8_quantize_segments"] = capsule(mxfp8::gpu::QuantizeSegmentsHandler);
     d["mxfp8_rmsnorm_quantize"] = capsule(mxfp8::gpu::RmsnormQuantizeHandler);
-    // Experimental: the in-process gather has not run on multi-GPU hardware yet.
+    // Experimental (xla_ffi/README.md): Python calls it only for strategy="p2p".
     d["mxfp8_allgather_rmsnorm_quantize"] = capsule(mxfp8::gpu::AllgatherRmsnormQuantizeHandler);
     return d;
   });

@@ -2,8 +2,9 @@
 // pass over it. Operands, results and attributes as the CPU handler (cpu/quantize.cc):
 //
 // Operands: x [..., K] (f32 / bf16 / f16; leading axes are rows).
-// Results:  rowwise_data [M, K] u8, rowwise_scale [M, K/32] u8,
-//           columnwise_data [M, K] u8, columnwise_scale [M/32, K] u8.
+// Results:  row_q [M, K] e4m3, row_s [M, K/32] u8, col_q [M, K] e4m3, col_s [M/32, K] u8
+//           (E4M3 codes as float8_e4m3fn, E8M0 scales as uint8: the types the Python wrapper
+//           declares; the handler checks sizes in bytes only).
 // Attributes: scale_rule i32 (0 rceil, 1 floor), rowwise bool, columnwise bool.
 // An unrequested plane is passed as a zero-size result and left alone.
 #include "gpu/tile.cuh"

@@ -4,9 +4,10 @@
 //
 // Operands: x [S] (f32 / bf16 / f16), desc [P, 3] i64 or i32 rows (offset, rows, row_len);
 //           a row with rows == 0 is unused.
-// Results:  row_q [S], row_s [S/32], col_q [S], col_s [S/32] (u8). The piece at `offset` is an
-//           [rows, row_len] matrix; its rowwise scales [rows, row_len/32] and columnwise scales
-//           [rows/32, row_len] both start at offset/32. Bytes no piece covers are written as 0.
+// Results:  row_q [S], row_s [S/32], col_q [S], col_s [S/32], all u8 (codes too). The piece at
+//           `offset` is an [rows, row_len] matrix; its rowwise scales [rows, row_len/32] and
+//           columnwise scales [rows/32, row_len] both start at offset/32. Bytes no piece covers
+//           are written as 0.
 // Attributes: scale_rule i32, rowwise bool, columnwise bool.
 //
 // The descriptor table lives on the device (it is data chosen per device under SPMD), so the

@@ -5,7 +5,7 @@
 // asked for FTZ, and 2^-127 (scale byte 0) is an fp32 subnormal. Integer code gives the same
 // bytes whatever the floating-point environment, on every platform.
 //
-// Rules (see the project SPEC, section 2):
+// Rules (the numerics of docs/design.md):
 //   amax   = max |x| over a 32-element block, NaN elements ignored, starting from 0
 //   rceil  : v = fp32_mul_rn(amax, fp32(1/448)); byte = exp(v) rounded up on its fp32 bits
 //   floor  : byte = clamp(floor(log2(amax)) - 8 + 127, 0, 254), amax 0 -> 0
@@ -229,8 +229,8 @@ MXFP8_HD uint32_t e8m0_to_f32_bits(uint8_t byte) {
 
 
 // ---------------------------------------------------------------------------------------------
-// RMSNorm (SPEC section 5), in one canonical evaluation order so that every kernel (CPU, CUDA,
-// HIP) produces the same bits:
+// RMSNorm (the fused op of docs/design.md), in one canonical evaluation order so that every
+// kernel (CPU, CUDA, HIP) produces the same bits:
 //   sumsq  = 32 fp32 partial sums; partial j accumulates, in increasing i and then v, x^2 of the
 //            elements 256*i + 8*j + v (v = 0..7) that exist; then a pairwise tree
 //            p[j] += p[j + s] for s = 16, 8, 4, 2, 1 (j < s); sumsq = p[0]
