@@ -1,8 +1,8 @@
 // mxfp8_allgather_rmsnorm_quantize (CPU): all-gather + RMSNorm + MXFP8 quantize, in process.
 //
 // One custom call per device. The devices of a group meet in an in-process rendezvous keyed by
-// (RunId, op_id, rendezvous id), exchange their input buffers, and the rows are read straight from the
-// peers' inputs while they are normalized and quantized: there is no separate gather pass.
+// (RunId, op_id, rendezvous id), exchange their input buffers, and the rows are read straight from
+// the peers' inputs while they are normalized and quantized: there is no separate gather pass.
 //
 // Operands:
 //   x      [rows_max, H] bf16   this device's rows, padded to the largest shard (valid rows first)
@@ -137,14 +137,13 @@ void GatherNormQuantize(ffi::ThreadPool& pool, std::vector<Arrival>& ranks,
 }
 
 ffi::Future AllgatherRmsnormQuantize(
-    ffi::ThreadPool pool, ffi::RunId run_id, ffi::Buffer<ffi::BF16> x,
-    ffi::Buffer<ffi::BF16> gamma, ffi::Buffer<ffi::S32> where,
-    ffi::Result<ffi::Buffer<ffi::BF16>> normed, ffi::Result<ffi::AnyBuffer> row_q,
-    ffi::Result<ffi::AnyBuffer> row_s, ffi::Result<ffi::AnyBuffer> col_q,
-    ffi::Result<ffi::AnyBuffer> col_s, ffi::Result<ffi::Buffer<ffi::BF16>> residual,
-    int64_t op_id, int64_t group_size, ffi::Span<const int64_t> row_counts, float eps,
-    float weight_offset, bool quantize_from_fp32, bool columnwise, int32_t scale_rule,
-    int64_t timeout_ms) {
+    ffi::ThreadPool pool, ffi::RunId run_id, ffi::Buffer<ffi::BF16> x, ffi::Buffer<ffi::BF16> gamma,
+    ffi::Buffer<ffi::S32> where, ffi::Result<ffi::Buffer<ffi::BF16>> normed,
+    ffi::Result<ffi::AnyBuffer> row_q, ffi::Result<ffi::AnyBuffer> row_s,
+    ffi::Result<ffi::AnyBuffer> col_q, ffi::Result<ffi::AnyBuffer> col_s,
+    ffi::Result<ffi::Buffer<ffi::BF16>> residual, int64_t op_id, int64_t group_size,
+    ffi::Span<const int64_t> row_counts, float eps, float weight_offset, bool quantize_from_fp32,
+    bool columnwise, int32_t scale_rule, int64_t timeout_ms) {
   // The future must exist before the promise is copied (it checks it is the promise's only one).
   ffi::Promise promise;
   ffi::Future future(promise);
@@ -184,13 +183,9 @@ ffi::Future AllgatherRmsnormQuantize(
       gather_signature(plan, eps, weight_offset, quantize_from_fp32, columnwise, scale_rule),
       std::move(a), std::chrono::milliseconds(timeout_ms));
   switch (joined.status) {
-    case rendezvous::Status::kWaiting:
-      return future;
-    case rendezvous::Status::kFailed:
-      promise.SetError(invalid(joined.error));
-      return future;
-    case rendezvous::Status::kLast:
-      break;
+    case rendezvous::Status::kWaiting: return future;
+    case rendezvous::Status::kFailed: promise.SetError(invalid(joined.error)); return future;
+    case rendezvous::Status::kLast: break;
   }
   GatherNormQuantize(pool, joined.arrivals, counts, p, weight_offset);
   for (int64_t k = 0; k < group_size; ++k) {

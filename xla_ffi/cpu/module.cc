@@ -42,10 +42,14 @@ NB_MODULE(_mxfp8_cpu, m) {
   });
   m.def("set_isa", [](const std::string& name) {
     mxfp8::cpu::CpuIsa isa;
-    if (!mxfp8::cpu::isa_from_name(name.c_str(), &isa))
-      throw nb::value_error(("isa must be one of 'baseline', 'avx2', 'avx512'; got '" + name + "'").c_str());
-    if (!mxfp8::cpu::set_active_isa(isa))
-      throw nb::value_error(("isa='" + name + "': this CPU supports up to '" +
-                             mxfp8::cpu::isa_name(mxfp8::cpu::best_isa()) + "'").c_str());
+    if (!mxfp8::cpu::isa_from_name(name.c_str(), &isa)) {
+      const std::string msg = "isa must be one of 'baseline', 'avx2', 'avx512'; got '" + name + "'";
+      throw nb::value_error(msg.c_str());
+    }
+    if (!mxfp8::cpu::set_active_isa(isa)) {
+      const std::string msg = "isa='" + name + "': this CPU supports up to '" +
+                              mxfp8::cpu::isa_name(mxfp8::cpu::best_isa()) + "'";
+      throw nb::value_error(msg.c_str());
+    }
   });
 }

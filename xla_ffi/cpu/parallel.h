@@ -21,7 +21,8 @@ void parallel_for(xla::ffi::ThreadPool& pool, int64_t n_items, int64_t min_items
                   const Fn& fn) {
   if (n_items <= 0) return;
   const int64_t threads = std::max<int64_t>(1, pool.num_threads());
-  const int64_t tasks = std::min<int64_t>(threads, std::max<int64_t>(1, n_items / std::max<int64_t>(1, min_items_per_task)));
+  const int64_t tasks = std::min<int64_t>(
+      threads, std::max<int64_t>(1, n_items / std::max<int64_t>(1, min_items_per_task)));
   if (tasks <= 1) {
     for (int64_t i = 0; i < n_items; ++i) fn(i);
     return;

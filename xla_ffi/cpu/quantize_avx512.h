@@ -88,14 +88,15 @@ MXFP8_TARGET_AVX512 inline bool scales32(__m512i amax, __m512i least_nz_m1, Scal
     s = _mm512_maskz_mov_epi16(~is_zero, s);
   }
   // Non-zero blocks: sc >= 7 and least non-zero |h| >= (sc - 6) << 7.
-  const __m512i thr = _mm512_sub_epi16(_mm512_slli_epi16(_mm512_sub_epi16(s, _mm512_set1_epi16(6)), 7),
-                                       _mm512_set1_epi16(1));
+  const __m512i thr = _mm512_sub_epi16(
+      _mm512_slli_epi16(_mm512_sub_epi16(s, _mm512_set1_epi16(6)), 7), _mm512_set1_epi16(1));
   bad |= ~is_zero & (_mm512_cmplt_epi16_mask(s, _mm512_set1_epi16(7)) |
                      _mm512_cmplt_epu16_mask(least_nz_m1, thr));
   if (bad) return false;
   *sc = s;
   // k << 7 = (127 - sc) << 7; zero blocks take 120 << 7
-  *kk = _mm512_mask_blend_epi16(is_zero, _mm512_slli_epi16(_mm512_sub_epi16(_mm512_set1_epi16(127), s), 7),
+  *kk = _mm512_mask_blend_epi16(is_zero,
+                                _mm512_slli_epi16(_mm512_sub_epi16(_mm512_set1_epi16(127), s), 7),
                                 _mm512_set1_epi16(120 << 7));
   return true;
 }
@@ -103,10 +104,13 @@ MXFP8_TARGET_AVX512 inline bool scales32(__m512i amax, __m512i least_nz_m1, Scal
 // vec::cast16 on 32 lanes: the codes in the low bytes of the 16-bit lanes.
 MXFP8_TARGET_AVX512 inline __m512i cast32(__m512i h, __m512i a, __m512i kk) {
   __m512i yb = _mm512_add_epi16(a, kk);
-  yb = _mm512_min_epi16(_mm512_max_epi16(yb, _mm512_set1_epi16(120 << 7)), _mm512_set1_epi16(0x43E0));
+  yb = _mm512_min_epi16(_mm512_max_epi16(yb, _mm512_set1_epi16(120 << 7)),
+                        _mm512_set1_epi16(0x43E0));
   const __m512i odd = _mm512_and_si512(_mm512_srli_epi16(yb, 4), _mm512_set1_epi16(1));
   const __m512i cn = _mm512_srli_epi16(
-      _mm512_add_epi16(_mm512_add_epi16(yb, _mm512_set1_epi16(static_cast<int16_t>(7 - (120 << 7)))), odd), 4);
+      _mm512_add_epi16(
+          _mm512_add_epi16(yb, _mm512_set1_epi16(static_cast<int16_t>(7 - (120 << 7)))), odd),
+      4);
   // cn | (h >> 8 & 0x80): ternary-logic table A | (B & C)
   return _mm512_ternarylogic_epi32(cn, _mm512_srli_epi16(h, 8), _mm512_set1_epi16(0x80), 0xF8);
 }
@@ -123,7 +127,8 @@ MXFP8_TARGET_AVX512 inline void store32(__m512i code, uint8_t* q) {
 MXFP8_TARGET_AVX512 inline void store64(__m512i c0, __m512i c1, uint8_t* q) {
   // packus interleaves 8-byte pieces of c0 and c1 per 128-bit lane: c0.0 c1.0 c0.1 c1.1 ...
   const __m512i packed = _mm512_packus_epi16(c0, c1);  // codes are 0..255: no saturation
-  _mm512_storeu_si512(q, _mm512_permutexvar_epi64(_mm512_setr_epi64(0, 2, 4, 6, 1, 3, 5, 7), packed));
+  _mm512_storeu_si512(q,
+                      _mm512_permutexvar_epi64(_mm512_setr_epi64(0, 2, 4, 6, 1, 3, 5, 7), packed));
 }
 
 // Eight consecutive rowwise bf16 blocks at x: codes q [256], scales s [8].
@@ -153,8 +158,8 @@ MXFP8_TARGET_AVX512 inline bool bf16_row_group8(const uint16_t* x, uint8_t* q, u
 
 // Columnwise blocks of 32 columns of a 32-row tile: x rows xs elements apart, codes q (rows qs
 // bytes apart), scales s [32].
-MXFP8_TARGET_AVX512 inline bool bf16_columns32(const uint16_t* x, int64_t xs, uint8_t* q, int64_t qs,
-                                               uint8_t* s, ScaleRule rule) {
+MXFP8_TARGET_AVX512 inline bool bf16_columns32(const uint16_t* x, int64_t xs, uint8_t* q,
+                                               int64_t qs, uint8_t* s, ScaleRule rule) {
   // Two independent chains of statistics (even and odd rows).
   __m512i mx0 = _mm512_setzero_si512(), mx1 = mx0;
   __m512i nz0 = _mm512_set1_epi16(-1), nz1 = nz0;
@@ -165,7 +170,8 @@ MXFP8_TARGET_AVX512 inline bool bf16_columns32(const uint16_t* x, int64_t xs, ui
     mx1 = _mm512_max_epu16(mx1, s1.abs), nz1 = _mm512_min_epu16(nz1, s1.nz);
   }
   __m512i sc, kk;
-  if (!scales32(_mm512_max_epu16(mx0, mx1), _mm512_min_epu16(nz0, nz1), rule, &sc, &kk)) return false;
+  if (!scales32(_mm512_max_epu16(mx0, mx1), _mm512_min_epu16(nz0, nz1), rule, &sc, &kk))
+    return false;
   store32(sc, s);
   for (int r = 0; r < kBlock; ++r) {
     const __m512i h = _mm512_loadu_si512(x + r * xs);

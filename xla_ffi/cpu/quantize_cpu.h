@@ -41,7 +41,8 @@ template <InType T>
 MXFP8_CPU_LOOP void quantize_block_scalar(const typename Input<T>::Elem* x, uint8_t* q, uint8_t* s,
                                           ScaleRule rule) {
   uint32_t amax = 0;
-  for (int i = 0; i < kBlock; ++i) amax = std::max(amax, abs_bits_or_zero_if_nan(Input<T>::bits(x[i])));
+  for (int i = 0; i < kBlock; ++i)
+    amax = std::max(amax, abs_bits_or_zero_if_nan(Input<T>::bits(x[i])));
   *s = e8m0_scale(amax, rule);
   for (int i = 0; i < kBlock; ++i) q[i] = e4m3_scaled(Input<T>::bits(x[i]), *s);
 }
@@ -55,7 +56,8 @@ MXFP8_CPU_LOOP void quantize_columns_scalar(const typename Input<T>::Elem* x, in
     for (int r = 0; r < kBlock; ++r)
       amax = std::max(amax, abs_bits_or_zero_if_nan(Input<T>::bits(x[r * xs + c])));
     s[c] = e8m0_scale(amax, rule);
-    for (int r = 0; r < kBlock; ++r) q[r * qs + c] = e4m3_scaled(Input<T>::bits(x[r * xs + c]), s[c]);
+    for (int r = 0; r < kBlock; ++r)
+      q[r * qs + c] = e4m3_scaled(Input<T>::bits(x[r * xs + c]), s[c]);
   }
 }
 
@@ -115,17 +117,18 @@ template <InType T>
 MXFP8_HD void store32(const u32x8 c[4], uint8_t* q) {
   if constexpr (T == InType::kBF16) {
     const u32x8 lo = c[0] | (c[1] << 8), hi = c[2] | (c[3] << 8);
-    const u16x16 out = __builtin_shuffle(reinterpret_cast<const u16x16&>(lo),
-                                         reinterpret_cast<const u16x16&>(hi),
-                                         u16x16{0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30});
+    const u16x16 out =
+        __builtin_shuffle(reinterpret_cast<const u16x16&>(lo), reinterpret_cast<const u16x16&>(hi),
+                          u16x16{0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30});
     __builtin_memcpy(q, &out, sizeof out);
   } else {
     // c[1..3] lose their top byte in the shifts; c[0] keeps it and is masked.
-    const u32x8 w = (c[0] & 0xFFu) | (c[1] << 8) | (c[2] << 16) | (c[3] << 24);  // lane i: 8j + i in byte j
-    const u8x32 out = __builtin_shuffle(
-        reinterpret_cast<const u8x32&>(w),
-        u8x32{0, 4, 8, 12, 16, 20, 24, 28, 1, 5, 9, 13, 17, 21, 25, 29,
-              2, 6, 10, 14, 18, 22, 26, 30, 3, 7, 11, 15, 19, 23, 27, 31});
+    const u32x8 w =
+        (c[0] & 0xFFu) | (c[1] << 8) | (c[2] << 16) | (c[3] << 24);  // lane i: 8j + i in byte j
+    const u8x32 out =
+        __builtin_shuffle(reinterpret_cast<const u8x32&>(w),
+                          u8x32{0, 4, 8,  12, 16, 20, 24, 28, 1, 5, 9,  13, 17, 21, 25, 29,
+                                2, 6, 10, 14, 18, 22, 26, 30, 3, 7, 11, 15, 19, 23, 27, 31});
     __builtin_memcpy(q, &out, sizeof out);
   }
 }
@@ -197,10 +200,16 @@ MXFP8_HD int16_t hmin16(i16x16 v) {
 }
 // Maxima of 16-bit |h| -> fp32 |x| bits in load32's order: lanes of the even elements, then of
 // the odd ones.
-MXFP8_HD i32x8 even32(i16x16 m) { return reinterpret_cast<i32x8>(reinterpret_cast<u32x8>(m) << 16); }
-MXFP8_HD i32x8 odd32(i16x16 m) { return reinterpret_cast<i32x8>(reinterpret_cast<u32x8>(m) & 0xFFFF0000u); }
+MXFP8_HD i32x8 even32(i16x16 m) {
+  return reinterpret_cast<i32x8>(reinterpret_cast<u32x8>(m) << 16);
+}
+MXFP8_HD i32x8 odd32(i16x16 m) {
+  return reinterpret_cast<i32x8>(reinterpret_cast<u32x8>(m) & 0xFFFF0000u);
+}
 // The same split for the int16 minima, sign-extended (even, odd).
-MXFP8_HD i32x8 even32s(i16x16 m) { return reinterpret_cast<i32x8>(reinterpret_cast<u32x8>(m) << 16) >> 16; }
+MXFP8_HD i32x8 even32s(i16x16 m) {
+  return reinterpret_cast<i32x8>(reinterpret_cast<u32x8>(m) << 16) >> 16;
+}
 MXFP8_HD i32x8 odd32s(i16x16 m) { return reinterpret_cast<i32x8>(m) >> 16; }
 
 // bf16 blocks whose non-zero elements all land on E4M3 normals (ey >= 121, checked per block by
@@ -214,8 +223,12 @@ MXFP8_HD i32x8 odd32s(i16x16 m) { return reinterpret_cast<i32x8>(m) >> 16; }
 struct Cast16K {
   i16x16 abs, lo, hi, one, bias, sign;
   MXFP8_HD static Cast16K make() {
-    Cast16K c{i16x16{} + 0x7FFF, i16x16{} + (120 << 7), i16x16{} + 0x43E0, i16x16{} + 1,
-              i16x16{} + static_cast<int16_t>(7 - (120 << 7)), i16x16{} + 0x80};
+    Cast16K c{i16x16{} + 0x7FFF,
+              i16x16{} + (120 << 7),
+              i16x16{} + 0x43E0,
+              i16x16{} + 1,
+              i16x16{} + static_cast<int16_t>(7 - (120 << 7)),
+              i16x16{} + 0x80};
     __asm__("" : "+m"(c));
     return c;
   }
@@ -224,14 +237,17 @@ MXFP8_HD i16x16 cast16(i16x16 h, i16x16 kk, const Cast16K& c) {
   i16x16 yb = (h & c.abs) + kk;
   yb = vmin16(vmax16(yb, c.lo), c.hi);
   const u16x16 z = reinterpret_cast<u16x16>(yb);
-  const u16x16 cn = (z + reinterpret_cast<u16x16>(c.bias) + ((z >> 4) & reinterpret_cast<u16x16>(c.one))) >> 4;
-  return reinterpret_cast<i16x16>(cn | ((reinterpret_cast<const u16x16&>(h) >> 8) & reinterpret_cast<u16x16>(c.sign)));
+  const u16x16 cn =
+      (z + reinterpret_cast<u16x16>(c.bias) + ((z >> 4) & reinterpret_cast<u16x16>(c.one))) >> 4;
+  return reinterpret_cast<i16x16>(
+      cn | ((reinterpret_cast<const u16x16&>(h) >> 8) & reinterpret_cast<u16x16>(c.sign)));
 }
 // Two vectors of 16 codes (0..255) -> 32 consecutive bytes.
 MXFP8_HD void store16x2(i16x16 c0, i16x16 c1, uint8_t* q) {
-  const u8x32 out = __builtin_shuffle(reinterpret_cast<const u8x32&>(c0), reinterpret_cast<const u8x32&>(c1),
-                                      u8x32{0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30,
-                                            32, 34, 36, 38, 40, 42, 44, 46, 48, 50, 52, 54, 56, 58, 60, 62});
+  const u8x32 out =
+      __builtin_shuffle(reinterpret_cast<const u8x32&>(c0), reinterpret_cast<const u8x32&>(c1),
+                        u8x32{0,  2,  4,  6,  8,  10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30,
+                              32, 34, 36, 38, 40, 42, 44, 46, 48, 50, 52, 54, 56, 58, 60, 62});
   __builtin_memcpy(q, &out, sizeof out);
 }
 // Lanes (-1) where a bf16 block with per-lane k = 127 - scale and min statistic mn (32-bit,
@@ -268,13 +284,22 @@ MXFP8_HD i32x8 reduce8x16(const i16x16 m[8]) {
   auto op = [](i16x16 a, i16x16 b) { return Max ? vmax16(a, b) : vmin16(a, b); };
   i16x16 r[4], t[2];
   for (int p = 0; p < 4; ++p)
-    r[p] = op(__builtin_shuffle(m[2 * p], m[2 * p + 1], i16x16{0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23}),
-              __builtin_shuffle(m[2 * p], m[2 * p + 1], i16x16{8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31}));
+    r[p] =
+        op(__builtin_shuffle(m[2 * p], m[2 * p + 1],
+                             i16x16{0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23}),
+           __builtin_shuffle(m[2 * p], m[2 * p + 1],
+                             i16x16{8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31}));
   for (int p = 0; p < 2; ++p)
-    t[p] = op(__builtin_shuffle(r[2 * p], r[2 * p + 1], i16x16{0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27}),
-              __builtin_shuffle(r[2 * p], r[2 * p + 1], i16x16{4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31}));
-  const i16x16 u = op(__builtin_shuffle(t[0], t[1], i16x16{0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29}),
-                      __builtin_shuffle(t[0], t[1], i16x16{2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31}));
+    t[p] =
+        op(__builtin_shuffle(r[2 * p], r[2 * p + 1],
+                             i16x16{0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27}),
+           __builtin_shuffle(r[2 * p], r[2 * p + 1],
+                             i16x16{4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31}));
+  const i16x16 u =
+      op(__builtin_shuffle(t[0], t[1],
+                           i16x16{0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29}),
+         __builtin_shuffle(t[0], t[1],
+                           i16x16{2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31}));
   const i32x8 w = reinterpret_cast<i32x8>(u);
   return Max ? vmax((w << 16) >> 16, w >> 16) : vmin((w << 16) >> 16, w >> 16);
 }
@@ -335,8 +360,8 @@ MXFP8_CPU_LOOP void quantize_block(const typename Input<T>::Elem* x, uint8_t* q,
 struct IsaBaseline {
   static constexpr bool kWideBf16 = false;
   template <InType T>
-  __attribute__((noinline)) static void block(const typename Input<T>::Elem* x, uint8_t* q, uint8_t* s,
-                                              ScaleRule rule) {
+  __attribute__((noinline)) static void block(const typename Input<T>::Elem* x, uint8_t* q,
+                                              uint8_t* s, ScaleRule rule) {
     quantize_block<T>(x, q, s, rule);
   }
 };
@@ -345,8 +370,9 @@ struct IsaBaseline {
 struct IsaAvx2 {
   static constexpr bool kWideBf16 = false;
   template <InType T>
-  __attribute__((noinline, target("avx2"))) static void block(const typename Input<T>::Elem* x, uint8_t* q,
-                                                              uint8_t* s, ScaleRule rule) {
+  __attribute__((noinline, target("avx2"))) static void block(const typename Input<T>::Elem* x,
+                                                              uint8_t* q, uint8_t* s,
+                                                              ScaleRule rule) {
     quantize_block<T>(x, q, s, rule);
   }
 };
@@ -354,15 +380,17 @@ struct IsaAvx2 {
 struct IsaAvx512 {
   static constexpr bool kWideBf16 = true;
   template <InType T>
-  __attribute__((noinline)) MXFP8_TARGET_AVX512 static void block(const typename Input<T>::Elem* x, uint8_t* q,
-                                                                  uint8_t* s, ScaleRule rule) {
+  __attribute__((noinline)) MXFP8_TARGET_AVX512 static void block(const typename Input<T>::Elem* x,
+                                                                  uint8_t* q, uint8_t* s,
+                                                                  ScaleRule rule) {
     quantize_block<T>(x, q, s, rule);
   }
-  MXFP8_TARGET_AVX512 static bool bf16_row_group8(const uint16_t* x, uint8_t* q, uint8_t* s, ScaleRule rule) {
+  MXFP8_TARGET_AVX512 static bool bf16_row_group8(const uint16_t* x, uint8_t* q, uint8_t* s,
+                                                  ScaleRule rule) {
     return avx512::bf16_row_group8(x, q, s, rule);
   }
-  MXFP8_TARGET_AVX512 static bool bf16_columns32(const uint16_t* x, int64_t xs, uint8_t* q, int64_t qs,
-                                                 uint8_t* s, ScaleRule rule) {
+  MXFP8_TARGET_AVX512 static bool bf16_columns32(const uint16_t* x, int64_t xs, uint8_t* q,
+                                                 int64_t qs, uint8_t* s, ScaleRule rule) {
     return avx512::bf16_columns32(x, xs, q, qs, s, rule);
   }
 };
@@ -423,15 +451,15 @@ MXFP8_CPU_LOOP void quantize_row_group(const typename Input<T>::Elem* x, int n, 
       // The common case: eight blocks, all taking cast16. The scales go out as one 8-byte
       // store, and each block's k << 7 (|k| <= 127, so the low 16 bits of its int32 lane) is
       // broadcast from that lane.
-      const u8x32 sb = __builtin_shuffle(reinterpret_cast<const u8x32&>(sc),
-                                         u8x32{0, 4, 8, 12, 16, 20, 24, 28});
+      const u8x32 sb =
+          __builtin_shuffle(reinterpret_cast<const u8x32&>(sc), u8x32{0, 4, 8, 12, 16, 20, 24, 28});
       __builtin_memcpy(s, &sb, 8);
       const i16x16 k2 = reinterpret_cast<i16x16>(kv << 7);
 #pragma GCC unroll 8
       for (int b = 0; b < 8; ++b) {
         const i16x16 kk16 = __builtin_shuffle(k2, i16x16{} + static_cast<int16_t>(2 * b));
-        store16x2(cast16(load16(x + b * kBlock), kk16, c16), cast16(load16(x + b * kBlock + 16), kk16, c16),
-                  q + b * kBlock);
+        store16x2(cast16(load16(x + b * kBlock), kk16, c16),
+                  cast16(load16(x + b * kBlock + 16), kk16, c16), q + b * kBlock);
       }
       return;
     }
@@ -445,8 +473,8 @@ MXFP8_CPU_LOOP void quantize_row_group(const typename Input<T>::Elem* x, int n, 
       }
       s[b] = static_cast<uint8_t>(sc[b]);
       const i16x16 kk16 = i16x16{} + static_cast<int16_t>(k[b] << 7);
-      store16x2(cast16(load16(x + b * kBlock), kk16, c16), cast16(load16(x + b * kBlock + 16), kk16, c16),
-                q + b * kBlock);
+      store16x2(cast16(load16(x + b * kBlock), kk16, c16),
+                cast16(load16(x + b * kBlock + 16), kk16, c16), q + b * kBlock);
     }
   } else {
     const CastK ck(127 - sc);
@@ -466,8 +494,8 @@ MXFP8_CPU_LOOP void quantize_row_group(const typename Input<T>::Elem* x, int n, 
 
 // Rowwise blocks of `rows` rows of length K: q [rows, K], s [rows, K/32].
 template <InType T, class Isa>
-MXFP8_CPU_LOOP void quantize_rowwise(const typename Input<T>::Elem* x, int64_t rows, int64_t K, uint8_t* q,
-                      uint8_t* s, ScaleRule rule) {
+MXFP8_CPU_LOOP void quantize_rowwise(const typename Input<T>::Elem* x, int64_t rows, int64_t K,
+                                     uint8_t* q, uint8_t* s, ScaleRule rule) {
   const int64_t nb = K / kBlock;
   const vec::Cast16K c16 = vec::Cast16K::make();
   for (int64_t r = 0; r < rows; ++r)
@@ -480,8 +508,9 @@ MXFP8_CPU_LOOP void quantize_rowwise(const typename Input<T>::Elem* x, int64_t r
 // apart, s [n] (a piece of one row of the [M/32, K] scale plane). Columns go 32 at a time, each
 // lane of the four vectors one column.
 template <InType T, class Isa>
-MXFP8_CPU_LOOP void quantize_columnwise_tile(const typename Input<T>::Elem* x, int64_t xs, int64_t n,
-                                             uint8_t* q, int64_t qs, uint8_t* s, ScaleRule rule) {
+MXFP8_CPU_LOOP void quantize_columnwise_tile(const typename Input<T>::Elem* x, int64_t xs,
+                                             int64_t n, uint8_t* q, int64_t qs, uint8_t* s,
+                                             ScaleRule rule) {
   using namespace vec;
   const Cast16K c16 = Cast16K::make();
   int64_t c0 = 0;
@@ -493,7 +522,8 @@ MXFP8_CPU_LOOP void quantize_columnwise_tile(const typename Input<T>::Elem* x, i
     if constexpr (T == InType::kBF16) {
       i16x16 mx16[2] = {}, mn16[2] = {i16x16{} + INT16_MAX, i16x16{} + INT16_MAX};
       for (int r = 0; r < kBlock; ++r)
-        for (int h = 0; h < 2; ++h) accumulate16(load16(x + r * xs + c0 + 16 * h), mx16[h], mn16[h]);
+        for (int h = 0; h < 2; ++h)
+          accumulate16(load16(x + r * xs + c0 + 16 * h), mx16[h], mn16[h]);
       for (int h = 0; h < 2; ++h) {
         mx[2 * h] = even32(mx16[h]), mx[2 * h + 1] = odd32(mx16[h]);
         mn[2 * h] = even32s(mn16[h]), mn[2 * h + 1] = odd32s(mn16[h]);
@@ -523,15 +553,17 @@ MXFP8_CPU_LOOP void quantize_columnwise_tile(const typename Input<T>::Elem* x, i
         // k << 7 per column, back in column order: even columns in the low halves.
         i16x16 kk16[2];
         for (int h = 0; h < 2; ++h)
-          kk16[h] = reinterpret_cast<i16x16>((((127u - sc[2 * h]) << 7) & 0xFFFFu) | ((127u - sc[2 * h + 1]) << 23));
+          kk16[h] = reinterpret_cast<i16x16>((((127u - sc[2 * h]) << 7) & 0xFFFFu) |
+                                             ((127u - sc[2 * h + 1]) << 23));
         for (int r = 0; r < kBlock; ++r)
-          store16x2(cast16(load16(x + r * xs + c0), kk16[0], c16), cast16(load16(x + r * xs + c0 + 16), kk16[1], c16),
-                    q + r * qs + c0);
+          store16x2(cast16(load16(x + r * xs + c0), kk16[0], c16),
+                    cast16(load16(x + r * xs + c0 + 16), kk16[1], c16), q + r * qs + c0);
         continue;
       }
     }
-    const CastK ck[4] = {CastK(127 - reinterpret_cast<i32x8>(sc[0])), CastK(127 - reinterpret_cast<i32x8>(sc[1])),
-                         CastK(127 - reinterpret_cast<i32x8>(sc[2])), CastK(127 - reinterpret_cast<i32x8>(sc[3]))};
+    const CastK ck[4] = {
+        CastK(127 - reinterpret_cast<i32x8>(sc[0])), CastK(127 - reinterpret_cast<i32x8>(sc[1])),
+        CastK(127 - reinterpret_cast<i32x8>(sc[2])), CastK(127 - reinterpret_cast<i32x8>(sc[3]))};
     for (int r = 0; r < kBlock; ++r) {
       u32x8 v[4], c[4];
       load32<T>(x + r * xs + c0, v);
@@ -573,7 +605,8 @@ MXFP8_CPU_LOOP void quantize_band(const typename Input<T>::Elem* x, int64_t K, u
   for (int64_t c0 = 0; c0 < K; c0 += kTileCols) {
     const int64_t w = std::min(kTileCols, K - c0);
     if (w == kTileCols)  // a constant size: the copies are inlined vector moves
-      for (int r = 0; r < kBlock; ++r) std::memcpy(in + r * kTileCols, x + r * K + c0, sizeof(Elem) * kTileCols);
+      for (int r = 0; r < kBlock; ++r)
+        std::memcpy(in + r * kTileCols, x + r * K + c0, sizeof(Elem) * kTileCols);
     else
       for (int r = 0; r < kBlock; ++r)
         std::memcpy(in + r * kTileCols, x + r * K + c0, static_cast<size_t>(w) * sizeof(Elem));
@@ -581,12 +614,14 @@ MXFP8_CPU_LOOP void quantize_band(const typename Input<T>::Elem* x, int64_t K, u
       const int64_t wb = w / kBlock;
       for (int r = 0; r < kBlock; ++r)
         for (int64_t b = 0; b < wb; b += 8)
-          quantize_row_group<T, Isa>(in + r * kTileCols + b * kBlock, wb - b < 8 ? static_cast<int>(wb - b) : 8,
-                                     row_q + r * K + c0 + b * kBlock, row_s + r * nb + c0 / kBlock + b, rule, c16);
+          quantize_row_group<T, Isa>(
+              in + r * kTileCols + b * kBlock, wb - b < 8 ? static_cast<int>(wb - b) : 8,
+              row_q + r * K + c0 + b * kBlock, row_s + r * nb + c0 / kBlock + b, rule, c16);
     }
     quantize_columnwise_tile<T, Isa>(in, kTileCols, w, out, kTileCols, col_s + c0, rule);
     if (w == kTileCols)
-      for (int r = 0; r < kBlock; ++r) std::memcpy(col_q + r * K + c0, out + r * kTileCols, kTileCols);
+      for (int r = 0; r < kBlock; ++r)
+        std::memcpy(col_q + r * K + c0, out + r * kTileCols, kTileCols);
     else
       for (int r = 0; r < kBlock; ++r)
         std::memcpy(col_q + r * K + c0, out + r * kTileCols, static_cast<size_t>(w));
@@ -596,19 +631,20 @@ MXFP8_CPU_LOOP void quantize_band(const typename Input<T>::Elem* x, int64_t K, u
 // Columnwise blocks of one 32-row band starting at x (row stride K): q [32, K] (same layout as
 // the input), s [K] (this band's row of the [M/32, K] scale plane).
 template <InType T, class Isa>
-MXFP8_CPU_LOOP void quantize_columnwise_band(const typename Input<T>::Elem* x, int64_t K, uint8_t* q,
-                                             uint8_t* s, ScaleRule rule) {
+MXFP8_CPU_LOOP void quantize_columnwise_band(const typename Input<T>::Elem* x, int64_t K,
+                                             uint8_t* q, uint8_t* s, ScaleRule rule) {
   quantize_band<T, Isa>(x, K, nullptr, nullptr, q, s, rule);
 }
 
 // Rows [r0, r1) of an [M, K] matrix. For columnwise output r0 and r1 must be multiples of 32:
 // each 32-row band gives both planes from one read (quantize_band).
 template <InType T, class Isa>
-MXFP8_CPU_LOOP void quantize_rows(const typename Input<T>::Elem* x, int64_t r0, int64_t r1, int64_t K,
-                   const Planes& p, ScaleRule rule) {
+MXFP8_CPU_LOOP void quantize_rows(const typename Input<T>::Elem* x, int64_t r0, int64_t r1,
+                                  int64_t K, const Planes& p, ScaleRule rule) {
   if (!p.col_q) {
-    if (p.row_q) quantize_rowwise<T, Isa>(x + r0 * K, r1 - r0, K, p.row_q + r0 * K,
-                                          p.row_s + r0 * (K / kBlock), rule);
+    if (p.row_q)
+      quantize_rowwise<T, Isa>(x + r0 * K, r1 - r0, K, p.row_q + r0 * K,
+                               p.row_s + r0 * (K / kBlock), rule);
     return;
   }
   for (int64_t r = r0; r < r1; r += kBlock)
@@ -619,7 +655,7 @@ MXFP8_CPU_LOOP void quantize_rows(const typename Input<T>::Elem* x, int64_t r0, 
 
 // quantize_rows for a runtime input type, built for each instruction set and run for the one
 // selected in isa.h (by default the best this CPU has).
-void quantize_rows_simd(InType t, const void* x, int64_t r0, int64_t r1, int64_t K,
-                        const Planes& p, ScaleRule rule);
+void quantize_rows_simd(InType t, const void* x, int64_t r0, int64_t r1, int64_t K, const Planes& p,
+                        ScaleRule rule);
 
 }  // namespace mxfp8::cpu

@@ -45,8 +45,8 @@ std::string piece_error(int64_t i, const Piece& p, const char* rule) {
 
 }  // namespace
 
-static ffi::Error QuantizeSegments(ffi::ThreadPool pool, ffi::AnyBuffer x,
-                                   ffi::AnyBuffer desc, ffi::Result<ffi::AnyBuffer> row_q,
+static ffi::Error QuantizeSegments(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer desc,
+                                   ffi::Result<ffi::AnyBuffer> row_q,
                                    ffi::Result<ffi::AnyBuffer> row_s,
                                    ffi::Result<ffi::AnyBuffer> col_q,
                                    ffi::Result<ffi::AnyBuffer> col_s, int32_t scale_rule,
@@ -56,7 +56,8 @@ static ffi::Error QuantizeSegments(ffi::ThreadPool pool, ffi::AnyBuffer x,
     return invalid("mxfp8_quantize_segments: input must be f32, bf16 or f16");
   const int64_t S = static_cast<int64_t>(x.element_count());
   if (x.dimensions().size() != 1) return invalid("mxfp8_quantize_segments: x must be 1-D");
-  if (S % kBlock) return invalid("mxfp8_quantize_segments: segment length must be a multiple of 32");
+  if (S % kBlock)
+    return invalid("mxfp8_quantize_segments: segment length must be a multiple of 32");
   const auto ddims = desc.dimensions();
   if (ddims.size() != 2 || ddims[1] != 3)
     return invalid("mxfp8_quantize_segments: desc must have shape [P, 3]");
@@ -79,7 +80,8 @@ static ffi::Error QuantizeSegments(ffi::ThreadPool pool, ffi::AnyBuffer x,
     if (p.rows < 0 || p.row_len <= 0 || p.row_len % kBlock || p.rows % kBlock)
       return invalid(piece_error(i, p, "needs rows and row_len positive multiples of 32"));
     if (p.offset < 0 || p.offset % kBlock || p.rows > (S - p.offset) / p.row_len)
-      return invalid(piece_error(i, p, "must start at a multiple of 32 and lie inside the segment"));
+      return invalid(
+          piece_error(i, p, "must start at a multiple of 32 and lie inside the segment"));
     pieces.push_back(p);
   }
   std::sort(pieces.begin(), pieces.end(),

@@ -43,8 +43,8 @@ MXFP8_TARGET_AVX512 void rows_avx512(InType t, const void* x, int64_t r0, int64_
 
 }  // namespace
 
-void quantize_rows_simd(InType t, const void* x, int64_t r0, int64_t r1, int64_t K,
-                        const Planes& p, ScaleRule rule) {
+void quantize_rows_simd(InType t, const void* x, int64_t r0, int64_t r1, int64_t K, const Planes& p,
+                        ScaleRule rule) {
   switch (active_isa()) {
 #if MXFP8_X86_BUILDS
     case CpuIsa::kAvx512: return rows_avx512(t, x, r0, r1, K, p, rule);

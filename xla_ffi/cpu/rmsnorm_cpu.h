@@ -133,9 +133,10 @@ MXFP8_ROW_LOOP float row_sum_of_squares(const uint16_t* x, int64_t H) {
 // normed = bf16_rne((x * inv) * g) for one row; fp32 (optional) receives the unrounded bits.
 // Straight-line per element, so the compiler vectorises it (no FMA: -ffp-contract=off).
 MXFP8_ROW_LOOP void normalize_row(const uint16_t* x, const float* g, float inv, int64_t H,
-                          uint16_t* normed, uint32_t* fp32) {
+                                  uint16_t* normed, uint32_t* fp32) {
   for (int64_t e = 0; e < H; ++e) {
-    const uint32_t y = f32_to_bits(mul_rn(mul_rn(f32_from_bits(bf16_to_f32_bits(x[e])), inv), g[e]));
+    const uint32_t y =
+        f32_to_bits(mul_rn(mul_rn(f32_from_bits(bf16_to_f32_bits(x[e])), inv), g[e]));
     normed[e] = f32_bits_to_bf16_rne(y);
     if (fp32) fp32[e] = y;
   }
@@ -147,14 +148,12 @@ MXFP8_ROW_LOOP void normalize_row(const uint16_t* x, const float* g, float inv, 
 // that are quantized instead.
 template <class Isa>
 MXFP8_ROW_LOOP void rmsnorm_quantize_row(const uint16_t* x, const float* g, const NormParams& p,
-                                 uint16_t* normed, uint8_t* q, uint8_t* s, uint32_t* fp32) {
+                                         uint16_t* normed, uint8_t* q, uint8_t* s, uint32_t* fp32) {
   const int64_t H = p.H;
   const float inv = rms_inverse(row_sum_of_squares(x, H), H, p.eps);
   normalize_row(x, g, inv, H, normed, p.quantize_from_fp32 ? fp32 : nullptr);
-  if (p.quantize_from_fp32)
-    quantize_rowwise<InType::kF32, Isa>(fp32, 1, H, q, s, p.rule);
-  else
-    quantize_rowwise<InType::kBF16, Isa>(normed, 1, H, q, s, p.rule);
+  if (p.quantize_from_fp32) quantize_rowwise<InType::kF32, Isa>(fp32, 1, H, q, s, p.rule);
+  else quantize_rowwise<InType::kBF16, Isa>(normed, 1, H, q, s, p.rule);
 }
 
 // Words of scratch one call of rmsnorm_quantize_rows needs (0: none).
@@ -168,8 +167,8 @@ inline size_t rows_scratch_words(const NormParams& p) {
 // is quantized columnwise right after its rows. scratch holds rows_scratch_words(p) words.
 template <class Isa>
 MXFP8_ROW_LOOP void rmsnorm_quantize_rows(const uint16_t* const* rows, int64_t r0, int64_t r1,
-                                          const float* g, const NormParams& p,
-                                          const NormOutputs& o, uint32_t* scratch) {
+                                          const float* g, const NormParams& p, const NormOutputs& o,
+                                          uint32_t* scratch) {
   const int64_t H = p.H, S = H / kBlock;
   const bool fp32_band = p.columnwise && p.quantize_from_fp32;
   const int64_t step = p.columnwise ? kBlock : (r1 - r0);
@@ -177,22 +176,19 @@ MXFP8_ROW_LOOP void rmsnorm_quantize_rows(const uint16_t* const* rows, int64_t r
     const int64_t b1 = std::min(r1, b0 + step);
     for (int64_t r = b0; r < b1; ++r)
       rmsnorm_quantize_row<Isa>(rows[r], g, p, o.normed + r * H, o.row_q + r * H, o.row_s + r * S,
-                           scratch + (fp32_band ? (r - b0) * H : 0));
+                                scratch + (fp32_band ? (r - b0) * H : 0));
     if (!p.columnwise) continue;
     uint8_t* cq = o.col_q + b0 * H;
     uint8_t* cs = o.col_s + (b0 / kBlock) * H;
-    if (fp32_band)
-      quantize_columnwise_band<InType::kF32, Isa>(scratch, H, cq, cs, p.rule);
-    else
-      quantize_columnwise_band<InType::kBF16, Isa>(o.normed + b0 * H, H, cq, cs, p.rule);
+    if (fp32_band) quantize_columnwise_band<InType::kF32, Isa>(scratch, H, cq, cs, p.rule);
+    else quantize_columnwise_band<InType::kBF16, Isa>(o.normed + b0 * H, H, cq, cs, p.rule);
   }
 }
 
 // rmsnorm_quantize_rows compiled for each instruction set and run for the one isa.h selects
 // (defined in rmsnorm_quantize.cc). The numerics do not depend on the choice: vector float ops
 // round exactly like scalar ones, and nothing is contracted or reassociated.
-void rmsnorm_quantize_rows_simd(const uint16_t* const* rows, int64_t r0, int64_t r1,
-                                const float* g, const NormParams& p, const NormOutputs& o,
-                                uint32_t* scratch);
+void rmsnorm_quantize_rows_simd(const uint16_t* const* rows, int64_t r0, int64_t r1, const float* g,
+                                const NormParams& p, const NormOutputs& o, uint32_t* scratch);
 
 }  // namespace mxfp8::cpu

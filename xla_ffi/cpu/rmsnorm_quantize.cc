@@ -41,9 +41,8 @@ MXFP8_TARGET_AVX512 void rows_avx512(const uint16_t* const* rows, int64_t r0, in
 
 }  // namespace
 
-void rmsnorm_quantize_rows_simd(const uint16_t* const* rows, int64_t r0, int64_t r1,
-                                const float* g, const NormParams& p, const NormOutputs& o,
-                                uint32_t* scratch) {
+void rmsnorm_quantize_rows_simd(const uint16_t* const* rows, int64_t r0, int64_t r1, const float* g,
+                                const NormParams& p, const NormOutputs& o, uint32_t* scratch) {
   switch (active_isa()) {
 #if MXFP8_X86_BUILDS
     case CpuIsa::kAvx512: return rows_avx512(rows, r0, r1, g, p, o, scratch);
@@ -59,9 +58,8 @@ static ffi::Error RmsnormQuantize(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> x
                                   ffi::Result<ffi::AnyBuffer> row_q,
                                   ffi::Result<ffi::AnyBuffer> row_s,
                                   ffi::Result<ffi::AnyBuffer> col_q,
-                                  ffi::Result<ffi::AnyBuffer> col_s, float eps,
-                                  float weight_offset, bool quantize_from_fp32, bool columnwise,
-                                  int32_t scale_rule) {
+                                  ffi::Result<ffi::AnyBuffer> col_s, float eps, float weight_offset,
+                                  bool quantize_from_fp32, bool columnwise, int32_t scale_rule) {
   const auto dims = x.dimensions();
   if (dims.size() != 2) return invalid("mxfp8_rmsnorm_quantize: x must be [R, H]");
   const int64_t R = dims[0], H = dims[1];
@@ -92,8 +90,7 @@ static ffi::Error RmsnormQuantize(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> x
   std::vector<float> g;
   {
     ScopedIeeeFp ieee;  // gamma + offset may be subnormal
-    g = gamma_plus_offset(reinterpret_cast<const uint16_t*>(gamma.typed_data()), H,
-                          weight_offset);
+    g = gamma_plus_offset(reinterpret_cast<const uint16_t*>(gamma.typed_data()), H, weight_offset);
   }
   // Items of about 64 KiB of input (whole 32-row bands for columnwise planes).
   const int64_t rows_per_item =

@@ -117,8 +117,8 @@ const char* gpu_record_event(void* stream, int device, void** event) {
 const char* gpu_stream_wait(void* stream, int device, void* event) {
   ScopedDevice scoped(device);
   if (scoped.error() != cudaSuccess) return message(scoped.error());
-  return message(cudaStreamWaitEvent(static_cast<cudaStream_t>(stream),
-                                     static_cast<cudaEvent_t>(event), 0));
+  return message(
+      cudaStreamWaitEvent(static_cast<cudaStream_t>(stream), static_cast<cudaEvent_t>(event), 0));
 }
 
 const char* gpu_stream_sync(void* stream, int device) {

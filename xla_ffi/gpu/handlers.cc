@@ -81,11 +81,10 @@ ffi::Error QuantizeSegments(void* stream, ffi::AnyBuffer x, ffi::AnyBuffer desc,
     return invalid("mxfp8_quantize_segments: result sizes do not match the segment");
   if (S == 0 || !(rowwise || columnwise)) return ffi::Error::Success();
   return status("mxfp8_quantize_segments",
-                launch_quantize_segments(
-                    stream, t, static_cast<const uint8_t*>(x.untyped_data()), S,
-                    desc.untyped_data(), desc64, ddims[0],
-                    planes(rowwise, columnwise, row_q, row_s, col_q, col_s),
-                    static_cast<ScaleRule>(scale_rule)));
+                launch_quantize_segments(stream, t, static_cast<const uint8_t*>(x.untyped_data()),
+                                         S, desc.untyped_data(), desc64, ddims[0],
+                                         planes(rowwise, columnwise, row_q, row_s, col_q, col_s),
+                                         static_cast<ScaleRule>(scale_rule)));
 }
 
 // The RMSNorm kernels' parameters and outputs, shared by the local and the gathered op.
@@ -113,8 +112,8 @@ ffi::Error RmsnormQuantize(void* stream, ffi::Buffer<ffi::BF16> x, ffi::Buffer<f
                            ffi::Result<ffi::Buffer<ffi::BF16>> normed,
                            ffi::Result<ffi::AnyBuffer> row_q, ffi::Result<ffi::AnyBuffer> row_s,
                            ffi::Result<ffi::AnyBuffer> col_q, ffi::Result<ffi::AnyBuffer> col_s,
-                           float eps, float weight_offset, bool quantize_from_fp32,
-                           bool columnwise, int32_t scale_rule) {
+                           float eps, float weight_offset, bool quantize_from_fp32, bool columnwise,
+                           int32_t scale_rule) {
   const auto dims = x.dimensions();
   if (dims.size() != 2) return invalid("mxfp8_rmsnorm_quantize: x must be [R, H]");
   const int64_t R = dims[0], H = dims[1];
@@ -124,7 +123,8 @@ ffi::Error RmsnormQuantize(void* stream, ffi::Buffer<ffi::BF16> x, ffi::Buffer<f
   if (columnwise && R % kBlock)
     return invalid("mxfp8_rmsnorm_quantize: R must be a multiple of 32 for columnwise output");
   const size_t n = static_cast<size_t>(R * H);
-  if (normed->element_count() != n || !plane_sizes_ok(n, true, columnwise, row_q, row_s, col_q, col_s))
+  if (normed->element_count() != n ||
+      !plane_sizes_ok(n, true, columnwise, row_q, row_s, col_q, col_s))
     return invalid("mxfp8_rmsnorm_quantize: result sizes do not match x");
   if (n == 0) return ffi::Error::Success();
 
@@ -190,7 +190,7 @@ rendezvous::Exchange<Done>& DoneMeeting() {
 template <typename Result>
 ffi::Error meeting_error(const Result& r) {
   return ffi::Error(r.failure == rendezvous::Failure::kTimeout ? ffi::ErrorCode::kDeadlineExceeded
-                                                                : ffi::ErrorCode::kInvalidArgument,
+                                                               : ffi::ErrorCode::kInvalidArgument,
                     r.error);
 }
 
@@ -256,10 +256,11 @@ ffi::Error meet_inputs_ready(const GatherCall& c, std::vector<Ready>* peers) {
   mine.x = c.x;
   mine.device = c.device;
   void* ready_event = nullptr;
-  if (const char* e = gpu_record_event(c.stream, c.device, &ready_event))
+  if (const char* e = gpu_record_event(c.stream, c.device, &ready_event)) {
     mine.error = std::string("recording an event failed: ") + e;
-  else
+  } else {
     mine.event = owned_event(c.device, ready_event);
+  }
   auto ready = ReadyMeeting().Meet(c.key, c.rank, c.n, c.signature, std::move(mine), c.timeout);
   if (!ready.ok) return meeting_error(ready);
   for (int k = 0; k < c.n; ++k)
@@ -310,9 +311,8 @@ void launch_gather(const GatherCall& c, const std::vector<Ready>& peers, Done* d
     rows.base[k] = peers[k].x;
     rows.start[k + 1] = rows.start[k] + c.plan.counts[k];
   }
-  if (const char* e = launch_allgather_rmsnorm_quantize(c.stream, rows, c.gamma, c.plan.R, c.prm,
-                                                        c.out, c.columnwise,
-                                                        c.quantize_from_fp32)) {
+  if (const char* e = launch_allgather_rmsnorm_quantize(
+          c.stream, rows, c.gamma, c.plan.R, c.prm, c.out, c.columnwise, c.quantize_from_fp32)) {
     note(done, ffi::ErrorCode::kInternal, std::string("kernel launch failed: ") + e);
     return;
   }
@@ -361,10 +361,10 @@ ffi::Error AllgatherRmsnormQuantize(
   GatherCall c;
   int32_t where_host[3] = {0, 0, 0};
   if (ffi::Error e = read_where(stream, where, where_host, &c.device); e.failure()) return e;
-  if (std::string why = plan_gather(
-          read_gather_args(x, gamma, where, where_host, group_size, row_counts, columnwise,
-                           normed, row_q, row_s, col_q, col_s, residual),
-          &c.plan);
+  if (std::string why =
+          plan_gather(read_gather_args(x, gamma, where, where_host, group_size, row_counts,
+                                       columnwise, normed, row_q, row_s, col_q, col_s, residual),
+                      &c.plan);
       !why.empty())
     return invalid(std::string(kGatherName) + ": " + why);
   if (c.plan.R == 0) return ffi::Error::Success();  // the whole group has no rows: nothing to read

@@ -46,7 +46,7 @@ __global__ void __launch_bounds__(kBlockThreads)
 
 template <InType T>
 static void launch_typed(cudaStream_t stream, const uint8_t* x, int64_t M, int64_t K,
-                            const Planes& p, ScaleRule rule) {
+                         const Planes& p, ScaleRule rule) {
   const int64_t groups = ceil_div(M, kBlock) * (K / Elems<T>::kVec);
   const int64_t blocks = ceil_div(ceil_div(groups, kTileCols) * kGroupLanes, kBlockThreads);
   quantize_kernel<T><<<blocks, kBlockThreads, 0, stream>>>(x, M, K, p, rule);

@@ -66,7 +66,8 @@ __global__ void __launch_bounds__(kBlockThreads)
   const int tid = thread_in_block();
   const int lane = tid % kGroupLanes;
   const bool upper = lane >= kTileCols;
-  const int64_t g = (block_index() * kBlockThreads + tid) / kGroupLanes * kTileCols + lane % kTileCols;
+  const int64_t g =
+      (block_index() * kBlockThreads + tid) / kGroupLanes * kTileCols + lane % kTileCols;
 
   // Find the piece of group g: table chunk by chunk, a prefix sum of group counts.
   Piece mine{0, 0, 0};

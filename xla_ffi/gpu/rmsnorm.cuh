@@ -58,9 +58,9 @@ __device__ __forceinline__ float gamma_value(uint32_t gamma_bits, float weight_o
 // rounded results into `normed` (packed pairs), and the values the quantizer reads into src
 // (fp32 bits): the fp32 product itself, or the bf16 result widened.
 template <bool kFromFp32, int N>
-__device__ __forceinline__ void normalize(const uint32_t (&x)[N], const uint32_t (&g)[N],
-                                          float inv, float weight_offset,
-                                          uint32_t (&normed)[N / 2], uint32_t (&src)[N]) {
+__device__ __forceinline__ void normalize(const uint32_t (&x)[N], const uint32_t (&g)[N], float inv,
+                                          float weight_offset, uint32_t (&normed)[N / 2],
+                                          uint32_t (&src)[N]) {
 #pragma unroll
   for (int k = 0; k < N; ++k) {
     const uint32_t y = bits(norm_value(x[k], inv, gamma_value(g[k], weight_offset)));

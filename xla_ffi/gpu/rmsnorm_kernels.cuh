@@ -61,7 +61,8 @@ __global__ void __launch_bounds__(kBlockThreads)
 #pragma unroll
     for (int i = 0; i < kSteps; ++i) {
       const int64_t e = i * kNormStep + lane * kNormVec;
-      cached[i] = active && e < H ? *reinterpret_cast<const uint4*>(xr + e) : make_uint4(0, 0, 0, 0);
+      cached[i] =
+          active && e < H ? *reinterpret_cast<const uint4*>(xr + e) : make_uint4(0, 0, 0, 0);
     }
 #pragma unroll
     for (int i = 0; i < kSteps; ++i)
@@ -93,7 +94,8 @@ __global__ void __launch_bounds__(kBlockThreads)
     const uint8_t scale = encode_block<kNormVec>(src, c, prm.rule);
     if (valid) {
       const int64_t at = row * H + e;
-      *reinterpret_cast<uint4*>(o.normed + at) = make_uint4(normed[0], normed[1], normed[2], normed[3]);
+      *reinterpret_cast<uint4*>(o.normed + at) =
+          make_uint4(normed[0], normed[1], normed[2], normed[3]);
       store_codes<kNormVec>(o.row_q + at, c);
       if (lane % (kBlock / kNormVec) == 0) o.row_s[at / kBlock] = scale;
       if (o.residual) *reinterpret_cast<uint4*>(o.residual + at) = v;
@@ -137,7 +139,9 @@ __global__ void __launch_bounds__(kBlockThreads)
     uint4 gv = make_uint4(0, 0, 0, 0);
     if (active) {
       if constexpr (V == 8) gv = *reinterpret_cast<const uint4*>(gamma + col0);
-      else gv.x = reinterpret_cast<const uint2*>(gamma + col0)->x, gv.y = reinterpret_cast<const uint2*>(gamma + col0)->y;
+      else
+        gv.x = reinterpret_cast<const uint2*>(gamma + col0)->x,
+        gv.y = reinterpret_cast<const uint2*>(gamma + col0)->y;
     }
 #pragma unroll
     for (int k = 0; k < V; ++k) gb[k] = Elems<InType::kBF16>::at(gv, k);
@@ -162,10 +166,13 @@ __global__ void __launch_bounds__(kBlockThreads)
       for (int k = 0; k < V; ++k) xb[k] = Elems<InType::kBF16>::at(xv, k);
       normalize<kFromFp32>(xb, gb, inv[half + r], prm.weight_offset, normed, src);
       if constexpr (V == 8) {
-        if (active) *reinterpret_cast<uint4*>(o.normed + e0 + r * H) = make_uint4(normed[0], normed[1], normed[2], normed[3]);
+        if (active)
+          *reinterpret_cast<uint4*>(o.normed + e0 + r * H) =
+              make_uint4(normed[0], normed[1], normed[2], normed[3]);
         w[r] = make_uint4(normed[0], normed[1], normed[2], normed[3]);  // bf16 tile
       } else {
-        if (active) *reinterpret_cast<uint2*>(o.normed + e0 + r * H) = make_uint2(normed[0], normed[1]);
+        if (active)
+          *reinterpret_cast<uint2*>(o.normed + e0 + r * H) = make_uint2(normed[0], normed[1]);
         w[r] = make_uint4(src[0], src[1], src[2], src[3]);  // fp32 tile
       }
     }
@@ -181,9 +188,12 @@ __global__ void __launch_bounds__(kBlockThreads)
     d.col_q = o.col_q + e0;
     d.col_s = o.col_s + band * H + col0;
     if constexpr (kFromFp32)
-      quantize_tile<T>(w, NormFp32Source{band_rows + half, gamma + col0, inv + half, col0, prm.weight_offset}, d, prm.rule);
+      quantize_tile<T>(
+          w, NormFp32Source{band_rows + half, gamma + col0, inv + half, col0, prm.weight_offset}, d,
+          prm.rule);
     else
-      quantize_tile<T>(w, MemorySource<T>{reinterpret_cast<const uint8_t*>(o.normed + e0), H}, d, prm.rule);
+      quantize_tile<T>(w, MemorySource<T>{reinterpret_cast<const uint8_t*>(o.normed + e0), H}, d,
+                       prm.rule);
   }
 }
 
@@ -197,7 +207,8 @@ void enqueue_rmsnorm(cudaStream_t stream, const Rows& rows, const uint16_t* gamm
   const int64_t blocks = ceil_div(R * kNormLanes, kBlockThreads);
   const int64_t steps = ceil_div(prm.H, kNormStep);
   if (steps <= 32)
-    rmsnorm_rows_kernel<32, kFromFp32><<<blocks, kBlockThreads, 0, stream>>>(rows, gamma, R, prm, o);
+    rmsnorm_rows_kernel<32, kFromFp32>
+        <<<blocks, kBlockThreads, 0, stream>>>(rows, gamma, R, prm, o);
   else
     rmsnorm_rows_kernel<0, kFromFp32><<<blocks, kBlockThreads, 0, stream>>>(rows, gamma, R, prm, o);
 }

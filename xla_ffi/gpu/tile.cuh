@@ -157,7 +157,8 @@ __device__ __forceinline__ uint32_t widen(uint32_t h) {
 template <InType T>
 __device__ __forceinline__ uint32_t row_amax(const uint4& w) {
   if constexpr (T == InType::kF32) {
-    return max(max(w.x & 0x7FFFFFFFu, w.y & 0x7FFFFFFFu), max(w.z & 0x7FFFFFFFu, w.w & 0x7FFFFFFFu));
+    return max(max(w.x & 0x7FFFFFFFu, w.y & 0x7FFFFFFFu),
+               max(w.z & 0x7FFFFFFFu, w.w & 0x7FFFFFFFu));
   } else {
     const uint32_t m = __vmaxu2(__vmaxu2(w.x & 0x7FFF7FFFu, w.y & 0x7FFF7FFFu),
                                 __vmaxu2(w.z & 0x7FFF7FFFu, w.w & 0x7FFF7FFFu));
@@ -182,7 +183,8 @@ __device__ __forceinline__ void col_amax(const uint4 (&w)[kTileRows], uint32_t (
 #pragma unroll
       for (int j = 0; j < 4; ++j) m[j] = __vmaxu2(m[j], word(w[r], j) & 0x7FFF7FFFu);
 #pragma unroll
-    for (int j = 0; j < 4; ++j) amax[2 * j] = widen<T>(m[j] & 0xFFFFu), amax[2 * j + 1] = widen<T>(m[j] >> 16);
+    for (int j = 0; j < 4; ++j)
+      amax[2 * j] = widen<T>(m[j] & 0xFFFFu), amax[2 * j + 1] = widen<T>(m[j] >> 16);
   }
 }
 
@@ -251,8 +253,7 @@ __device__ __forceinline__ bool quantize_tile_fast(const uint4 (&w)[kTileRows], 
 // The exact form: src(r, i) gives the fp32 bits of row r, column i of the lane's tile (called
 // only for r < d.rows). Loops stay rolled so that this path (rare on CUDA) stays small.
 template <int V, typename Src>
-__device__ __noinline__ void quantize_tile_exact(const Src& src, const TileDst& d,
-                                                 ScaleRule rule) {
+__device__ __noinline__ void quantize_tile_exact(const Src& src, const TileDst& d, ScaleRule rule) {
   constexpr int G = kBlock / V;
   if (d.row_q) {
 #pragma unroll 1
@@ -322,8 +323,8 @@ struct MemorySource {
 // returns the block's scale byte and this lane's N codes. Every lane of the warp must call it.
 
 template <int N>
-__device__ __noinline__ uint8_t encode_block_exact(const uint32_t (&src)[N],
-                                                   uint32_t (&c)[N / 4], ScaleRule rule) {
+__device__ __noinline__ uint8_t encode_block_exact(const uint32_t (&src)[N], uint32_t (&c)[N / 4],
+                                                   ScaleRule rule) {
   constexpr int G = kBlock / N;
   uint32_t amax = 0;
 #pragma unroll 1

@@ -37,10 +37,10 @@ struct GatherArgs {
 template <typename Buffer, typename Where, typename Counts, typename NormedResult,
           typename PlaneResult>
 GatherArgs read_gather_args(const Buffer& x, const Buffer& gamma, const Where& where,
-                            const int32_t* where_host, int64_t group_size,
-                            const Counts& row_counts, bool columnwise,
-                            NormedResult& normed, PlaneResult& row_q, PlaneResult& row_s,
-                            PlaneResult& col_q, PlaneResult& col_s, NormedResult& residual) {
+                            const int32_t* where_host, int64_t group_size, const Counts& row_counts,
+                            bool columnwise, NormedResult& normed, PlaneResult& row_q,
+                            PlaneResult& row_s, PlaneResult& col_q, PlaneResult& col_s,
+                            NormedResult& residual) {
   GatherArgs a;
   const auto dims = x.dimensions();
   a.x_rank = dims.size();

@@ -227,7 +227,6 @@ MXFP8_HD uint32_t e8m0_to_f32_bits(uint8_t byte) {
   return static_cast<uint32_t>(byte) << 23;
 }
 
-
 // ---------------------------------------------------------------------------------------------
 // RMSNorm (the fused op of docs/design.md), in one canonical evaluation order so that every
 // kernel (CPU, CUDA, HIP) produces the same bits:

@@ -103,11 +103,9 @@ class Table {
       std::unique_lock<std::mutex> lock(mu_);
       StartWatchdogLocked();
       auto& queue = entries_[key];
-      auto it = std::find_if(queue.begin(), queue.end(),
-                             [rank](const std::shared_ptr<Entry>& e) {
-                               return static_cast<size_t>(rank) >= e->slots.size() ||
-                                      !e->slots[rank];
-                             });
+      auto it = std::find_if(queue.begin(), queue.end(), [rank](const std::shared_ptr<Entry>& e) {
+        return static_cast<size_t>(rank) >= e->slots.size() || !e->slots[rank];
+      });
       std::shared_ptr<Entry> e;
       if (it == queue.end()) {
         e = std::make_shared<Entry>();
@@ -206,10 +204,8 @@ class Table {
         lock.lock();
         continue;
       }
-      if (next == Clock::time_point::max())
-        cv_.wait(lock);
-      else
-        cv_.wait_until(lock, next);
+      if (next == Clock::time_point::max()) cv_.wait(lock);
+      else cv_.wait_until(lock, next);
     }
   }
 
@@ -265,8 +261,8 @@ class Exchange {
   Result Meet(const Key& key, int rank, int group_size, const std::string& signature, Value value,
               Clock::duration timeout) {
     auto slot = std::make_shared<Slot>();
-    auto joined = table_.Join(key, rank, group_size, signature, Waiter{std::move(value), slot},
-                              timeout);
+    auto joined =
+        table_.Join(key, rank, group_size, signature, Waiter{std::move(value), slot}, timeout);
     switch (joined.status) {
       case Status::kFailed: {
         Result r;
@@ -281,8 +277,7 @@ class Exchange {
           if (k != rank) joined.arrivals[k].slot->Publish(r);
         return r;
       }
-      case Status::kWaiting:
-        break;
+      case Status::kWaiting: break;
     }
     // The last rank to arrive or the watchdog (past the deadline) always publishes a result.
     return slot->Wait();
