@@ -2,7 +2,7 @@
 
 Cross-platform lowering (``jax.jit(f).trace(...).lower(lowering_platforms=...)``) needs no GPU:
 it checks what a GPU would be handed. The thin FFI wrappers must emit their custom call with the
-operand and result types and attributes the GPU handlers (xla_ffi/cuda/) decode. The public
+operand and result types and attributes the GPU handlers (xla_ffi/gpu/) decode. The public
 functions with ``backend="auto"`` must call the GPU handler exactly when the installed extension
 carries it for that platform, and the pure-JAX reference (no custom call) otherwise.
 """

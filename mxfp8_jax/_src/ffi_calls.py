@@ -102,7 +102,7 @@ def rmsnorm_quantize(
     scale_rule: int,
 ):
     """``mxfp8_rmsnorm_quantize``: ``x [R, H]`` bf16, ``gamma [H]`` bf16 ->
-    ``(normed, row_q, row_s, col_q, col_s)`` (uint8 planes; the columnwise ones None unless asked).
+    ``(normed, row_q, row_s, col_q, col_s)`` (codes float8_e4m3fn, scales uint8; the columnwise ones None unless asked).
     """
     r, h = x.shape
     normed, rq, rs, cq, cs = jax.ffi.ffi_call(
@@ -128,7 +128,7 @@ def allgather_rmsnorm_quantize(
     timeout_ms: int,
 ):
     """``mxfp8_allgather_rmsnorm_quantize`` (one device's call; see xla_ffi/cpu/allgather.cc,
-    and xla_ffi/cuda/handlers.cc for the experimental GPU handler):
+    and xla_ffi/gpu/handlers.cc for the experimental GPU handler):
     ``x [rows_max, H]``, ``gamma [H]`` bf16, ``where = (rank, group, rendezvous id)`` int32 ->
     ``(normed, row_q, row_s, col_q, col_s, residual)`` for the group's ``rows`` gathered rows.
     """
