@@ -257,14 +257,12 @@ def run(
     from jax.sharding import Mesh
 
     import mxfp8_jax as mx
-    from mxfp8_jax._src import _ffi
+    from mxfp8_jax._src import _ffi, checks
 
-    if not isinstance(steps, int) or steps < 1:
-        raise ValueError(f"steps={steps!r} must be a positive int")
+    steps = checks.positive_int(steps, "steps")
     if not isinstance(hidden, int) or hidden < 32 or hidden % 32:
         raise ValueError(f"hidden={hidden!r} must be a positive multiple of 32 (MXFP8 blocks are 32 wide)")
-    if not isinstance(layers, int) or layers < 1:
-        raise ValueError(f"layers={layers!r} must be a positive int")
+    layers = checks.positive_int(layers, "layers")
     if model not in MODELS:
         raise ValueError(f"model={model!r} must be one of {MODELS}")
     devs = select_devices(devices)

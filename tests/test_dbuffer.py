@@ -363,6 +363,8 @@ def test_errors(meshes):
         DBuffer.distribute_tensors(tensors, m24, (PSUM, S)).get_tensor(0)
     with pytest.raises(ValueError, match=r"tensor index 6 must be an int in \[0, 6\)"):
         buf.get_tensor(6)
+    with pytest.raises(ValueError, match=r"tensor index True must be an int"):
+        buf.get_tensor(True)  # a bool is not an index (it was accepted as 1)
     with pytest.raises(ValueError, match=r"data has shape \(5,\); a DBuffer holds a flat"):
         DBuffer(jnp.zeros(5), m24, (S, S), buf.layout)
     with pytest.raises(ValueError, match=r"data is sharded as .*jax.device_put it there first"):

@@ -7,6 +7,7 @@ properties are checked from the layout's plain fields (offsets, bounds), not its
 import dataclasses
 import math
 
+import numpy as np
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -218,6 +219,14 @@ def test_build_rejects_bad_shapes(shapes, kwargs, match):
 def test_build_rejects_bad_arguments():
     with pytest.raises(ValueError, match=r"dp_size=0 must be a positive int"):
         GlobalLayout.build([(4,)], 0)
+    # NumPy integers are integers; floats (even integral ones) and bools are not
+    lay = GlobalLayout.build([(64, 4)], np.int64(2), block_size=np.int32(32))
+    assert (lay.dp_size, lay.block_size) == (2, 32) and type(lay.block_size) is int
+    for bad in (32.5, 32.0, True):
+        with pytest.raises(ValueError, match="block_size=.* must be a positive int"):
+            GlobalLayout.build([(64, 4)], 2, block_size=bad)
+        with pytest.raises(ValueError, match="dp_size=.* must be a positive int"):
+            GlobalLayout.build([(64, 4)], bad)
     with pytest.raises(TypeError, match=r"shard_layout='padded' must be a ShardLayout"):
         GlobalLayout.build([(4,)], 2, shard_layout="padded")
     with pytest.raises(TypeError, match=r"tensor_shapes\[0\]=4 must be a tuple of ints"):

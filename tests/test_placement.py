@@ -79,7 +79,7 @@ def test_errors_name_the_rule(cpu_devices):
         pl.validate_placements(mesh, S)
     with pytest.raises(ValueError, match=r"reduce_op='max'.*one of \('sum', 'avg'\)"):
         mx.Partial("max")
-    with pytest.raises(ValueError, match=r"BlockAtomic\(n=0\): n must be a positive int"):
+    with pytest.raises(ValueError, match=r"BlockAtomic\(n\)=0 must be a positive int"):
         mx.BlockAtomic(0)
     with pytest.raises(ValueError, match=r"needs a layout whose block_size is a multiple of 32, got block_size=16"):
         pl.check_layout_fits([R, B32], 16)

@@ -52,6 +52,7 @@ from jax import lax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from mxfp8_jax._src import placement as pl
+from mxfp8_jax._src import spmd
 from mxfp8_jax._src.dbuffer import DBuffer
 from mxfp8_jax._src.flax_layers import intercept, unit_kernel_shape
 from mxfp8_jax._src.format import BLOCK, ScaleRule
@@ -363,17 +364,16 @@ class FSDP:
             plain = None if state.plain is None else state.plain.data
             plain_spec = None if plain is None else flat
             planes = state.quantized
-            fn = jax.shard_map(
+            fn = spmd.shard_map(
                 local,
-                mesh=mesh,
-                in_specs=(
+                mesh,
+                (
                     master_specs,
                     None if planes is None else planes_specs,
                     plain_spec,
                     jax.tree.map(lambda _: flat, batch),
                 ),
-                out_specs=(PartitionSpec(), master_specs, plain_spec),
-                check_vma=False,
+                (PartitionSpec(), master_specs, plain_spec),
             )
             loss, g_master, g_plain = fn(state.master, planes, plain, batch)
             if g_plain is not None:
@@ -455,7 +455,7 @@ class FSDP:
             return out
 
         planes_specs = {name: UnitPlanes(*(s,) * 4) for name, s in specs.items()}
-        return jax.shard_map(local, mesh=self.mesh, in_specs=(specs,), out_specs=planes_specs, check_vma=False)
+        return spmd.shard_map(local, self.mesh, (specs,), planes_specs)
 
     @functools.cached_property
     def _quantize_fn(self):

@@ -28,6 +28,8 @@ from collections.abc import Sequence
 import numpy as np
 from jax.sharding import Mesh, PartitionSpec
 
+from mxfp8_jax._src import checks
+
 REDUCE_OPS = ("sum", "avg")
 
 
@@ -59,8 +61,7 @@ class BlockAtomic:
     n: int
 
     def __post_init__(self):
-        if not isinstance(self.n, int) or isinstance(self.n, bool) or self.n < 1:
-            raise ValueError(f"BlockAtomic(n={self.n!r}): n must be a positive int")
+        object.__setattr__(self, "n", checks.positive_int(self.n, "BlockAtomic(n)"))
 
 
 Placement = Replicate | Partial | RowAtomic | BlockAtomic

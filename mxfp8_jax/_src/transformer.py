@@ -23,6 +23,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from mxfp8_jax._src import checks
+
 
 @dataclasses.dataclass(frozen=True)
 class TransformerConfig:
@@ -41,9 +43,7 @@ class TransformerConfig:
 
     def __post_init__(self):
         for name in ("vocab", "hidden", "heads", "head_dim", "mlp", "layers"):
-            v = getattr(self, name)
-            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-                raise ValueError(f"TransformerConfig.{name}={v!r} must be a positive int")
+            object.__setattr__(self, name, checks.positive_int(getattr(self, name), f"TransformerConfig.{name}"))
         if self.head_dim % 2:
             raise ValueError(f"TransformerConfig.head_dim={self.head_dim} must be even (rotary pairs)")
 
