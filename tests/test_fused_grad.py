@@ -13,6 +13,7 @@ from jax.sharding import PartitionSpec as P
 from jax.test_util import check_grads
 
 import mxfp8_jax as mx
+from mxfp8_jax._src.spmd import shard_map
 
 from rmsnorm_oracle import BF16
 
@@ -21,10 +22,6 @@ pytestmark = pytest.mark.skipif("cpu" not in mx.available_backends(), reason="ne
 N, H = 4, 64
 COUNTS = (3, 0, 1, 4)  # ragged; two groups of two gather 3 and 5 rows -> not equal
 COUNTS_G = (3, 1, 0, 4)  # two groups of two, 4 rows each
-
-
-def _shard_map(f, mesh, in_specs, out_specs):
-    return jax.shard_map(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
 
 
 def _reference(mesh, counts, group_size, offset, eps):
@@ -44,7 +41,7 @@ def _reference(mesh, counts, group_size, offset, eps):
         normed = xf * inv * (gl.reshape(H).astype(jnp.float32) + offset)
         return normed.astype(rows.dtype), rows
 
-    return _shard_map(local, mesh, (P("x"), P("x")), (P("x"), P("x")))
+    return shard_map(local, mesh, (P("x"), P("x")), (P("x"), P("x")))
 
 
 def _fused(mesh, counts, group_size, offset, eps, strategy):

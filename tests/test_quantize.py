@@ -22,7 +22,7 @@ import numpy_oracle as oracle
 from conftest import as_bytes
 
 PLANES = ("rowwise_data", "rowwise_scale", "columnwise_data", "columnwise_scale")
-BACKENDS = ("ffi", "jax")
+COMPARED = ("ffi", "jax")  # the two implementations checked against each other
 
 
 @functools.cache
@@ -32,7 +32,7 @@ def _quantizer(rule, backend, columnwise, jit):
     return jax.jit(fn) if jit else fn
 
 
-def check_planes(x, *, rule="rceil", backends=BACKENDS, jit=True):
+def check_planes(x, *, rule="rceil", backends=COMPARED, jit=True):
     """Quantizes x with every backend and asserts each plane equals the oracle's bytes."""
     x = np.asarray(x)
     want = oracle.quantize(x, rule)
@@ -209,7 +209,7 @@ def test_nd_input_flattens_leading_axes():
     assert mx.dequantize(t, dtype=jnp.float32).shape == x.shape
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", COMPARED)
 def test_vmap_matches_per_example(backend):
     x = np.random.default_rng(6).standard_normal((3, 64, 96)).astype(np.float32)
     f = lambda a: mx.quantize(a, backend=backend)
@@ -223,7 +223,7 @@ def test_vmap_matches_per_example(backend):
 @pytest.mark.parametrize("rowwise,columnwise", [(True, False), (False, True), (True, True)])
 def test_plane_selection(rowwise, columnwise):
     x = jnp.ones((64, 64), jnp.bfloat16)
-    for backend in BACKENDS:
+    for backend in COMPARED:
         t = mx.quantize(x, rowwise=rowwise, columnwise=columnwise, backend=backend)
         assert t.has_rowwise == rowwise and t.has_columnwise == columnwise
         t.validate()
@@ -238,7 +238,7 @@ def test_auto_uses_the_kernel_on_cpu():
 
 def test_rowwise_only_allows_m_not_multiple_of_32():
     x = np.random.default_rng(7).standard_normal((5, 64)).astype(np.float32)
-    for backend in BACKENDS:
+    for backend in COMPARED:
         t = mx.quantize(jnp.asarray(x), columnwise=False, backend=backend)
         want = oracle.quantize(x)
         np.testing.assert_array_equal(as_bytes(t.rowwise_data), want["rowwise_data"].reshape(-1))

@@ -35,7 +35,7 @@ from mxfp8_jax._src import placement as pl
 from mxfp8_jax._src.layout import GlobalLayout, ShardLayout
 
 
-def _shard_map(fn, mesh: Mesh, in_placements, out_placements):
+def _shard_map_placements(fn, mesh: Mesh, in_placements, out_placements):
     return spmd.shard_map(fn, mesh, pl.partition_spec(mesh, in_placements), pl.partition_spec(mesh, out_placements))
 
 
@@ -312,12 +312,12 @@ def _check_static(mesh: Mesh, placements, layout: GlobalLayout) -> None:
 @functools.cache
 def _transition(plan: _Plan):
     """The compiled per-device transition (cached: plans are hashable static values)."""
-    return jax.jit(_shard_map(plan.local_fn, plan.mesh, plan.old, plan.new))
+    return jax.jit(_shard_map_placements(plan.local_fn, plan.mesh, plan.old, plan.new))
 
 
 @functools.cache
 def _cast(mesh: Mesh, placements, dtype):
-    return jax.jit(_shard_map(lambda x: x.astype(dtype), mesh, placements, placements))
+    return jax.jit(_shard_map_placements(lambda x: x.astype(dtype), mesh, placements, placements))
 
 
 def _place(x, sharding: NamedSharding) -> jax.Array:
