@@ -33,6 +33,7 @@ from jax.typing import DTypeLike
 from mxfp8_jax._src import checks, spmd
 from mxfp8_jax._src import placement as pl
 from mxfp8_jax._src.layout import GlobalLayout, ShardLayout
+from mxfp8_jax._src.tracing import is_traced
 
 
 def _shard_map_placements(fn, mesh: Mesh, in_placements, out_placements):
@@ -66,7 +67,7 @@ class DBuffer:
                 f"data has shape {tuple(data.shape)}; a DBuffer holds a flat "
                 f"[{self.layout.physical_size}] array (layout.physical_size)"
             )
-        if not isinstance(data, jax.core.Tracer) and data.is_fully_addressable:
+        if not is_traced(data) and data.is_fully_addressable:
             if not data.sharding.is_equivalent_to(self.sharding, 1):
                 raise ValueError(
                     f"data is sharded as {data.sharding}, but placements {self.placements} need "
@@ -131,7 +132,7 @@ class DBuffer:
         if dtype is None:
             dtype = jnp.result_type(*tensors) if tensors else jnp.float32
         dtype = jnp.dtype(dtype)
-        if any(isinstance(t, jax.core.Tracer) for t in tensors):  # under jit: pack in the graph
+        if is_traced(*tensors):  # under jit: pack in the graph
             flat = _flat_buffer_traced(layout, [jnp.asarray(t).astype(dtype) for t in tensors], dtype)
         else:  # concrete: pack on the host, one transfer
             flat = _flat_buffer(layout, [np.asarray(t).astype(dtype) for t in tensors], dtype, np)
@@ -189,7 +190,7 @@ class DBuffer:
         ``segs = self.segments_of(device)``; under Partial axes they are that device's addends.
         """
         checks.index(i, self.layout.num_tensors)
-        if isinstance(self.data, jax.core.Tracer):
+        if is_traced(self.data):
             raise TypeError("local_tensor inspects concrete device buffers; call it outside jit")
         segs = self.segments_of(device)
         local = next((s.data for s in self.data.addressable_shards if s.device == device), None)
@@ -322,7 +323,7 @@ def _cast(mesh: Mesh, placements, dtype):
 
 def _place(x, sharding: NamedSharding) -> jax.Array:
     """``x`` laid out as ``sharding``: a transfer when concrete, a constraint under jit."""
-    if isinstance(x, jax.core.Tracer):
+    if is_traced(x):
         return lax.with_sharding_constraint(x, sharding)
     return jax.device_put(x, sharding)
 

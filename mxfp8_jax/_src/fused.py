@@ -56,6 +56,7 @@ from jax.sharding import PartitionSpec as P
 
 from mxfp8_jax._src import _ffi, ffi_calls, rmsnorm, spmd, vma
 from mxfp8_jax._src import format as fmt
+from mxfp8_jax._src.tracing import is_traced
 
 STRATEGIES = ("auto", "xla", "p2p")
 _P2P_TARGET = "mxfp8_allgather_rmsnorm_quantize"
@@ -464,7 +465,7 @@ def allgather_rmsnorm_quant(
             ("p2p_timeout_s", p2p_timeout_s),
         ),
     )
-    if _is_traced(x, gamma):
+    if is_traced(x, gamma):
         # Inside the caller's trace: a fresh function, so this call site gets its own op id
         # even when the same call is made many times in one program.
         return _global_fn(spec)(x, gamma)
@@ -505,10 +506,3 @@ def _global_jit(spec: _GlobalSpec):
     """Eager calls: one compiled program per configuration (each execution has its own RunId,
     so reusing the op id across calls is safe)."""
     return jax.jit(_global_fn(spec))
-
-
-def _is_traced(*xs) -> bool:
-    tracer = getattr(jax.core, "Tracer", None)
-    if tracer is None:  # cannot tell: treat as traced (correct, only slower when eager)
-        return True
-    return any(isinstance(a, tracer) for a in xs)

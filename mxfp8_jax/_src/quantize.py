@@ -14,6 +14,7 @@ from mxfp8_jax._src import backend as backends
 from mxfp8_jax._src import ffi_calls
 from mxfp8_jax._src import format as fmt
 from mxfp8_jax._src.tensor import MXFP8Tensor
+from mxfp8_jax._src.tracing import is_traced
 
 INPUT_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
 
@@ -64,7 +65,7 @@ def quantize(
     # Eager calls (a notebook cell) run one executable compiled per configuration and shape
     # instead of dispatching the reference's few dozen operations one by one; traced calls are
     # inlined (see MXFP8Tensor.dequantize for why not as a nested jit).
-    fn = _planes if isinstance(x, jax.core.Tracer) else _planes_jit
+    fn = _planes if is_traced(x) else _planes_jit
     rq, rs, cq, cs = fn(x.reshape(m, k), rowwise=rowwise, columnwise=columnwise, rule=rule, backend=backend)
     return MXFP8Tensor(
         rowwise_data=rq, rowwise_scale=rs, columnwise_data=cq, columnwise_scale=cs, shape=tuple(x.shape), dtype=x.dtype

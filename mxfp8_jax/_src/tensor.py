@@ -24,6 +24,7 @@ import jax.numpy as jnp
 from jax.typing import DTypeLike
 
 from mxfp8_jax._src import format as fmt
+from mxfp8_jax._src.tracing import is_traced
 
 BLOCK = fmt.BLOCK
 
@@ -115,7 +116,7 @@ class MXFP8Tensor:
         # Eager calls run one cached executable; traced calls are inlined as plain operations:
         # a nested jit would let autodiff of a scan hoist its constants out of the loop as
         # full-size buffers (one per constant, the size of the tensor).
-        fn = _dequantize if isinstance(data, jax.core.Tracer) else _dequantize_jit
+        fn = _dequantize if is_traced(data) else _dequantize_jit
         return fn(data, scale, axis=axis, dtype=dtype).reshape(self.shape)
 
     def scale_e8m0(self, *, columnwise: bool = False) -> jax.Array:
