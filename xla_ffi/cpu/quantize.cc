@@ -8,6 +8,7 @@
 #include "cpu/parallel.h"
 #include "cpu/quantize_cpu.h"
 #include "mxfp8/ffi_util.h"
+#include "mxfp8/quantize_args.h"
 
 namespace mxfp8::cpu {
 
@@ -15,18 +16,11 @@ static ffi::Error Quantize(ffi::ThreadPool pool, ffi::AnyBuffer x,
                            ffi::Result<ffi::AnyBuffer> row_q, ffi::Result<ffi::AnyBuffer> row_s,
                            ffi::Result<ffi::AnyBuffer> col_q, ffi::Result<ffi::AnyBuffer> col_s,
                            int32_t scale_rule, bool rowwise, bool columnwise) {
-  InType t;
-  if (!input_type(x.element_type(), &t))
-    return invalid("mxfp8_quantize: input must be f32, bf16 or f16");
-  const auto dims = x.dimensions();
-  if (dims.size() < 2) return invalid("mxfp8_quantize: input must have rank >= 2");
-  const int64_t K = dims.back();
-  const int64_t M = static_cast<int64_t>(x.element_count()) / (K ? K : 1);
-  if (K % kBlock) return invalid("mxfp8_quantize: K must be a multiple of 32");
-  if (columnwise && M % kBlock) return invalid("mxfp8_quantize: M must be a multiple of 32");
-  const size_t n = static_cast<size_t>(M * K);
-  if (!plane_sizes_ok(n, rowwise, columnwise, row_q, row_s, col_q, col_s))
-    return invalid("mxfp8_quantize: result sizes do not match the input");
+  QuantizeArgs a;
+  ffi::Error e = check_quantize_args(x, row_q, row_s, col_q, col_s, rowwise, columnwise, &a);
+  if (e.failure()) return e;
+  const InType t = a.t;
+  const int64_t M = a.M, K = a.K;
   Planes p;
   if (rowwise) p.row_q = bytes(row_q), p.row_s = bytes(row_s);
   if (columnwise) p.col_q = bytes(col_q), p.col_s = bytes(col_s);

@@ -19,6 +19,7 @@
 #include "cpu/parallel.h"
 #include "cpu/quantize_cpu.h"
 #include "mxfp8/ffi_util.h"
+#include "mxfp8/quantize_args.h"
 
 namespace mxfp8::cpu {
 
@@ -51,30 +52,21 @@ static ffi::Error QuantizeSegments(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::
                                    ffi::Result<ffi::AnyBuffer> col_q,
                                    ffi::Result<ffi::AnyBuffer> col_s, int32_t scale_rule,
                                    bool rowwise, bool columnwise) {
-  InType t;
-  if (!input_type(x.element_type(), &t))
-    return invalid("mxfp8_quantize_segments: input must be f32, bf16 or f16");
-  const int64_t S = static_cast<int64_t>(x.element_count());
-  if (x.dimensions().size() != 1) return invalid("mxfp8_quantize_segments: x must be 1-D");
-  if (S % kBlock)
-    return invalid("mxfp8_quantize_segments: segment length must be a multiple of 32");
-  const auto ddims = desc.dimensions();
-  if (ddims.size() != 2 || ddims[1] != 3)
-    return invalid("mxfp8_quantize_segments: desc must have shape [P, 3]");
-  const bool desc64 = desc.element_type() == ffi::DataType::S64;
-  if (!desc64 && desc.element_type() != ffi::DataType::S32)
-    return invalid("mxfp8_quantize_segments: desc must be int64 or int32");
+  QuantizeSegmentsArgs a;
+  ffi::Error e =
+      check_quantize_segments_args(x, desc, row_q, row_s, col_q, col_s, rowwise, columnwise, &a);
+  if (e.failure()) return e;
+  const InType t = a.t;
+  const int64_t S = a.S;
+  const bool desc64 = a.desc64;
   auto entry = [&](int64_t j) -> int64_t {
     return desc64 ? static_cast<const int64_t*>(desc.untyped_data())[j]
                   : static_cast<const int32_t*>(desc.untyped_data())[j];
   };
-  const size_t n = static_cast<size_t>(S);
-  if (!plane_sizes_ok(n, rowwise, columnwise, row_q, row_s, col_q, col_s))
-    return invalid("mxfp8_quantize_segments: result sizes do not match the segment");
 
   // The descriptors are checked here only so that a wrong table cannot write out of bounds.
   std::vector<Piece> pieces;
-  for (int64_t i = 0; i < ddims[0]; ++i) {
+  for (int64_t i = 0; i < a.P; ++i) {
     const Piece p{entry(3 * i), entry(3 * i + 1), entry(3 * i + 2)};
     if (p.rows == 0) continue;
     if (p.rows < 0 || p.row_len <= 0 || p.row_len % kBlock || p.rows % kBlock)

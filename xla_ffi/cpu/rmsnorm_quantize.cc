@@ -15,6 +15,7 @@
 #include "cpu/parallel.h"
 #include "cpu/rmsnorm_cpu.h"
 #include "mxfp8/ffi_util.h"
+#include "mxfp8/quantize_args.h"
 
 namespace mxfp8::cpu {
 
@@ -60,18 +61,11 @@ static ffi::Error RmsnormQuantize(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> x
                                   ffi::Result<ffi::AnyBuffer> col_q,
                                   ffi::Result<ffi::AnyBuffer> col_s, float eps, float weight_offset,
                                   bool quantize_from_fp32, bool columnwise, int32_t scale_rule) {
-  const auto dims = x.dimensions();
-  if (dims.size() != 2) return invalid("mxfp8_rmsnorm_quantize: x must be [R, H]");
-  const int64_t R = dims[0], H = dims[1];
-  if (H % kBlock) return invalid("mxfp8_rmsnorm_quantize: H must be a multiple of 32");
-  if (gamma.element_count() != static_cast<size_t>(H))
-    return invalid("mxfp8_rmsnorm_quantize: gamma must be [H]");
-  if (columnwise && R % kBlock)
-    return invalid("mxfp8_rmsnorm_quantize: R must be a multiple of 32 for columnwise output");
-  const size_t n = static_cast<size_t>(R * H);
-  if (normed->element_count() != n ||
-      !plane_sizes_ok(n, true, columnwise, row_q, row_s, col_q, col_s))
-    return invalid("mxfp8_rmsnorm_quantize: result sizes do not match x");
+  RmsnormQuantizeArgs a;
+  ffi::Error e =
+      check_rmsnorm_quantize_args(x, gamma, normed, row_q, row_s, col_q, col_s, columnwise, &a);
+  if (e.failure()) return e;
+  const int64_t R = a.R, H = a.H;
   if (R == 0) return ffi::Error::Success();
 
   NormParams p;

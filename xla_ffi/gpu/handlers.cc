@@ -14,6 +14,7 @@
 #include "mxfp8/ffi_util.h"
 #include "mxfp8/gather_args.h"
 #include "mxfp8/gather_ffi.h"
+#include "mxfp8/quantize_args.h"
 #include "mxfp8/rendezvous.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -41,22 +42,13 @@ ffi::Error Quantize(void* stream, ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> 
                     ffi::Result<ffi::AnyBuffer> row_s, ffi::Result<ffi::AnyBuffer> col_q,
                     ffi::Result<ffi::AnyBuffer> col_s, int32_t scale_rule, bool rowwise,
                     bool columnwise) {
-  InType t;
-  if (!input_type(x.element_type(), &t))
-    return invalid("mxfp8_quantize: input must be f32, bf16 or f16");
-  const auto dims = x.dimensions();
-  if (dims.size() < 2) return invalid("mxfp8_quantize: input must have rank >= 2");
-  const int64_t K = dims.back();
-  const int64_t M = static_cast<int64_t>(x.element_count()) / (K ? K : 1);
-  if (K % kBlock) return invalid("mxfp8_quantize: K must be a multiple of 32");
-  if (columnwise && M % kBlock) return invalid("mxfp8_quantize: M must be a multiple of 32");
-  const size_t n = static_cast<size_t>(M * K);
-  if (!plane_sizes_ok(n, rowwise, columnwise, row_q, row_s, col_q, col_s))
-    return invalid("mxfp8_quantize: result sizes do not match the input");
-  if (n == 0 || !(rowwise || columnwise)) return ffi::Error::Success();
+  QuantizeArgs a;
+  ffi::Error e = check_quantize_args(x, row_q, row_s, col_q, col_s, rowwise, columnwise, &a);
+  if (e.failure()) return e;
+  if (a.n == 0 || !(rowwise || columnwise)) return ffi::Error::Success();
   return status("mxfp8_quantize",
-                launch_quantize(stream, t, static_cast<const uint8_t*>(x.untyped_data()), M, K,
-                                planes(rowwise, columnwise, row_q, row_s, col_q, col_s),
+                launch_quantize(stream, a.t, static_cast<const uint8_t*>(x.untyped_data()), a.M,
+                                a.K, planes(rowwise, columnwise, row_q, row_s, col_q, col_s),
                                 static_cast<ScaleRule>(scale_rule)));
 }
 
@@ -64,25 +56,14 @@ ffi::Error QuantizeSegments(void* stream, ffi::AnyBuffer x, ffi::AnyBuffer desc,
                             ffi::Result<ffi::AnyBuffer> row_q, ffi::Result<ffi::AnyBuffer> row_s,
                             ffi::Result<ffi::AnyBuffer> col_q, ffi::Result<ffi::AnyBuffer> col_s,
                             int32_t scale_rule, bool rowwise, bool columnwise) {
-  InType t;
-  if (!input_type(x.element_type(), &t))
-    return invalid("mxfp8_quantize_segments: input must be f32, bf16 or f16");
-  if (x.dimensions().size() != 1) return invalid("mxfp8_quantize_segments: x must be 1-D");
-  const int64_t S = static_cast<int64_t>(x.element_count());
-  if (S % kBlock)
-    return invalid("mxfp8_quantize_segments: segment length must be a multiple of 32");
-  const auto ddims = desc.dimensions();
-  if (ddims.size() != 2 || ddims[1] != 3)
-    return invalid("mxfp8_quantize_segments: desc must have shape [P, 3]");
-  const bool desc64 = desc.element_type() == ffi::DataType::S64;
-  if (!desc64 && desc.element_type() != ffi::DataType::S32)
-    return invalid("mxfp8_quantize_segments: desc must be int64 or int32");
-  if (!plane_sizes_ok(static_cast<size_t>(S), rowwise, columnwise, row_q, row_s, col_q, col_s))
-    return invalid("mxfp8_quantize_segments: result sizes do not match the segment");
-  if (S == 0 || !(rowwise || columnwise)) return ffi::Error::Success();
+  QuantizeSegmentsArgs a;
+  ffi::Error e =
+      check_quantize_segments_args(x, desc, row_q, row_s, col_q, col_s, rowwise, columnwise, &a);
+  if (e.failure()) return e;
+  if (a.S == 0 || !(rowwise || columnwise)) return ffi::Error::Success();
   return status("mxfp8_quantize_segments",
-                launch_quantize_segments(stream, t, static_cast<const uint8_t*>(x.untyped_data()),
-                                         S, desc.untyped_data(), desc64, ddims[0],
+                launch_quantize_segments(stream, a.t, static_cast<const uint8_t*>(x.untyped_data()),
+                                         a.S, desc.untyped_data(), a.desc64, a.P,
                                          planes(rowwise, columnwise, row_q, row_s, col_q, col_s),
                                          static_cast<ScaleRule>(scale_rule)));
 }
@@ -114,25 +95,17 @@ ffi::Error RmsnormQuantize(void* stream, ffi::Buffer<ffi::BF16> x, ffi::Buffer<f
                            ffi::Result<ffi::AnyBuffer> col_q, ffi::Result<ffi::AnyBuffer> col_s,
                            float eps, float weight_offset, bool quantize_from_fp32, bool columnwise,
                            int32_t scale_rule) {
-  const auto dims = x.dimensions();
-  if (dims.size() != 2) return invalid("mxfp8_rmsnorm_quantize: x must be [R, H]");
-  const int64_t R = dims[0], H = dims[1];
-  if (H % kBlock) return invalid("mxfp8_rmsnorm_quantize: H must be a multiple of 32");
-  if (gamma.element_count() != static_cast<size_t>(H))
-    return invalid("mxfp8_rmsnorm_quantize: gamma must be [H]");
-  if (columnwise && R % kBlock)
-    return invalid("mxfp8_rmsnorm_quantize: R must be a multiple of 32 for columnwise output");
-  const size_t n = static_cast<size_t>(R * H);
-  if (normed->element_count() != n ||
-      !plane_sizes_ok(n, true, columnwise, row_q, row_s, col_q, col_s))
-    return invalid("mxfp8_rmsnorm_quantize: result sizes do not match x");
-  if (n == 0) return ffi::Error::Success();
+  RmsnormQuantizeArgs a;
+  ffi::Error e =
+      check_rmsnorm_quantize_args(x, gamma, normed, row_q, row_s, col_q, col_s, columnwise, &a);
+  if (e.failure()) return e;
+  if (a.n == 0) return ffi::Error::Success();
 
-  const NormParams prm = norm_params(H, eps, weight_offset, scale_rule);
+  const NormParams prm = norm_params(a.H, eps, weight_offset, scale_rule);
   const NormOut o = norm_out(normed, row_q, row_s, col_q, col_s, columnwise);
   return status("mxfp8_rmsnorm_quantize",
                 launch_rmsnorm_quantize(stream, reinterpret_cast<const uint16_t*>(x.typed_data()),
-                                        reinterpret_cast<const uint16_t*>(gamma.typed_data()), R,
+                                        reinterpret_cast<const uint16_t*>(gamma.typed_data()), a.R,
                                         prm, o, columnwise, quantize_from_fp32));
 }
 
