@@ -9,6 +9,7 @@
 #include "cpu/quantize_cpu.h"
 #include "mxfp8/ffi_util.h"
 #include "mxfp8/quantize_args.h"
+#include "mxfp8/quantize_ffi.h"
 
 namespace mxfp8::cpu {
 
@@ -35,16 +36,6 @@ static ffi::Error Quantize(ffi::ThreadPool pool, ffi::AnyBuffer x,
   return ffi::Error::Success();
 }
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(QuantizeHandler, Quantize,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Attr<int32_t>("scale_rule")
-                                  .Attr<bool>("rowwise")
-                                  .Attr<bool>("columnwise"));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(QuantizeHandler, Quantize, quantize_binding<ffi::ThreadPool>());
 
 }  // namespace mxfp8::cpu

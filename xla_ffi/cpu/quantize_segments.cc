@@ -20,6 +20,7 @@
 #include "cpu/quantize_cpu.h"
 #include "mxfp8/ffi_util.h"
 #include "mxfp8/quantize_args.h"
+#include "mxfp8/quantize_ffi.h"
 
 namespace mxfp8::cpu {
 
@@ -124,16 +125,6 @@ static ffi::Error QuantizeSegments(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::
 }
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(QuantizeSegmentsHandler, QuantizeSegments,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Attr<int32_t>("scale_rule")
-                                  .Attr<bool>("rowwise")
-                                  .Attr<bool>("columnwise"));
+                              quantize_segments_binding<ffi::ThreadPool>());
 
 }  // namespace mxfp8::cpu

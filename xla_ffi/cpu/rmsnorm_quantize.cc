@@ -16,6 +16,7 @@
 #include "cpu/rmsnorm_cpu.h"
 #include "mxfp8/ffi_util.h"
 #include "mxfp8/quantize_args.h"
+#include "mxfp8/quantize_ffi.h"
 
 namespace mxfp8::cpu {
 
@@ -102,19 +103,6 @@ static ffi::Error RmsnormQuantize(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> x
 }
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(RmsnormQuantizeHandler, RmsnormQuantize,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::BF16>>()
-                                  .Arg<ffi::Buffer<ffi::BF16>>()
-                                  .Ret<ffi::Buffer<ffi::BF16>>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Attr<float>("eps")
-                                  .Attr<float>("weight_offset")
-                                  .Attr<bool>("quantize_from_fp32")
-                                  .Attr<bool>("columnwise")
-                                  .Attr<int32_t>("scale_rule"));
+                              rmsnorm_quantize_binding<ffi::ThreadPool>());
 
 }  // namespace mxfp8::cpu

@@ -15,6 +15,7 @@
 #include "mxfp8/gather_args.h"
 #include "mxfp8/gather_ffi.h"
 #include "mxfp8/quantize_args.h"
+#include "mxfp8/quantize_ffi.h"
 #include "mxfp8/rendezvous.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -375,45 +376,13 @@ ffi::Error AllgatherRmsnormQuantize(
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(QuantizeHandler, Quantize,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<void*>>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Attr<int32_t>("scale_rule")
-                                  .Attr<bool>("rowwise")
-                                  .Attr<bool>("columnwise"));
+                              quantize_binding<ffi::PlatformStream<void*>>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(QuantizeSegmentsHandler, QuantizeSegments,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<void*>>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Attr<int32_t>("scale_rule")
-                                  .Attr<bool>("rowwise")
-                                  .Attr<bool>("columnwise"));
+                              quantize_segments_binding<ffi::PlatformStream<void*>>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(RmsnormQuantizeHandler, RmsnormQuantize,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<void*>>()
-                                  .Arg<ffi::Buffer<ffi::BF16>>()
-                                  .Arg<ffi::Buffer<ffi::BF16>>()
-                                  .Ret<ffi::Buffer<ffi::BF16>>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Attr<float>("eps")
-                                  .Attr<float>("weight_offset")
-                                  .Attr<bool>("quantize_from_fp32")
-                                  .Attr<bool>("columnwise")
-                                  .Attr<int32_t>("scale_rule"));
+                              rmsnorm_quantize_binding<ffi::PlatformStream<void*>>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(AllgatherRmsnormQuantizeHandler, AllgatherRmsnormQuantize,
                               gather_binding<ffi::PlatformStream<void*>>());
