@@ -170,10 +170,7 @@ ffi::Future AllgatherRmsnormQuantize(
   Arrival a;
   a.x = reinterpret_cast<const uint16_t*>(x.typed_data());
   a.gamma = reinterpret_cast<const uint16_t*>(gamma.typed_data());
-  a.out.normed = reinterpret_cast<uint16_t*>(normed->typed_data());
-  a.out.row_q = bytes(row_q);
-  a.out.row_s = bytes(row_s);
-  if (columnwise) a.out.col_q = bytes(col_q), a.out.col_s = bytes(col_s);
+  a.out = norm_outputs<NormOutputs>(normed, row_q, row_s, col_q, col_s, columnwise);
   a.residual = reinterpret_cast<uint16_t*>(residual->typed_data());
   a.promise = promise;
 

@@ -22,9 +22,7 @@ static ffi::Error Quantize(ffi::ThreadPool pool, ffi::AnyBuffer x,
   if (e.failure()) return e;
   const InType t = a.t;
   const int64_t M = a.M, K = a.K;
-  Planes p;
-  if (rowwise) p.row_q = bytes(row_q), p.row_s = bytes(row_s);
-  if (columnwise) p.col_q = bytes(col_q), p.col_s = bytes(col_s);
+  const Planes p = requested_planes<Planes>(rowwise, columnwise, row_q, row_s, col_q, col_s);
   const ScaleRule rule = static_cast<ScaleRule>(scale_rule);
   const int64_t bands = (M + kBlock - 1) / kBlock;
   // About 64 KiB of input per item keeps scheduling overhead small.

@@ -75,11 +75,7 @@ static ffi::Error RmsnormQuantize(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> x
   p.quantize_from_fp32 = quantize_from_fp32;
   p.columnwise = columnwise;
   p.rule = static_cast<ScaleRule>(scale_rule);
-  NormOutputs o;
-  o.normed = reinterpret_cast<uint16_t*>(normed->typed_data());
-  o.row_q = bytes(row_q);
-  o.row_s = bytes(row_s);
-  if (columnwise) o.col_q = bytes(col_q), o.col_s = bytes(col_s);
+  const NormOutputs o = norm_outputs<NormOutputs>(normed, row_q, row_s, col_q, col_s, columnwise);
 
   const auto* xp = reinterpret_cast<const uint16_t*>(x.typed_data());
   std::vector<float> g;

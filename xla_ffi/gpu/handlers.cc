@@ -29,16 +29,6 @@ ffi::Error status(const char* target, const char* launch_error) {
                     std::string(target) + ": kernel launch failed: " + launch_error);
 }
 
-// The launchers' destination planes: the requested ones, null pointers for the others.
-Planes planes(bool rowwise, bool columnwise, ffi::Result<ffi::AnyBuffer>& row_q,
-              ffi::Result<ffi::AnyBuffer>& row_s, ffi::Result<ffi::AnyBuffer>& col_q,
-              ffi::Result<ffi::AnyBuffer>& col_s) {
-  Planes p;
-  if (rowwise) p.row_q = bytes(row_q), p.row_s = bytes(row_s);
-  if (columnwise) p.col_q = bytes(col_q), p.col_s = bytes(col_s);
-  return p;
-}
-
 ffi::Error Quantize(void* stream, ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> row_q,
                     ffi::Result<ffi::AnyBuffer> row_s, ffi::Result<ffi::AnyBuffer> col_q,
                     ffi::Result<ffi::AnyBuffer> col_s, int32_t scale_rule, bool rowwise,
@@ -47,10 +37,10 @@ ffi::Error Quantize(void* stream, ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> 
   ffi::Error e = check_quantize_args(x, row_q, row_s, col_q, col_s, rowwise, columnwise, &a);
   if (e.failure()) return e;
   if (a.n == 0 || !(rowwise || columnwise)) return ffi::Error::Success();
+  const Planes p = requested_planes<Planes>(rowwise, columnwise, row_q, row_s, col_q, col_s);
   return status("mxfp8_quantize",
                 launch_quantize(stream, a.t, static_cast<const uint8_t*>(x.untyped_data()), a.M,
-                                a.K, planes(rowwise, columnwise, row_q, row_s, col_q, col_s),
-                                static_cast<ScaleRule>(scale_rule)));
+                                a.K, p, static_cast<ScaleRule>(scale_rule)));
 }
 
 ffi::Error QuantizeSegments(void* stream, ffi::AnyBuffer x, ffi::AnyBuffer desc,
@@ -62,14 +52,14 @@ ffi::Error QuantizeSegments(void* stream, ffi::AnyBuffer x, ffi::AnyBuffer desc,
       check_quantize_segments_args(x, desc, row_q, row_s, col_q, col_s, rowwise, columnwise, &a);
   if (e.failure()) return e;
   if (a.S == 0 || !(rowwise || columnwise)) return ffi::Error::Success();
+  const Planes p = requested_planes<Planes>(rowwise, columnwise, row_q, row_s, col_q, col_s);
   return status("mxfp8_quantize_segments",
                 launch_quantize_segments(stream, a.t, static_cast<const uint8_t*>(x.untyped_data()),
-                                         a.S, desc.untyped_data(), a.desc64, a.P,
-                                         planes(rowwise, columnwise, row_q, row_s, col_q, col_s),
+                                         a.S, desc.untyped_data(), a.desc64, a.P, p,
                                          static_cast<ScaleRule>(scale_rule)));
 }
 
-// The RMSNorm kernels' parameters and outputs, shared by the local and the gathered op.
+// The RMSNorm kernels' parameters, shared by the local and the gathered op.
 NormParams norm_params(int64_t H, float eps, float weight_offset, int32_t scale_rule) {
   NormParams prm;
   prm.H = H;
@@ -77,17 +67,6 @@ NormParams norm_params(int64_t H, float eps, float weight_offset, int32_t scale_
   prm.weight_offset = weight_offset;
   prm.rule = static_cast<ScaleRule>(scale_rule);
   return prm;
-}
-
-NormOut norm_out(ffi::Result<ffi::Buffer<ffi::BF16>>& normed, ffi::Result<ffi::AnyBuffer>& row_q,
-                 ffi::Result<ffi::AnyBuffer>& row_s, ffi::Result<ffi::AnyBuffer>& col_q,
-                 ffi::Result<ffi::AnyBuffer>& col_s, bool columnwise) {
-  NormOut o;
-  o.normed = reinterpret_cast<uint16_t*>(normed->typed_data());
-  o.row_q = bytes(row_q);
-  o.row_s = bytes(row_s);
-  if (columnwise) o.col_q = bytes(col_q), o.col_s = bytes(col_s);
-  return o;
 }
 
 ffi::Error RmsnormQuantize(void* stream, ffi::Buffer<ffi::BF16> x, ffi::Buffer<ffi::BF16> gamma,
@@ -103,7 +82,7 @@ ffi::Error RmsnormQuantize(void* stream, ffi::Buffer<ffi::BF16> x, ffi::Buffer<f
   if (a.n == 0) return ffi::Error::Success();
 
   const NormParams prm = norm_params(a.H, eps, weight_offset, scale_rule);
-  const NormOut o = norm_out(normed, row_q, row_s, col_q, col_s, columnwise);
+  const NormOut o = norm_outputs<NormOut>(normed, row_q, row_s, col_q, col_s, columnwise);
   return status("mxfp8_rmsnorm_quantize",
                 launch_rmsnorm_quantize(stream, reinterpret_cast<const uint16_t*>(x.typed_data()),
                                         reinterpret_cast<const uint16_t*>(gamma.typed_data()), a.R,
@@ -352,7 +331,7 @@ ffi::Error AllgatherRmsnormQuantize(
   c.x = reinterpret_cast<const uint16_t*>(x.typed_data());
   c.gamma = reinterpret_cast<const uint16_t*>(gamma.typed_data());
   c.prm = norm_params(c.plan.H, eps, weight_offset, scale_rule);
-  c.out = norm_out(normed, row_q, row_s, col_q, col_s, columnwise);
+  c.out = norm_outputs<NormOut>(normed, row_q, row_s, col_q, col_s, columnwise);
   c.out.residual = reinterpret_cast<uint16_t*>(residual->typed_data());
   c.columnwise = columnwise;
   c.quantize_from_fp32 = quantize_from_fp32;

@@ -1,5 +1,6 @@
 // XLA FFI helpers shared by the CPU handlers (cpu/*.cc) and the GPU ones (gpu/handlers.cc):
-// the input element type, argument errors, and the bytes and sizes of the MXFP8 result planes.
+// the input element type, argument errors, the bytes and sizes of the MXFP8 result planes, and
+// the kernels' destination structs filled from the results.
 // Host code of the handlers only: the kernels never see an XLA header.
 #pragma once
 
@@ -42,6 +43,34 @@ inline bool plane_sizes_ok(size_t n, bool rowwise, bool columnwise,
                            ffi::Result<ffi::AnyBuffer>& col_q, ffi::Result<ffi::AnyBuffer>& col_s) {
   return !((rowwise && (row_q->size_bytes() != n || row_s->size_bytes() != n / kBlock)) ||
            (columnwise && (col_q->size_bytes() != n || col_s->size_bytes() != n / kBlock)));
+}
+
+// The kernels' destination planes (cpu::Planes or gpu::Planes: the four plane pointers, null
+// by default): the requested planes' bytes, null pointers for the others.
+template <typename Planes>
+Planes requested_planes(bool rowwise, bool columnwise, ffi::Result<ffi::AnyBuffer>& row_q,
+                        ffi::Result<ffi::AnyBuffer>& row_s, ffi::Result<ffi::AnyBuffer>& col_q,
+                        ffi::Result<ffi::AnyBuffer>& col_s) {
+  Planes p;
+  if (rowwise) p.row_q = bytes(row_q), p.row_s = bytes(row_s);
+  if (columnwise) p.col_q = bytes(col_q), p.col_s = bytes(col_s);
+  return p;
+}
+
+// The RMSNorm kernels' outputs (cpu::NormOutputs or gpu::NormOut): normed and the rowwise
+// planes always, the columnwise planes when requested (null pointers otherwise). Any other
+// member (the gather's residual) is left to the caller.
+template <typename NormOut>
+NormOut norm_outputs(ffi::Result<ffi::Buffer<ffi::BF16>>& normed,
+                     ffi::Result<ffi::AnyBuffer>& row_q, ffi::Result<ffi::AnyBuffer>& row_s,
+                     ffi::Result<ffi::AnyBuffer>& col_q, ffi::Result<ffi::AnyBuffer>& col_s,
+                     bool columnwise) {
+  NormOut o;
+  o.normed = reinterpret_cast<uint16_t*>(normed->typed_data());
+  o.row_q = bytes(row_q);
+  o.row_s = bytes(row_s);
+  if (columnwise) o.col_q = bytes(col_q), o.col_s = bytes(col_s);
+  return o;
 }
 
 }  // namespace mxfp8
