@@ -55,8 +55,6 @@
 namespace mxfp8::cpu {
 namespace {
 
-constexpr const char* kName = "mxfp8_allgather_rmsnorm_quantize";
-
 // What one device brings to the rendezvous.
 struct Arrival {
   const uint16_t* x = nullptr;
@@ -70,11 +68,8 @@ rendezvous::Table<Arrival>& Table() {
   // Leaked on purpose: the watchdog thread and late promise completions may outlive static
   // destruction at process exit.
   static auto* table = new rendezvous::Table<Arrival>(
-      kName, [](Arrival& a, rendezvous::Failure f, const std::string& why) {
-        a.promise.SetError(ffi::Error(f == rendezvous::Failure::kTimeout
-                                          ? ffi::ErrorCode::kDeadlineExceeded
-                                          : ffi::ErrorCode::kInvalidArgument,
-                                      why));
+      kGatherTarget, [](Arrival& a, rendezvous::Failure f, const std::string& why) {
+        a.promise.SetError(meeting_error(f, why));
       });
   return *table;
 }
@@ -147,16 +142,15 @@ ffi::Future AllgatherRmsnormQuantize(
   // The future must exist before the promise is copied (it checks it is the promise's only one).
   ffi::Promise promise;
   ffi::Future future(promise);
-  const auto fail = [&](const std::string& msg) {
-    promise.SetError(invalid(std::string(kName) + ": " + msg));
-    return std::move(future);
-  };
 
-  const GatherArgs args =
-      read_gather_args(x, gamma, where, where.typed_data(), group_size, row_counts, columnwise,
-                       normed, row_q, row_s, col_q, col_s, residual);
   GatherPlan plan;
-  if (std::string why = plan_gather(args, &plan); !why.empty()) return fail(why);
+  if (ffi::Error e =
+          check_gather_args(x, gamma, where, where.typed_data(), group_size, row_counts, columnwise,
+                            normed, row_q, row_s, col_q, col_s, residual, &plan);
+      e.failure()) {
+    promise.SetError(std::move(e));
+    return future;
+  }
   const int64_t H = plan.H, rank = plan.rank;
   const std::vector<int64_t>& counts = plan.counts;
 

@@ -108,8 +108,6 @@ ffi::Error RmsnormQuantize(void* stream, ffi::Buffer<ffi::BF16> x, ffi::Buffer<f
 // are shared: the last rank to let go of one destroys it (waits already enqueued on an event
 // stay valid).
 
-constexpr const char* kGatherName = "mxfp8_allgather_rmsnorm_quantize";
-
 using Event = std::shared_ptr<void>;
 
 Event owned_event(int device, void* event) {
@@ -131,24 +129,17 @@ struct Done {
 
 // Leaked on purpose, as the CPU table: the watchdog thread may outlive static destruction.
 rendezvous::Exchange<Ready>& ReadyMeeting() {
-  static auto* m = new rendezvous::Exchange<Ready>(std::string(kGatherName) + " (inputs ready)");
+  static auto* m = new rendezvous::Exchange<Ready>(std::string(kGatherTarget) + " (inputs ready)");
   return *m;
 }
 
 rendezvous::Exchange<Done>& DoneMeeting() {
-  static auto* m = new rendezvous::Exchange<Done>(std::string(kGatherName) + " (reads done)");
+  static auto* m = new rendezvous::Exchange<Done>(std::string(kGatherTarget) + " (reads done)");
   return *m;
 }
 
-template <typename Result>
-ffi::Error meeting_error(const Result& r) {
-  return ffi::Error(r.failure == rendezvous::Failure::kTimeout ? ffi::ErrorCode::kDeadlineExceeded
-                                                               : ffi::ErrorCode::kInvalidArgument,
-                    r.error);
-}
-
 ffi::Error gather_error(ffi::ErrorCode code, const std::string& msg) {
-  return ffi::Error(code, std::string(kGatherName) + ": " + msg);
+  return ffi::Error(code, std::string(kGatherTarget) + ": " + msg);
 }
 
 std::string rank_on_gpu(int rank, int device) {
@@ -182,7 +173,7 @@ struct GatherCall {
 // Step 1, decoding the arguments. The kernel's row table holds kMaxGatherRanks ranks.
 ffi::Error check_group_size(int64_t group_size) {
   if (group_size <= kMaxGatherRanks) return ffi::Error::Success();
-  return invalid(std::string(kGatherName) + ": group_size=" + std::to_string(group_size) +
+  return invalid(std::string(kGatherTarget) + ": group_size=" + std::to_string(group_size) +
                  " exceeds the " + std::to_string(kMaxGatherRanks) +
                  " ranks the GPU kernel reads from (its row table travels in the kernel's "
                  "arguments); use smaller groups or strategy='xla'");
@@ -215,7 +206,7 @@ ffi::Error meet_inputs_ready(const GatherCall& c, std::vector<Ready>* peers) {
     mine.event = owned_event(c.device, ready_event);
   }
   auto ready = ReadyMeeting().Meet(c.key, c.rank, c.n, c.signature, std::move(mine), c.timeout);
-  if (!ready.ok) return meeting_error(ready);
+  if (!ready.ok) return meeting_error(ready.failure, ready.error);
   for (int k = 0; k < c.n; ++k)
     if (!ready.values[k].error.empty())
       return gather_error(ffi::ErrorCode::kInternal,
@@ -283,7 +274,7 @@ void launch_gather(const GatherCall& c, const std::vector<Ready>& peers, Done* d
 // this rank's own included; devices[k] is rank k's GPU.
 ffi::Error meet_reads_done(const GatherCall& c, const std::vector<int>& devices, Done done) {
   auto finished = DoneMeeting().Meet(c.key, c.rank, c.n, c.signature, std::move(done), c.timeout);
-  if (!finished.ok) return meeting_error(finished);
+  if (!finished.ok) return meeting_error(finished.failure, finished.error);
   std::string wait_error;
   for (int k = 0; k < c.n; ++k)
     if (k != c.rank && finished.values[k].event)
@@ -314,12 +305,11 @@ ffi::Error AllgatherRmsnormQuantize(
   GatherCall c;
   int32_t where_host[3] = {0, 0, 0};
   if (ffi::Error e = read_where(stream, where, where_host, &c.device); e.failure()) return e;
-  if (std::string why =
-          plan_gather(read_gather_args(x, gamma, where, where_host, group_size, row_counts,
-                                       columnwise, normed, row_q, row_s, col_q, col_s, residual),
-                      &c.plan);
-      !why.empty())
-    return invalid(std::string(kGatherName) + ": " + why);
+  if (ffi::Error e =
+          check_gather_args(x, gamma, where, where_host, group_size, row_counts, columnwise, normed,
+                            row_q, row_s, col_q, col_s, residual, &c.plan);
+      e.failure())
+    return e;
   if (c.plan.R == 0) return ffi::Error::Success();  // the whole group has no rows: nothing to read
   c.stream = stream;
   c.rank = static_cast<int>(c.plan.rank);
