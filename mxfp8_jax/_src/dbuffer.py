@@ -420,29 +420,11 @@ class _Plan:
             x = lax.psum(x, spmd.axis_group(names))
             x = _avg(x, [n for n, op in self.reduce if op == "avg"], mesh)
         if self.gather:
-            dtype = x.dtype
-            bits = _bits_dtype(dtype)
-            if bits != x.dtype:  # pure movement: travel as same-width ints, never widened
-                x = lax.bitcast_convert_type(x, bits)
-            x = lax.all_gather(x, spmd.axis_group(self.gather), axis=0, tiled=True)
-            x = lax.bitcast_convert_type(x, dtype) if bits != dtype else x
+            x = spmd.all_gather_bits(x, spmd.axis_group(self.gather), axis=0)  # pure movement
         if self.keep_first:
             first = functools.reduce(jnp.logical_and, [lax.axis_index(n) == 0 for n in self.keep_first])
             x = jnp.where(first, x, jnp.zeros_like(x))
         return x
-
-
-def _bits_dtype(dtype):
-    """The dtype a buffer travels as in an all-gather.
-
-    Floats narrower than 32 bits go as unsigned ints of the same width: XLA:CPU would otherwise
-    widen bf16/fp8 collectives (bf16 -> f32, fp8 -> f16), doubling the bytes and risking NaN
-    payloads. Everything else travels as itself.
-    """
-    dtype = jnp.dtype(dtype)
-    if jnp.issubdtype(dtype, jnp.floating) and dtype.itemsize < 4:
-        return jnp.dtype(f"uint{8 * dtype.itemsize}")
-    return dtype
 
 
 def _avg(x, names: list[str], mesh: Mesh):

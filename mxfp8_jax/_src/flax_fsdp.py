@@ -244,20 +244,14 @@ class FSDP:
         sds = jax.ShapeDtypeStruct
         master, quantized = {}, {}
         for p in self.units:
-            s, g = self.master_sharding(p), p.unit
-            shape = g.padded_shape(p.stack)
-            master[p.name] = sds(shape, jnp.float32, sharding=s)
-            quantized[p.name] = UnitPlanes(
-                sds(shape, jnp.uint8, sharding=s),
-                sds((*shape[:-1], g.in_features // BLOCK), jnp.uint8, sharding=s),
-                sds(shape, jnp.uint8, sharding=s),
-                sds((*p.stack, g.out_padded // BLOCK, g.in_features), jnp.uint8, sharding=s),
-            )
+            s = self.master_sharding(p)
+            master[p.name] = sds(p.unit.padded_shape(p.stack), jnp.float32, sharding=s)
+            codes, row_scale, col_scale = (sds(a, jnp.uint8, sharding=s) for a in p.unit.plane_shapes(p.stack))
+            quantized[p.name] = UnitPlanes(codes, row_scale, codes, col_scale)
         plain = None
         if self.plain_layout is not None:
-            flat = NamedSharding(self.mesh, PartitionSpec(self._axes))
             plain = DBuffer(
-                sds((self.plain_layout.physical_size,), jnp.float32, sharding=flat),
+                sds((self.plain_layout.physical_size,), jnp.float32, sharding=self._flat_sharding),
                 self.mesh,
                 self.plain_placements,
                 self.plain_layout,
@@ -290,7 +284,7 @@ class FSDP:
                     f"batch leaf of shape {np.shape(leaf)}: its leading (batch) axis must be "
                     f"divisible by the mesh's {self.mesh.size} devices"
                 )
-        sharding = NamedSharding(self.mesh, PartitionSpec(self._axes))
+        sharding = self._flat_sharding
         if all(isinstance(leaf, jax.ShapeDtypeStruct) for leaf in jax.tree.leaves(batch)):
             return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding), batch)
         return jax.device_put(batch, sharding)
@@ -406,6 +400,11 @@ class FSDP:
             intercept(nodes[path])
         return model
 
+    @functools.cached_property
+    def _flat_sharding(self) -> NamedSharding:
+        """Leading axis split over every mesh axis: the batch and the plain buffer."""
+        return NamedSharding(self.mesh, PartitionSpec(self._axes))
+
     def _row_spec(self, info: ParamInfo) -> PartitionSpec:
         return PartitionSpec(*(None,) * len(info.stack), self._axes, None)
 
@@ -442,15 +441,15 @@ class FSDP:
         def local(master):
             out = {}
             for p in units:
-                w = master[p.name]
-                lead = w.shape[:-1]  # (*stack, rows): whole 32-row blocks of each layer
+                w = master[p.name]  # [*stack, rows, in]: whole 32-row blocks of each layer
+                codes, row_scale, col_scale = p.unit.plane_shapes(p.stack, rows=w.shape[-2])
                 t = quantize(w.reshape(-1, w.shape[-1]), scale_rule=rule)
-                codes = lambda q: lax.bitcast_convert_type(q, jnp.uint8).reshape(w.shape)
+                as_bytes = lambda q: lax.bitcast_convert_type(q, jnp.uint8).reshape(codes)
                 out[p.name] = UnitPlanes(
-                    codes(t.rowwise_data),
-                    t.rowwise_scale.reshape(*lead, -1),
-                    codes(t.columnwise_data),
-                    t.columnwise_scale.reshape(*lead[:-1], lead[-1] // BLOCK, -1),
+                    as_bytes(t.rowwise_data),
+                    t.rowwise_scale.reshape(row_scale),
+                    as_bytes(t.columnwise_data),
+                    t.columnwise_scale.reshape(col_scale),
                 )
             return out
 
@@ -466,7 +465,7 @@ class FSDP:
         rest (step counters, scalars) replicated. Init and step agree, so the step compiles once."""
         by_shape = {p.unit.padded_shape(p.stack): self.master_sharding(p) for p in self.units}
         if self.plain_layout is not None:
-            by_shape[(self.plain_layout.physical_size,)] = NamedSharding(self.mesh, PartitionSpec(self._axes))
+            by_shape[(self.plain_layout.physical_size,)] = self._flat_sharding
         replicated = NamedSharding(self.mesh, PartitionSpec())
         return jax.tree.map(lambda a: by_shape.get(tuple(np.shape(a)), replicated), shapes)
 
@@ -475,8 +474,7 @@ class FSDP:
         quantized = None if state.quantized is None else {name: UnitPlanes(*(s,) * 4) for name, s in master.items()}
         plain = None
         if state.plain is not None:
-            flat = NamedSharding(self.mesh, PartitionSpec(self._axes))
-            plain = dataclasses.replace(state.plain, data=flat)
+            plain = dataclasses.replace(state.plain, data=self._flat_sharding)
         replicated = NamedSharding(self.mesh, PartitionSpec())
         return TrainState(master, quantized, plain, self._opt_shardings(state.opt_state), replicated)
 

@@ -14,7 +14,6 @@ Outside a step both are ordinary dense layers.
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 from flax import nnx
 from flax.nnx.nn import dtypes as nnx_dtypes
@@ -22,7 +21,7 @@ from jax import lax
 from jax.typing import DTypeLike
 
 from mxfp8_jax._src.format import BLOCK
-from mxfp8_jax._src.fsdp_unit import ShardedKernel, unit_matmul
+from mxfp8_jax._src.fsdp_unit import ShardedKernel, compute_dot, unit_matmul
 
 _LECUN_NORMAL = nnx.initializers.lecun_normal()
 
@@ -58,12 +57,7 @@ class Linear(nnx.Module):
         if isinstance(kernel, ShardedKernel):
             y = unit_matmul(x, kernel, compute_dtype=self.dtype)
         else:
-            a, b = x.astype(self.dtype), kernel.astype(self.dtype)
-            if jax.default_backend() == "cpu":  # no fast bf16 GEMM on XLA:CPU; same products
-                a, b = a.astype(jnp.float32), b.astype(jnp.float32)
-            y = lax.dot_general(a, b, (((x.ndim - 1,), (0,)), ((), ())), preferred_element_type=jnp.float32).astype(
-                self.dtype
-            )
+            y = compute_dot(x, kernel, (((x.ndim - 1,), (0,)), ((), ())), self.dtype).astype(self.dtype)
         if self.bias is not None:
             y = y + self.bias.get_value().astype(self.dtype)
         return y

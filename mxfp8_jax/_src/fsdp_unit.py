@@ -43,6 +43,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.typing import DTypeLike
 
+from mxfp8_jax._src import spmd
 from mxfp8_jax._src.format import BLOCK
 from mxfp8_jax._src.layout import GlobalLayout
 from mxfp8_jax._src.quantize import dequantize
@@ -84,11 +85,16 @@ class UnitGeometry:
         """Rows of ``W`` each device stores (a multiple of 32)."""
         return self.out_padded // self.num_shards
 
-    def local_shape(self, stack: tuple[int, ...] = ()) -> tuple[int, ...]:
-        return (*stack, self.rows, self.in_features)
-
     def padded_shape(self, stack: tuple[int, ...] = ()) -> tuple[int, ...]:
+        """The stored master ``[*stack, out_padded, in]`` (all devices' rows)."""
         return (*stack, self.out_padded, self.in_features)
+
+    def plane_shapes(self, stack: tuple[int, ...] = (), rows: int | None = None) -> tuple[tuple[int, ...], ...]:
+        """``(codes, rowwise scales, columnwise scales)`` of ``rows`` rows of ``W`` (default all,
+        ``out_padded``): ``[*stack, rows, in]``, ``[*stack, rows, in/32]``, ``[*stack, rows/32, in]``."""
+        rows = self.out_padded if rows is None else rows
+        k = self.in_features
+        return (*stack, rows, k), (*stack, rows, k // BLOCK), (*stack, rows // BLOCK, k)
 
 
 @jax.tree_util.register_dataclass
@@ -228,15 +234,19 @@ def _forward(cfg: _Config, x, master, rowwise):
 
 
 def _dot(a, b, dims, cfg: _Config):
-    """``dot_general`` of operands rounded to the compute dtype, accumulated in fp32.
+    return compute_dot(a, b, dims, cfg.compute_dtype, cfg.precision)
+
+
+def compute_dot(a, b, dims, compute_dtype, precision=None) -> jax.Array:
+    """``dot_general`` of operands rounded to ``compute_dtype``, accumulated in fp32.
 
     XLA:CPU has no fast bf16 GEMM, so there the rounded operands are multiplied as fp32 (bf16
     products are exact in fp32: the same numbers up to summation order, several times faster).
     """
-    a, b = a.astype(cfg.compute_dtype), b.astype(cfg.compute_dtype)
+    a, b = a.astype(compute_dtype), b.astype(compute_dtype)
     if jax.default_backend() == "cpu":
         a, b = a.astype(jnp.float32), b.astype(jnp.float32)
-    return lax.dot_general(a, b, dims, precision=cfg.precision, preferred_element_type=jnp.float32)
+    return lax.dot_general(a, b, dims, precision=precision, preferred_element_type=jnp.float32)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -244,17 +254,8 @@ def _dot(a, b, dims, cfg: _Config):
 
 
 def all_gather_rows(x: jax.Array, axes) -> jax.Array:
-    """This device's rows ``[..., rows, K]`` -> every device's, in shard order.
-
-    Narrow floats travel as same-width unsigned ints (XLA:CPU would otherwise widen bf16 and
-    fp8 collectives, doubling the bytes).
-    """
-    dtype = jnp.dtype(x.dtype)
-    if jnp.issubdtype(dtype, jnp.floating) and dtype.itemsize < 4:
-        bits = lax.bitcast_convert_type(x, jnp.dtype(f"uint{8 * dtype.itemsize}"))
-        full = lax.all_gather(bits, axes, axis=x.ndim - 2, tiled=True)
-        return lax.bitcast_convert_type(full, dtype)
-    return lax.all_gather(x, axes, axis=x.ndim - 2, tiled=True)
+    """This device's rows ``[..., rows, K]`` -> every device's, in shard order (narrow floats as bits)."""
+    return spmd.all_gather_bits(x, axes, axis=x.ndim - 2)
 
 
 def _gathered_weight(cfg: _Config, local, *, columnwise: bool) -> jax.Array:

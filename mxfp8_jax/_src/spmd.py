@@ -6,6 +6,9 @@
 - ``axis_group``: the ``axis_name`` of a collective over several mesh axes, innermost first, the
   order in which flat shard indices are counted (``placement``).
 - ``shard_position``: that shard index as a traced value, inside the ``shard_map``.
+- ``all_gather_bits``: an all-gather that moves floats narrower than 32 bits as same-width
+  unsigned ints: XLA:CPU would otherwise widen bf16/fp8 collectives (bf16 -> f32, fp8 -> f16),
+  doubling the bytes and risking NaN payloads.
 """
 
 from __future__ import annotations
@@ -27,6 +30,15 @@ def axis_group(names: Sequence[str]):
     """A collective's ``axis_name`` for ``names`` (mesh order): innermost first."""
     names = tuple(reversed(tuple(names)))
     return names[0] if len(names) == 1 else names
+
+
+def all_gather_bits(x: jax.Array, axis_name, *, axis: int) -> jax.Array:
+    """``lax.all_gather(x, axis_name, axis=axis, tiled=True)``, narrow floats moved as their bits."""
+    dtype = jnp.dtype(x.dtype)
+    if not (jnp.issubdtype(dtype, jnp.floating) and dtype.itemsize < 4):
+        return lax.all_gather(x, axis_name, axis=axis, tiled=True)
+    bits = lax.bitcast_convert_type(x, jnp.dtype(f"uint{8 * dtype.itemsize}"))
+    return lax.bitcast_convert_type(lax.all_gather(bits, axis_name, axis=axis, tiled=True), dtype)
 
 
 def shard_position(mesh: Mesh, axes: Sequence[str]) -> jax.Array:
