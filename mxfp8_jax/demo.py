@@ -232,7 +232,7 @@ def train(work: Workload, precision: str, *, mesh, progress=None) -> dict:
         "units": len(fsdp.units),
         "eligible_elements": fsdp.weight_elements,
         "stored_elements": fsdp.stored_elements,
-        "plain_elements": 0 if fsdp.plain_layout is None else fsdp.plain_layout.numel_total,
+        "plain_elements": fsdp.plain_elements,
     }
 
 

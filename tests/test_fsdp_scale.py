@@ -254,14 +254,8 @@ def fsdp_grads(mode, mesh):
     """Loss and gradients of the sharded step, as (kernels [DEPTH, in, out], biases, head_k, head_b)."""
     model, values = host_model("scan" if mode == "mesh-2x4" else mode)
     fsdp = FSDP(model, mesh)
-    loss, g_master, g_plain = fsdp.loss_and_grads(ce_loss)(fsdp.init(model, optax.sgd(0.1)), batch_data())
-    g = {p.name: np.asarray(fsdp.to_kernel(p, g_master[p.name])) for p in fsdp.units}
-    g.update(
-        {
-            fsdp.params[j].name: np.asarray(t).reshape(fsdp.params[j].shape)
-            for j, t in zip(fsdp.others, g_plain.get_tensors())
-        }
-    )
+    loss, grads = fsdp.loss_and_grads(ce_loss)(fsdp.init(model, optax.sgd(0.1)), batch_data())
+    g = {p.name: np.asarray(fsdp.to_logical(p, grads[p.name])) for p in fsdp.trained}
     if mode == "loop":
         kernels = np.stack([g[f"blocks/{i}/l/kernel"] for i in range(DEPTH)])
         biases = np.stack([g[f"blocks/{i}/l/bias"] for i in range(DEPTH)])

@@ -68,9 +68,10 @@ def test_step_hlo_gathers_units_inside_the_loops(mesh, model):
     assert (gathers(fwd), gathers(bwd)) == (7 * 2, 7 * 2 + 6 * 2)
     assert all(c.dtypes == ("u8",) for c in in_loops if c.op == "all-gather")
     assert sorted(c.outputs[0][0] for c in in_loops if c.op == "reduce-scatter") == ["f32"] * 7
-    # fp32 gathers: only the plain buffer (embedding, norms), never a master
+    # fp32 gathers: one, of the plain parameters (embedding, norms) together, never a master
+    assert all(p.shard_axis is not None for p in fsdp.plain)
     f32 = [c for c in found if c.op == "all-gather" and c.dtypes != ("u8",)]
-    assert [c.outputs for c in f32] == [(("f32", (fsdp.plain_layout.physical_size,)),)]
+    assert [c.outputs for c in f32] == [(("f32", (fsdp.plain_elements,)),)]
 
 
 def test_mxfp8_trains_like_bf16(mesh, model):

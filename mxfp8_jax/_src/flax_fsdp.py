@@ -9,7 +9,7 @@ One training step, with every mesh axis in the FSDP group and the batch split ov
       |    forward:  all-gather this unit's rowwise planes (8-bit), y = x @ W.T, drop them
       |    backward: all-gather its columnwise planes (8-bit), dx = dy @ W; dW = dy.T @ x (fp32)
       |              leaves through one reduce-scatter into the unit's master rows
-    optax update on the shards (elementwise, no communication)
+    optax update on the parameters' shards (elementwise: no communication)
 
 A *unit* is the kernel of one ``flax.nnx.Linear`` or ``mxfp8_jax.flax.Linear`` whose two
 dimensions are multiples of 32 (``flax_layers``). Kernels stacked with ``nnx.vmap``
@@ -20,9 +20,20 @@ which is why scan, ``nnx.remat``/``jax.checkpoint`` (the recompute gathers again
 Python loops all work: per-device memory is the shards, the unit being computed, and the
 activations the model saves, flat in depth.
 
-Every other parameter (biases, norms, embeddings, kernels with other sizes) lives in one plain
-fp32 ``DBuffer`` (RowAtomic), all-gathered in fp32 at the start of the step; autodiff turns that
-gather into a reduce-scatter.
+Every other floating parameter (biases, norms, embeddings, kernels with other sizes) is
+*plain*: fp32, its own array with its logical shape, split over the mesh along its first axis
+that the device count divides (replicated when none does, e.g. 0-D scalars). The step
+all-gathers the split ones together as one fp32 gather at its start; autodiff turns that gather
+into one reduce-scatter. Non-floating parameters are *frozen*: replicated, passed to the model,
+never trained.
+
+The optimizer sees the model's parameters: ``tx`` is initialised and applied on nested dicts
+with the paths of ``nnx.state(model, nnx.Param).to_pure_dict()``, whose leaves are the
+sharded fp32 arrays (a unit's leaf is its master ``W = kernel.T``, rows padded; a plain one has
+the parameter's own shape). Masks and labels by path (``optax.adamw(mask=...)``,
+``optax.multi_transform``, ``optax.masked``), elementwise transforms and global norms therefore
+behave as on the unsharded model; the padding rows of a master hold zeros and receive zero
+gradients. Elementwise updates run on each device's shard with no communication.
 
 ``precision="bf16"`` is the baseline with the same structure: each unit's master rows are cast
 to bf16 and gathered as 16-bit words, once for the forward and once for the backward.
@@ -53,11 +64,9 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from mxfp8_jax._src import placement as pl
 from mxfp8_jax._src import spmd
-from mxfp8_jax._src.dbuffer import DBuffer
 from mxfp8_jax._src.flax_layers import intercept, unit_kernel_shape
 from mxfp8_jax._src.format import BLOCK, ScaleRule
 from mxfp8_jax._src.fsdp_unit import PRECISIONS, ShardedKernel, UnitGeometry
-from mxfp8_jax._src.layout import GlobalLayout
 from mxfp8_jax._src.quantize import quantize
 
 # ------------------------------------------------------------------------------------------------
@@ -85,18 +94,21 @@ class UnitPlanes:
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class TrainState:
-    """Everything a step updates. Invariant: ``quantized`` is the quantization of ``master``.
+    """Everything a step updates. Invariant: ``quantized`` is the quantization of the units'
+    masters.
 
-    ``master``: unit name (the kernel's parameter path) -> fp32 ``W = kernel.T`` with its rows
-    padded to ``out_padded``, ``[*stack, out_padded, in]``, rows sharded over the mesh.
+    ``master``: parameter name (its path joined by ``/``) -> fp32 array, for every trained
+    parameter: a unit's ``W = kernel.T`` with its rows padded to ``out_padded``,
+    ``[*stack, out_padded, in]``, rows sharded over the mesh; a plain parameter in its own shape,
+    split along ``ParamInfo.shard_axis`` (or replicated).
     ``quantized``: unit name -> its ``UnitPlanes``, or None under ``precision="bf16"``.
-    ``plain``: fp32 DBuffer of the other parameters (RowAtomic), or None when there are none.
-    ``opt_state``: the optax state of ``(master, plain.data)``, sharded like them.
+    ``frozen``: name -> value of each non-floating parameter, replicated, never trained.
+    ``opt_state``: the optax state of ``FSDP.param_tree(master)``, sharded like the parameters.
     """
 
     master: dict[str, jax.Array]
     quantized: dict[str, UnitPlanes] | None
-    plain: DBuffer | None
+    frozen: dict[str, jax.Array]
     opt_state: Any
     step: jax.Array
 
@@ -105,8 +117,10 @@ class TrainState:
 class ParamInfo:
     """One model parameter as the plan sees it; ``path`` as in ``nnx.to_flat_state``.
 
-    ``unit`` is the geometry of an MXFP8 unit (None for a plain parameter) and ``stack`` the
-    leading stack axes of its kernel ``[*stack, in, out]``.
+    ``unit`` is the geometry of an MXFP8 unit (None otherwise) and ``stack`` the leading stack
+    axes of its kernel ``[*stack, in, out]``. A plain parameter is split over the mesh along
+    ``shard_axis`` (None: replicated). ``kind`` is ``"unit"``, ``"plain"`` or ``"frozen"``
+    (non-floating: kept, not trained).
     """
 
     path: tuple[str | int, ...]
@@ -114,6 +128,7 @@ class ParamInfo:
     dtype: Any
     unit: UnitGeometry | None = None
     stack: tuple[int, ...] = ()
+    shard_axis: int | None = None
 
     @property
     def name(self) -> str:
@@ -122,6 +137,17 @@ class ParamInfo:
     @property
     def eligible(self) -> bool:
         return self.unit is not None
+
+    @property
+    def kind(self) -> str:
+        if self.unit is not None:
+            return "unit"
+        return "plain" if jnp.issubdtype(self.dtype, jnp.floating) else "frozen"
+
+    @property
+    def stored_shape(self) -> tuple[int, ...]:
+        """The shape of its array in ``TrainState`` (a unit's padded, transposed master)."""
+        return self.unit.padded_shape(self.stack) if self.unit is not None else self.shape
 
 
 # ------------------------------------------------------------------------------------------------
@@ -132,17 +158,18 @@ class FSDP:
     """MXFP8 FSDP training of an NNX model over every axis of ``mesh``.
 
     ``FSDP(model, mesh)`` reads the model's structure (not its values): which kernels are units,
-    their geometry, the plain parameters' layout. Then::
+    their geometry, how the other parameters are split. Then::
 
         state = fsdp.init(model, tx)           # shard, quantize, optimizer state
         step = fsdp.train_step(loss_fn, tx)    # jitted; donates the state
         state, loss = step(state, batch)
         model = fsdp.gather(state)             # an ordinary nnx module again
 
-    ``loss_fn(model, batch) -> scalar`` is the mean loss over the batch it is given. Each device
-    runs it on its slice of the batch (every leaf's leading axis is split over the mesh) and the
-    step returns the mean over devices. The model may hold only ``nnx.Param`` state; it may use
-    ``nnx.scan``, ``nnx.vmap``, ``nnx.remat`` and Python loops freely.
+    ``loss_fn(model, batch) -> scalar`` is the mean loss over the batch it is given (with
+    ``has_aux=True``: ``-> (scalar, aux)``). Each device runs it on its slice of the batch (every
+    leaf's leading axis is split over the mesh) and the step returns the mean over devices. The
+    model may hold only ``nnx.Param`` state; it may use ``nnx.scan``, ``nnx.vmap``, ``nnx.remat``
+    and Python loops freely. ``tx`` sees the parameters by path (``param_tree``).
     """
 
     def __init__(self, model: nnx.Module, mesh: Mesh, *, precision: str = "mxfp8", scale_rule: str = "rceil") -> None:
@@ -165,21 +192,24 @@ class FSDP:
         self._treedef = jax.tree.structure(params)  # one leaf per Variable: its value
         ndim = len(mesh.axis_names)
         self.master_placements = (pl.BlockAtomic(BLOCK),) * ndim
-        self.plain_placements = (pl.RowAtomic(),) * ndim
         self._axes = pl.partition_spec(self.mesh, self.master_placements)[0]  # collective axes
+        n = self.mesh.size
         owners = _unit_kernels(model)
         infos = []
         for path, v in jax.tree_util.tree_flatten_with_path(params, is_leaf=_is_variable)[0]:
             path = _path_names(path)
-            shape, dtype = tuple(v.get_value().shape), v.get_value().dtype
-            unit, stack = None, ()
+            shape, dtype = tuple(v.get_value().shape), jnp.dtype(v.get_value().dtype)
+            unit, stack, shard_axis = None, (), None
             if path in owners and jnp.issubdtype(dtype, jnp.floating):
                 stack, k_in, k_out = owners[path]
-                unit = UnitGeometry.build(k_in, k_out, self.mesh.size, self._axes, precision)
-            infos.append(ParamInfo(path, shape, dtype, unit, stack))
+                unit = UnitGeometry.build(k_in, k_out, n, self._axes, precision)
+            elif jnp.issubdtype(dtype, jnp.floating):
+                shard_axis = next((a for a, d in enumerate(shape) if d % n == 0 and d > 0), None)
+            infos.append(ParamInfo(path, shape, dtype, unit, stack, shard_axis))
         self.params = tuple(infos)
         self.eligible = tuple(j for j, p in enumerate(self.params) if p.eligible)
-        self.others = tuple(j for j, p in enumerate(self.params) if not p.eligible)
+        self.others = tuple(j for j, p in enumerate(self.params) if p.kind == "plain")
+        self.frozen_params = tuple(j for j, p in enumerate(self.params) if p.kind == "frozen")
         if not self.eligible:
             raise ValueError(
                 f"model has no eligible weight: FSDP keeps as MXFP8 the kernels of flax.nnx.Linear "
@@ -188,11 +218,6 @@ class FSDP:
                 f"{[(p.name, p.shape) for p in self.params]}"
             )
         self._owner_paths = tuple(self.params[j].path[:-1] for j in self.eligible)
-        self.plain_layout: GlobalLayout | None = (
-            GlobalLayout.build([self.params[j].shape or (1,) for j in self.others], self.mesh.size)
-            if self.others
-            else None
-        )
 
     # -- what the plan holds ---------------------------------------------------------------------
 
@@ -202,9 +227,24 @@ class FSDP:
         return tuple(self.params[j] for j in self.eligible)
 
     @property
+    def plain(self) -> tuple[ParamInfo, ...]:
+        """The plain (fp32, not MXFP8) trained parameters, in parameter order."""
+        return tuple(self.params[j] for j in self.others)
+
+    @property
+    def trained(self) -> tuple[ParamInfo, ...]:
+        """Every parameter the optimizer updates (units and plain), in parameter order."""
+        return tuple(p for p in self.params if p.kind != "frozen")
+
+    @property
     def weight_elements(self) -> int:
         """Elements of the units' kernels (what the model holds)."""
         return sum(int(np.prod(p.shape)) for p in self.units)
+
+    @property
+    def plain_elements(self) -> int:
+        """Elements of the plain parameters."""
+        return sum(int(np.prod(p.shape)) for p in self.plain)
 
     @property
     def stored_elements(self) -> int:
@@ -213,29 +253,53 @@ class FSDP:
         return sum(int(np.prod(p.unit.padded_shape(p.stack))) for p in self.units)
 
     def master_sharding(self, info: ParamInfo) -> NamedSharding:
-        """A unit's master (and planes): the row axis (second to last) split over the mesh."""
-        return NamedSharding(self.mesh, self._row_spec(info))
+        """A unit's master (and planes): the row axis (second to last) split over the mesh.
+        A plain parameter: split along its ``shard_axis``, or replicated."""
+        return NamedSharding(self.mesh, self._spec(info))
+
+    def param_tree(self, arrays: dict[str, Any]) -> dict:
+        """``{name: array}`` (like ``TrainState.master``) as nested dicts keyed by the parameter
+        paths of ``nnx.state(model, nnx.Param)`` (its ``to_pure_dict()`` structure): the tree
+        ``tx`` is initialised and applied on."""
+        tree: dict = {}
+        for p in self.trained:
+            node = tree
+            for key in p.path[:-1]:
+                node = node.setdefault(key, {})
+            node[p.path[-1]] = arrays[p.name]
+        return tree
+
+    def from_param_tree(self, tree: dict) -> dict[str, Any]:
+        """The inverse of ``param_tree``."""
+        out = {}
+        for p in self.trained:
+            node = tree
+            for key in p.path:
+                node = node[key]
+            out[p.name] = node
+        return out
 
     # -- state ---------------------------------------------------------------------------------
 
     def init(self, model: nnx.Module, tx: optax.GradientTransformation) -> TrainState:
-        """Shards ``model``'s parameters, quantizes the units, initialises ``tx``."""
+        """Shards ``model``'s parameters, quantizes the units, initialises ``tx``.
+
+        The parameters may be host arrays or ``jax.Array``s with any sharding (e.g. created
+        under ``jax.jit`` with ``out_shardings``, across several processes): they are placed by
+        one jitted program, device to device, with no host gather."""
         values = self._values_of(model)
-        master = self._masters_fn({p.name: values[j] for j, p in zip(self.eligible, self.units)})
-        plain = None
-        if self.others:
-            plain = DBuffer.distribute_tensors(
-                [np.asarray(values[j], np.float32).reshape(self.params[j].shape or (1,)) for j in self.others],
-                self.mesh,
-                self.plain_placements,
-                dtype=jnp.float32,
-                layout=self.plain_layout,
-            )
+        master, frozen = self._place_fn(
+            {p.name: values[j] for j, p in enumerate(self.params) if p.kind != "frozen"},
+            {self.params[j].name: values[j] for j in self.frozen_params},
+        )
+        return self._with_optimizer(master, frozen, tx, jnp.zeros((), jnp.int32))
+
+    def _with_optimizer(self, master, frozen, tx, step) -> TrainState:
         quantized = self._quantize_fn(master) if self.precision == "mxfp8" else None
-        params = _opt_params(master, plain)
+        params = self.param_tree(master)
         opt_shardings = self._opt_shardings(jax.eval_shape(tx.init, params))
         opt_state = jax.jit(tx.init, out_shardings=opt_shardings)(params)
-        state = TrainState(master, quantized, plain, opt_state, jnp.zeros((), jnp.int32))
+        state = TrainState(master, quantized, frozen, opt_state, step)
         return jax.device_put(state, self._shardings(state))
 
     def abstract_state(self, tx: optax.GradientTransformation) -> TrainState:
@@ -243,34 +307,57 @@ class FSDP:
         shardings: for ``lower_train_step`` (memory analysis, HLO) without building the model."""
         sds = jax.ShapeDtypeStruct
         master, quantized = {}, {}
+        for p in self.trained:
+            master[p.name] = sds(p.stored_shape, jnp.float32, sharding=self.master_sharding(p))
         for p in self.units:
             s = self.master_sharding(p)
-            master[p.name] = sds(p.unit.padded_shape(p.stack), jnp.float32, sharding=s)
             codes, row_scale, col_scale = (sds(a, jnp.uint8, sharding=s) for a in p.unit.plane_shapes(p.stack))
             quantized[p.name] = UnitPlanes(codes, row_scale, codes, col_scale)
-        plain = None
-        if self.plain_layout is not None:
-            plain = DBuffer(
-                sds((self.plain_layout.physical_size,), jnp.float32, sharding=self._flat_sharding),
-                self.mesh,
-                self.plain_placements,
-                self.plain_layout,
-            )
-        shapes = jax.eval_shape(tx.init, _opt_params(master, plain))
+        rep = NamedSharding(self.mesh, PartitionSpec())
+        frozen = {
+            self.params[j].name: sds(self.params[j].shape, self.params[j].dtype, sharding=rep)
+            for j in self.frozen_params
+        }
+        shapes = jax.eval_shape(tx.init, self.param_tree(master))
         opt_state = jax.tree.map(lambda a, s: sds(a.shape, a.dtype, sharding=s), shapes, self._opt_shardings(shapes))
-        step = sds((), jnp.int32, sharding=NamedSharding(self.mesh, PartitionSpec()))
-        return TrainState(master, quantized if self.precision == "mxfp8" else None, plain, opt_state, step)
+        step = sds((), jnp.int32, sharding=rep)
+        return TrainState(master, quantized if self.precision == "mxfp8" else None, frozen, opt_state, step)
 
     def gather(self, state: TrainState) -> nnx.Module:
         """The model with the full fp32 master parameters (one all-gather per array)."""
-        values = [None] * len(self.params)
-        kernels = self._kernels_fn(state.master)
-        for j, p in zip(self.eligible, self.units):
-            values[j] = kernels[p.name]
-        if state.plain is not None:
-            for j, t in zip(self.others, state.plain.get_tensors()):
-                values[j] = t.reshape(self.params[j].shape).astype(self.params[j].dtype)
-        return self._merge(values)
+        self.check_state(state, "state")
+        return self._merge(self._logical_fn(state.master, state.frozen))
+
+    def check_state(self, state: Any, argname: str = "state") -> None:
+        """Raises ``ValueError`` unless ``state`` is a ``TrainState`` of this plan: the same
+        parameter names, stored shapes and dtypes, planes present exactly for ``"mxfp8"``."""
+        if not isinstance(state, TrainState):
+            raise TypeError(f"{argname} must be a TrainState (from FSDP.init), got {type(state).__name__}")
+        want = {p.name: (p.stored_shape, jnp.dtype(jnp.float32)) for p in self.trained}
+        got = {k: (tuple(np.shape(v)), jnp.dtype(v.dtype)) for k, v in state.master.items()}
+        want.update({self.params[j].name: (self.params[j].shape, self.params[j].dtype) for j in self.frozen_params})
+        got.update({k: (tuple(np.shape(v)), jnp.dtype(v.dtype)) for k, v in state.frozen.items()})
+        if want != got:
+            missing = sorted(want.keys() - got.keys())
+            extra = sorted(got.keys() - want.keys())
+            differ = sorted(k for k in want.keys() & got.keys() if want[k] != got[k])
+            detail = "; ".join(
+                part
+                for part in (
+                    f"missing {missing}" if missing else "",
+                    f"not in this plan {extra}" if extra else "",
+                    ", ".join(
+                        f"{k}: {got[k][0]} {got[k][1]}, the plan stores {want[k][0]} {want[k][1]}" for k in differ
+                    ),
+                )
+                if part
+            )
+            raise ValueError(f"{argname} is not a state of this FSDP plan (another model or mesh?): {detail}")
+        if (state.quantized is None) != (self.precision != "mxfp8"):
+            raise ValueError(
+                f"{argname} {'has no' if state.quantized is None else 'has'} MXFP8 planes, but this plan's "
+                f"precision is {self.precision!r}"
+            )
 
     # -- steps ---------------------------------------------------------------------------------
 
@@ -289,74 +376,138 @@ class FSDP:
             return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding), batch)
         return jax.device_put(batch, sharding)
 
-    def loss_and_grads(self, loss_fn: Callable) -> Callable:
-        """``fn(state, batch) -> (loss, master_grad, plain_grad)``, jitted: the step's gradients,
-        ``master_grad`` a dict like ``state.master`` (fp32 ``[*stack, out_padded, in]``, rows
-        sharded), ``plain_grad`` a DBuffer with the plain placements (None without plain params)."""
-        jitted = jax.jit(self._grads_fn(loss_fn))
-        return lambda state, batch: jitted(state, self.place_batch(batch))
+    def loss_and_grads(self, loss_fn: Callable, *, has_aux: bool = False) -> Callable:
+        """``fn(state, batch) -> (loss, grads)`` (``((loss, aux), grads)`` with ``has_aux``),
+        jitted: the step's gradients, a dict like ``state.master`` (a unit's is
+        ``[*stack, out_padded, in]`` fp32, rows sharded; a plain parameter's its own shape)."""
+        grads_fn = self._grads_fn(loss_fn, has_aux)
 
-    def train_step(self, loss_fn: Callable, tx: optax.GradientTransformation) -> Callable:
-        """``step(state, batch) -> (state, loss)``: gradients, the ``tx`` update on the shards,
-        re-quantization. Jitted; the input state is donated."""
-        jitted = jax.jit(self._step(loss_fn, tx), donate_argnums=0)
-        return lambda state, batch: jitted(state, self.place_batch(batch))
+        def fn(state, batch):
+            loss, aux, grads = grads_fn(state, batch)
+            return ((loss, aux), grads) if has_aux else (loss, grads)
+
+        jitted = jax.jit(fn)
+
+        def call(state, batch):
+            self._check_live(state)
+            return jitted(state, self.place_batch(batch))
+
+        return call
+
+    def train_step(self, loss_fn: Callable, tx: optax.GradientTransformation, *, has_aux: bool = False) -> Callable:
+        """``step(state, batch) -> (state, loss)`` (``(state, loss, aux)`` with ``has_aux``):
+        gradients, the ``tx`` update on the shards, re-quantization. Jitted; the input state is
+        donated, and calling it again with a consumed state is a ``ValueError``. ``aux`` leaves
+        are floating and averaged over devices, like the loss."""
+        jitted = jax.jit(self._step(loss_fn, tx, has_aux), donate_argnums=0)
+
+        def call(state, batch):
+            self._check_live(state)
+            return jitted(state, self.place_batch(batch))
+
+        return call
 
     def lower_train_step(
-        self, loss_fn: Callable, tx: optax.GradientTransformation, state: TrainState, batch: Any
+        self,
+        loss_fn: Callable,
+        tx: optax.GradientTransformation,
+        state: TrainState,
+        batch: Any,
+        *,
+        has_aux: bool = False,
     ) -> jax.stages.Lowered:
         """``train_step`` lowered for ``state`` and ``batch`` (arrays, or ``abstract_state`` and
         ``jax.ShapeDtypeStruct`` leaves). ``.compile()`` gives a step to call as
         ``compiled(state, fsdp.place_batch(batch))`` (donating ``state``), its HLO text and its
         ``memory_analysis()``."""
-        return jax.jit(self._step(loss_fn, tx), donate_argnums=0).lower(state, self.place_batch(batch))
+        return jax.jit(self._step(loss_fn, tx, has_aux), donate_argnums=0).lower(state, self.place_batch(batch))
 
     def to_kernel(self, info: ParamInfo, master: jax.Array) -> jax.Array:
         """A unit's master (or its gradient) ``[*stack, out_padded, in]`` as the kernel's
         logical ``[*stack, in, out]`` (padding rows dropped); works on sharded arrays."""
         return jnp.swapaxes(master[..., : info.unit.out_features, :], -1, -2)
 
+    def to_logical(self, info: ParamInfo, stored: jax.Array) -> jax.Array:
+        """Any parameter's stored array (``TrainState.master`` entry, its gradient or an
+        optimizer moment) in the parameter's own shape: ``to_kernel`` for a unit."""
+        return self.to_kernel(info, stored) if info.unit is not None else stored
+
+    def from_logical(self, info: ParamInfo, value: jax.Array) -> jax.Array:
+        """The inverse of ``to_logical``: a unit's kernel-shaped array as its padded master."""
+        value = jnp.asarray(value, jnp.float32)
+        if info.unit is None:
+            return value
+        w = jnp.swapaxes(value, -1, -2)  # [*stack, out, in]
+        pad = info.unit.out_padded - info.unit.out_features
+        return jnp.pad(w, [(0, 0)] * len(info.stack) + [(0, pad), (0, 0)])
+
     # -- internals -----------------------------------------------------------------------------
 
-    def _step(self, loss_fn: Callable, tx) -> Callable:
-        grads_fn = self._grads_fn(loss_fn)
+    def _check_live(self, state) -> None:
+        if isinstance(state, TrainState) and any(
+            isinstance(a, jax.Array) and a.is_deleted() for a in jax.tree.leaves(state)
+        ):
+            raise ValueError(
+                "this state was consumed by an earlier step (a step donates its input state); "
+                "use the state that step returned"
+            )
+
+    def _check_opt_state(self, tx, params, opt_state) -> None:
+        want = jax.eval_shape(tx.init, params)
+        w_leaves, w_def = jax.tree.flatten(want)
+        g_leaves, g_def = jax.tree.flatten(opt_state)
+        same = w_def == g_def and all(
+            tuple(a.shape) == tuple(np.shape(b)) and jnp.dtype(a.dtype) == jnp.dtype(b.dtype)
+            for a, b in zip(w_leaves, g_leaves)
+        )
+        if not same:
+            raise ValueError(
+                "state.opt_state was not initialised by the tx given to train_step (its structure "
+                f"differs: {g_def} vs {w_def}); build the state with fsdp.init(model, tx) using the "
+                "same optimizer"
+            )
+
+    def _step(self, loss_fn: Callable, tx, has_aux: bool) -> Callable:
+        grads_fn = self._grads_fn(loss_fn, has_aux)
         quantize_local = self._quantize_local()
 
         def step(state: TrainState, batch):
-            loss, g_master, g_plain = grads_fn(state, batch)
-            params = _opt_params(state.master, state.plain)
-            grads = (g_master, None if g_plain is None else g_plain.data)
-            updates, opt_state = tx.update(grads, state.opt_state, params)
-            master, plain_data = jax.tree.map(lambda p, u: p + u.astype(p.dtype), params, updates)
-            plain = None if state.plain is None else dataclasses.replace(state.plain, data=plain_data)
+            self.check_state(state, "state")
+            loss, aux, grads = grads_fn(state, batch)
+            params = self.param_tree(state.master)
+            self._check_opt_state(tx, params, state.opt_state)
+            updates, opt_state = tx.update(self.param_tree(grads), state.opt_state, params)
+            master = self.from_param_tree(optax.apply_updates(params, updates))
+            master = {k: v.astype(jnp.float32) for k, v in master.items()}
             quantized = quantize_local(master) if self.precision == "mxfp8" else None
-            new_state = TrainState(master, quantized, plain, opt_state, state.step + 1)
-            return lax.with_sharding_constraint(new_state, self._shardings(new_state)), loss
+            new_state = TrainState(master, quantized, state.frozen, opt_state, state.step + 1)
+            new_state = lax.with_sharding_constraint(new_state, self._shardings(new_state))
+            return (new_state, loss, aux) if has_aux else (new_state, loss)
 
         return step
 
-    def _grads_fn(self, loss_fn: Callable) -> Callable:
-        """Loss and gradients of one step: a single shard_map over the mesh."""
+    def _grads_fn(self, loss_fn: Callable, has_aux: bool) -> Callable:
+        """Loss, aux and gradients of one step: a single shard_map over the mesh."""
         mesh, axes, n = self.mesh, self._axes, self.mesh.size
         flat = PartitionSpec(axes)
-        master_specs = {p.name: self._row_spec(p) for p in self.units}
-        planes_specs = {p.name: UnitPlanes(*(self._row_spec(p),) * 4) for p in self.units}
+        master_specs = {p.name: self._spec(p) for p in self.trained}
+        planes_specs = {p.name: UnitPlanes(*(self._spec(p),) * 4) for p in self.units}
+        frozen_specs = {self.params[j].name: PartitionSpec() for j in self.frozen_params}
+        replicated = [p.name for p in self.plain if p.shard_axis is None]
 
-        def local(master, planes, plain, batch):
-            def loss_of(master, plain):
-                loss = loss_fn(self._model_in_step(master, planes, plain), batch)
-                if jnp.ndim(loss) != 0:
-                    raise ValueError(
-                        f"loss_fn must return a scalar (the mean loss of its batch), got shape {jnp.shape(loss)}"
-                    )
-                return loss.astype(jnp.float32) / n
+        def local(master, planes, frozen, batch):
+            def loss_of(master):
+                out = loss_fn(self._model_in_step(master, planes, frozen), batch)
+                loss, aux = _split_loss(out, has_aux)
+                return loss.astype(jnp.float32) / n, aux
 
-            loss, (g_master, g_plain) = jax.value_and_grad(loss_of, argnums=(0, 1))(master, plain)
-            return lax.psum(loss, axes), g_master, g_plain
+            (loss, aux), grads = jax.value_and_grad(loss_of, has_aux=True)(master)
+            for name in replicated:  # used whole on every device: sum the devices' parts
+                grads[name] = lax.psum(grads[name], axes)
+            aux = jax.tree.map(lambda a: lax.pmean(a, axes), aux)
+            return lax.psum(loss, axes), aux, grads
 
         def grads_fn(state: TrainState, batch):
-            plain = None if state.plain is None else state.plain.data
-            plain_spec = None if plain is None else flat
             planes = state.quantized
             fn = spmd.shard_map(
                 local,
@@ -364,21 +515,18 @@ class FSDP:
                 (
                     master_specs,
                     None if planes is None else planes_specs,
-                    plain_spec,
+                    frozen_specs,
                     jax.tree.map(lambda _: flat, batch),
                 ),
-                (PartitionSpec(), master_specs, plain_spec),
+                (PartitionSpec(), PartitionSpec(), master_specs),
             )
-            loss, g_master, g_plain = fn(state.master, planes, plain, batch)
-            if g_plain is not None:
-                g_plain = DBuffer(g_plain, mesh, self.plain_placements, self.plain_layout)
-            return loss, g_master, g_plain
+            return fn(state.master, planes, state.frozen, batch)
 
         return grads_fn
 
-    def _model_in_step(self, master, planes, plain) -> nnx.Module:
+    def _model_in_step(self, master, planes, frozen) -> nnx.Module:
         """The model as one device sees it inside the step: units hold ``ShardedKernel``s of this
-        device's shards, plain parameters their gathered values."""
+        device's shards, plain parameters their gathered values, frozen ones their values."""
         values = [None] * len(self.params)
         for j, p in zip(self.eligible, self.units):
             q = None if planes is None else planes[p.name]
@@ -389,54 +537,84 @@ class FSDP:
                 p.unit,
                 p.dtype,
             )
-        if plain is not None:
-            full = lax.all_gather(plain, self._axes, tiled=True)  # its VJP is the reduce-scatter
-            rep = (pl.Replicate(),) * len(self.mesh.axis_names)
-            for j, t in zip(self.others, DBuffer(full, self.mesh, rep, self.plain_layout).get_tensors()):
-                values[j] = t.reshape(self.params[j].shape).astype(self.params[j].dtype)
+        full = self._gather_plain(master)
+        for j in self.others:
+            values[j] = full[self.params[j].name].astype(self.params[j].dtype)
+        for j in self.frozen_params:
+            values[j] = frozen[self.params[j].name]
         model = self._merge(values)
         nodes = dict(nnx.iter_graph(model))
         for path in self._owner_paths:
             intercept(nodes[path])
         return model
 
+    def _gather_plain(self, master) -> dict[str, jax.Array]:
+        """Every plain parameter whole on this device: the split ones by ONE fp32 all-gather of
+        their concatenated local shards (its VJP: one reduce-scatter of their gradients)."""
+        n = self.mesh.size
+        out = {p.name: master[p.name] for p in self.plain if p.shard_axis is None}
+        split = [p for p in self.plain if p.shard_axis is not None]
+        if not split:
+            return out
+        flat = jnp.concatenate([master[p.name].reshape(-1) for p in split])
+        full = lax.all_gather(flat, self._axes, tiled=True).reshape(n, -1)  # [device, local parts]
+        offset = 0
+        for p in split:
+            local = master[p.name].shape
+            size = int(np.prod(local))
+            piece = full[:, offset : offset + size].reshape(n, *local)
+            out[p.name] = jnp.moveaxis(piece, 0, p.shard_axis).reshape(p.shape)  # device-major
+            offset += size
+        return out
+
     @functools.cached_property
     def _flat_sharding(self) -> NamedSharding:
-        """Leading axis split over every mesh axis: the batch and the plain buffer."""
+        """Leading axis split over every mesh axis: the batch."""
         return NamedSharding(self.mesh, PartitionSpec(self._axes))
 
-    def _row_spec(self, info: ParamInfo) -> PartitionSpec:
-        return PartitionSpec(*(None,) * len(info.stack), self._axes, None)
+    def _spec(self, info: ParamInfo) -> PartitionSpec:
+        if info.unit is not None:
+            return PartitionSpec(*(None,) * len(info.stack), self._axes, None)
+        if info.shard_axis is None:
+            return PartitionSpec()
+        return PartitionSpec(*(None,) * info.shard_axis, self._axes)
+
+    _row_spec = _spec
 
     @functools.cached_property
-    def _masters_fn(self):
-        units = self.units
-        shardings = {p.name: self.master_sharding(p) for p in units}
+    def _place_fn(self):
+        trained = self.trained
+        shardings = {p.name: self.master_sharding(p) for p in trained}
+        rep = NamedSharding(self.mesh, PartitionSpec())
+        frozen_shardings = {self.params[j].name: rep for j in self.frozen_params}
 
-        def masters(values):
-            out = {}
-            for p in units:
-                w = jnp.swapaxes(jnp.asarray(values[p.name], jnp.float32), -1, -2)  # [*stack, out, in]
-                pad = p.unit.out_padded - p.unit.out_features
-                out[p.name] = jnp.pad(w, [(0, 0)] * len(p.stack) + [(0, pad), (0, 0)])
-            return out
+        def place(values, frozen):
+            master = {p.name: self.from_logical(p, values[p.name]) for p in trained}
+            return master, {k: jnp.asarray(v) for k, v in frozen.items()}
 
-        return jax.jit(masters, out_shardings=shardings)
+        return jax.jit(place, out_shardings=(shardings, frozen_shardings))
 
     @functools.cached_property
-    def _kernels_fn(self):
-        units = self.units
+    def _logical_fn(self):
+        """``(master, frozen) -> values`` in parameter order, each whole (replicated), in the
+        parameter's dtype."""
         rep = NamedSharding(self.mesh, PartitionSpec())
 
-        def kernels(master):
-            return {p.name: self.to_kernel(p, master[p.name]).astype(p.dtype) for p in units}
+        def logical(master, frozen):
+            values = []
+            for p in self.params:
+                if p.kind == "frozen":
+                    values.append(frozen[p.name])
+                else:
+                    values.append(self.to_logical(p, master[p.name]).astype(p.dtype))
+            return values
 
-        return jax.jit(kernels, out_shardings={p.name: rep for p in units})
+        return jax.jit(logical, out_shardings=[rep] * len(self.params))
 
     def _quantize_local(self) -> Callable:
         """``master -> {name: UnitPlanes}``: every device quantizes its own rows (no collective)."""
         units, rule = self.units, self.scale_rule
-        specs = {p.name: self._row_spec(p) for p in units}
+        specs = {p.name: self._spec(p) for p in units}
 
         def local(master):
             out = {}
@@ -454,43 +632,81 @@ class FSDP:
             return out
 
         planes_specs = {name: UnitPlanes(*(s,) * 4) for name, s in specs.items()}
-        return spmd.shard_map(local, self.mesh, (specs,), planes_specs)
+        fn = spmd.shard_map(local, self.mesh, (specs,), planes_specs)
+        return lambda master: fn({p.name: master[p.name] for p in units})
 
     @functools.cached_property
     def _quantize_fn(self):
         return jax.jit(self._quantize_local())
 
     def _opt_shardings(self, shapes):
-        """Optimizer leaves shaped like a master (or the plain buffer) are sharded like it; the
-        rest (step counters, scalars) replicated. Init and step agree, so the step compiles once."""
-        by_shape = {p.unit.padded_shape(p.stack): self.master_sharding(p) for p in self.units}
-        if self.plain_layout is not None:
-            by_shape[(self.plain_layout.physical_size,)] = self._flat_sharding
+        """Optimizer leaves that belong to a parameter (their key path ends with its path, e.g.
+        adam's ``mu``/``nu``, masked or labelled states) and have its stored shape are sharded
+        like it; the rest (step counters, scalars) replicated. Init and step agree, so the step
+        compiles once."""
+        by_path = {p.path: p for p in self.trained}
+        longest = max(len(p.path) for p in self.trained)
         replicated = NamedSharding(self.mesh, PartitionSpec())
-        return jax.tree.map(lambda a: by_shape.get(tuple(np.shape(a)), replicated), shapes)
+
+        def sharding(key_path, leaf):
+            names = _path_names(key_path)
+            for k in range(min(longest, len(names)), 0, -1):
+                p = by_path.get(tuple(names[-k:]))
+                if p is not None and tuple(np.shape(leaf)) == p.stored_shape:
+                    return self.master_sharding(p)
+            return replicated
+
+        return jax.tree_util.tree_map_with_path(sharding, shapes)
 
     def _shardings(self, state: TrainState):
-        master = {p.name: self.master_sharding(p) for p in self.units}
-        quantized = None if state.quantized is None else {name: UnitPlanes(*(s,) * 4) for name, s in master.items()}
-        plain = None
-        if state.plain is not None:
-            plain = dataclasses.replace(state.plain, data=self._flat_sharding)
+        master = {p.name: self.master_sharding(p) for p in self.trained}
+        quantized = None
+        if state.quantized is not None:
+            quantized = {p.name: UnitPlanes(*(self.master_sharding(p),) * 4) for p in self.units}
         replicated = NamedSharding(self.mesh, PartitionSpec())
-        return TrainState(master, quantized, plain, self._opt_shardings(state.opt_state), replicated)
+        frozen = {k: replicated for k in state.frozen}
+        return TrainState(master, quantized, frozen, self._opt_shardings(state.opt_state), replicated)
 
     def _values_of(self, model: nnx.Module) -> list:
+        if not isinstance(model, nnx.Module):
+            raise TypeError(f"model must be a flax.nnx.Module, got {type(model).__name__}")
         _, params, _ = nnx.split(model, nnx.Param, ...)
         variables = jax.tree.leaves(params, is_leaf=_is_variable)
-        shapes = tuple(tuple(v.get_value().shape) for v in variables)
-        if shapes != tuple(p.shape for p in self.params):
-            raise ValueError(
-                f"model has parameter shapes {shapes}, but this FSDP plan was built for "
-                f"{tuple(p.shape for p in self.params)}"
-            )
+        found = tuple(
+            (_path_names(k), tuple(v.get_value().shape))
+            for k, v in jax.tree_util.tree_flatten_with_path(params, is_leaf=_is_variable)[0]
+        )
+        want = tuple((p.path, p.shape) for p in self.params)
+        if found != want:
+            raise ValueError(f"model has parameters {found}, but this FSDP plan was built for {want}")
         return [v.get_value() for v in variables]
 
     def _merge(self, values) -> nnx.Module:
         return nnx.merge(self._graphdef, jax.tree.unflatten(self._treedef, values), self._rest)
+
+
+def _split_loss(out, has_aux: bool):
+    if has_aux:
+        if not (isinstance(out, tuple) and len(out) == 2):
+            raise ValueError(f"loss_fn must return (loss, aux) with has_aux=True, got {type(out).__name__}")
+        loss, aux = out
+        for leaf in jax.tree.leaves(aux):
+            if not jnp.issubdtype(jnp.result_type(leaf), jnp.floating):
+                raise ValueError(
+                    "loss_fn's aux leaves must be floating (they are averaged over devices), "
+                    f"got {jnp.result_type(leaf)}"
+                )
+    else:
+        if isinstance(out, tuple):
+            raise ValueError(
+                "loss_fn returned a tuple; for (loss, aux) pass has_aux=True to train_step / loss_and_grads"
+            )
+        loss, aux = out, None
+    if jnp.ndim(loss) != 0:
+        raise ValueError(f"loss_fn must return a scalar (the mean loss of its batch), got shape {jnp.shape(loss)}")
+    if not jnp.issubdtype(jnp.result_type(loss), jnp.floating):
+        raise ValueError(f"loss_fn must return a floating scalar, got {jnp.result_type(loss)}")
+    return loss, aux
 
 
 def _unit_kernels(model: nnx.Module) -> dict[tuple, tuple[tuple[int, ...], int, int]]:
@@ -512,7 +728,3 @@ def _path_names(path) -> tuple[str | int, ...]:
 
 def _is_variable(x) -> bool:
     return isinstance(x, nnx.Variable)
-
-
-def _opt_params(master, plain: DBuffer | None):
-    return (master, None if plain is None else plain.data)
