@@ -359,6 +359,129 @@ class FSDP:
                 f"precision is {self.precision!r}"
             )
 
+    # -- checkpoints ---------------------------------------------------------------------------
+
+    def save(self, state: TrainState, directory, *, async_save: bool = False, overwrite: bool = False):
+        """Writes ``state`` to ``directory`` as LOGICAL tensors, shard by shard (orbax).
+
+        Stored: every trained parameter by its model path in its own shape (a unit as its
+        kernel ``[*stack, in, out]``, padding dropped), every optimizer leaf that belongs to a
+        parameter in that parameter's shape under ``opt/<optimizer path>/<parameter path>``
+        (the others, e.g. step counts, as they are), the frozen parameters, the step, the
+        precision and scale rule. Never the mesh, the padding or the planes (recomputed on
+        ``restore``), so a checkpoint restores onto any mesh. Every process must call it.
+        Returns a handle; with ``async_save`` call ``.wait()`` before relying on the files.
+        """
+        from mxfp8_jax._src import checkpoint
+
+        self.check_state(state, "state")
+        self._check_live(state)
+        names, stored = self._checkpoint_names(state.opt_state)
+        tensors = dict(zip(names, self._to_checkpoint(self._checkpoint_leaves(state), stored)))
+        metadata = {
+            "kind": "mxfp8_jax.flax.FSDP",
+            "precision": self.precision,
+            "scale_rule": self.scale_rule,
+            "step": int(np.asarray(state.step.addressable_data(0))),
+        }
+        return checkpoint.save_logical(directory, tensors, metadata, async_save=async_save, overwrite=overwrite)
+
+    def restore(self, directory, tx: optax.GradientTransformation) -> TrainState:
+        """The ``TrainState`` saved in ``directory``, placed on this plan's mesh: parameters and
+        optimizer moments read shard by shard into their shardings, planes re-quantized.
+
+        Before any data moves, a ``ValueError`` names every path that does not fit this plan
+        and ``tx``: a missing or extra parameter, another shape or dtype, another optimizer
+        structure; a checkpoint saved with another precision or scale rule is refused too."""
+        from mxfp8_jax._src import checkpoint
+
+        info = checkpoint.read_metadata(directory)
+        meta = info.metadata
+        if meta.get("kind") != "mxfp8_jax.flax.FSDP":
+            raise ValueError(f"{directory} holds no FSDP training state (kind {meta.get('kind')!r})")
+        for key, mine in (("precision", self.precision), ("scale_rule", self.scale_rule)):
+            if meta.get(key) != mine:
+                raise ValueError(
+                    f"{directory} was saved with {key}={meta.get(key)!r}; this plan has {key}={mine!r} "
+                    f"(build FSDP(..., {key}={meta.get(key)!r}) to resume it)"
+                )
+        abstract = self.abstract_state(tx)
+        names, stored = self._checkpoint_names(abstract.opt_state)
+        leaves = self._checkpoint_leaves(abstract)
+        rep = NamedSharding(self.mesh, PartitionSpec())
+        targets = {}
+        for name, leaf, info_p in zip(names, leaves, stored):
+            shape = info_p.shape if info_p is not None else leaf.shape
+            sharding = rep if info_p is None else self._logical_sharding(info_p)
+            targets[name] = jax.ShapeDtypeStruct(shape, leaf.dtype, sharding=sharding)
+        values = checkpoint.restore_logical(directory, targets)
+        physical = self._from_checkpoint([values[n] for n in names], stored)
+        treedef = jax.tree.structure(self._checkpoint_leaves(abstract, tree=True))
+        master, frozen, opt_state, step = jax.tree.unflatten(treedef, physical)
+        quantized = self._quantize_fn(master) if self.precision == "mxfp8" else None
+        state = TrainState(master, quantized, frozen, opt_state, step)
+        return jax.device_put(state, self._shardings(state))
+
+    def _checkpoint_leaves(self, state, tree: bool = False):
+        """``(master, frozen, opt_state, step)`` of ``state``: its leaves, or the tuple itself."""
+        parts = (state.master, state.frozen, state.opt_state, state.step)
+        return parts if tree else jax.tree.leaves(parts)
+
+    def _checkpoint_names(self, opt_state) -> tuple[list[str], list[ParamInfo | None]]:
+        """The stored name of every leaf of ``_checkpoint_leaves`` and, for those kept in a
+        parameter's logical shape, that parameter (None: stored as it is)."""
+        names: list[str] = []
+        owners: list[ParamInfo | None] = []
+        for name in sorted(p.name for p in self.trained):
+            names.append(f"params/{name}")
+            owners.append(self._by_name[name])
+        for name in sorted(self.params[j].name for j in self.frozen_params):
+            names.append(f"frozen/{name}")
+            owners.append(None)
+        for key_path, leaf in jax.tree_util.tree_flatten_with_path(opt_state)[0]:
+            p = self._owner_of(key_path, leaf)
+            names.append("opt/" + "/".join(map(str, _path_names(key_path))))
+            owners.append(p)
+        names.append("step")
+        owners.append(None)
+        return names, owners
+
+    @functools.cached_property
+    def _by_name(self) -> dict[str, ParamInfo]:
+        return {p.name: p for p in self.params}
+
+    def _owner_of(self, key_path, leaf) -> ParamInfo | None:
+        """The parameter an optimizer leaf belongs to: its key path ends with the parameter's
+        path and it has the parameter's stored shape (adam's moments, masked or labelled)."""
+        names = _path_names(key_path)
+        by_path = {p.path: p for p in self.trained}
+        for k in range(min(max(len(p.path) for p in self.trained), len(names)), 0, -1):
+            p = by_path.get(tuple(names[-k:]))
+            if p is not None and tuple(np.shape(leaf)) == p.stored_shape:
+                return p
+        return None
+
+    def _logical_sharding(self, info: ParamInfo) -> NamedSharding:
+        """A parameter in its own shape: split along the first axis the device count divides."""
+        axis = next((a for a, d in enumerate(info.shape) if d > 0 and d % self.mesh.size == 0), None)
+        if axis is None:
+            return NamedSharding(self.mesh, PartitionSpec())
+        return NamedSharding(self.mesh, PartitionSpec(*(None,) * axis, self._axes))
+
+    def _to_checkpoint(self, leaves, owners):
+        """Stored leaves -> logical ones (device to device: slices and transposes)."""
+        rep = NamedSharding(self.mesh, PartitionSpec())
+        shardings = [rep if p is None else self._logical_sharding(p) for p in owners]
+        convert = lambda xs: [x if p is None else self.to_logical(p, x) for x, p in zip(xs, owners)]
+        return jax.jit(convert, out_shardings=shardings)(leaves)
+
+    def _from_checkpoint(self, values, owners):
+        """Logical leaves -> stored ones, placed in this plan's shardings."""
+        rep = NamedSharding(self.mesh, PartitionSpec())
+        shardings = [rep if p is None else self.master_sharding(p) for p in owners]
+        convert = lambda xs: [x if p is None else self.from_logical(p, x, x.dtype) for x, p in zip(xs, owners)]
+        return jax.jit(convert, out_shardings=shardings)(values)
+
     # -- steps ---------------------------------------------------------------------------------
 
     def place_batch(self, batch: Any) -> Any:
@@ -432,9 +555,10 @@ class FSDP:
         optimizer moment) in the parameter's own shape: ``to_kernel`` for a unit."""
         return self.to_kernel(info, stored) if info.unit is not None else stored
 
-    def from_logical(self, info: ParamInfo, value: jax.Array) -> jax.Array:
-        """The inverse of ``to_logical``: a unit's kernel-shaped array as its padded master."""
-        value = jnp.asarray(value, jnp.float32)
+    def from_logical(self, info: ParamInfo, value: jax.Array, dtype=jnp.float32) -> jax.Array:
+        """The inverse of ``to_logical``: a unit's kernel-shaped array as its padded master
+        (zero rows), in ``dtype``."""
+        value = jnp.asarray(value, dtype)
         if info.unit is None:
             return value
         w = jnp.swapaxes(value, -1, -2)  # [*stack, out, in]
@@ -640,21 +764,13 @@ class FSDP:
         return jax.jit(self._quantize_local())
 
     def _opt_shardings(self, shapes):
-        """Optimizer leaves that belong to a parameter (their key path ends with its path, e.g.
-        adam's ``mu``/``nu``, masked or labelled states) and have its stored shape are sharded
-        like it; the rest (step counters, scalars) replicated. Init and step agree, so the step
-        compiles once."""
-        by_path = {p.path: p for p in self.trained}
-        longest = max(len(p.path) for p in self.trained)
+        """Optimizer leaves that belong to a parameter (``_owner_of``) are sharded like it; the
+        rest (step counts, scalars) replicated. Init and step agree, so the step compiles once."""
         replicated = NamedSharding(self.mesh, PartitionSpec())
 
         def sharding(key_path, leaf):
-            names = _path_names(key_path)
-            for k in range(min(longest, len(names)), 0, -1):
-                p = by_path.get(tuple(names[-k:]))
-                if p is not None and tuple(np.shape(leaf)) == p.stored_shape:
-                    return self.master_sharding(p)
-            return replicated
+            p = self._owner_of(key_path, leaf)
+            return replicated if p is None else self.master_sharding(p)
 
         return jax.tree_util.tree_map_with_path(sharding, shapes)
 
