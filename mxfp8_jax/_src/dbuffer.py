@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from jax.typing import DTypeLike
 
 from mxfp8_jax._src import checks, spmd
@@ -120,6 +120,11 @@ class DBuffer:
         The buffer's value is the tensors: under ``Partial("sum")`` the first device along each
         Partial axis holds them and the others zeros; under ``Partial("avg")`` every device does.
         ``layout`` (built with ``dp_size = mesh.size``) overrides ``shard_layout``/``block_size``.
+
+        Where the packing runs: under ``jit``, in the graph; when any tensor is a ``jax.Array``
+        spread over several devices or processes (sharded, or spanning non-addressable devices),
+        on the devices with ``pack_logical`` (no host copy; every process must make the call);
+        otherwise (host arrays, single-device arrays) on the host, then one transfer.
         """
         tensors = list(tensors)
         shapes = [tuple(np.shape(t)) for t in tensors]
@@ -132,13 +137,40 @@ class DBuffer:
         if dtype is None:
             dtype = jnp.result_type(*tensors) if tensors else jnp.float32
         dtype = jnp.dtype(dtype)
+        base = tuple(pl.Replicate() if pl.is_partial(p) else p for p in placements)
         if is_traced(*tensors):  # under jit: pack in the graph
             flat = _flat_buffer_traced(layout, [jnp.asarray(t).astype(dtype) for t in tensors], dtype)
-        else:  # concrete: pack on the host, one transfer
+            flat = _place(flat, NamedSharding(mesh, pl.partition_spec(mesh, base)))
+        elif any(_is_distributed(t) for t in tensors):  # sharded arrays: device to device
+            flat = pack_logical(tensors, mesh, base, layout, dtype)
+        else:  # host values or whole single-device arrays: pack on the host, one transfer
             flat = _flat_buffer(layout, [np.asarray(t).astype(dtype) for t in tensors], dtype, np)
-        base = tuple(pl.Replicate() if pl.is_partial(p) else p for p in placements)
-        flat = _place(flat, NamedSharding(mesh, pl.partition_spec(mesh, base)))
+            flat = _place(flat, NamedSharding(mesh, pl.partition_spec(mesh, base)))
         return cls(flat, mesh, base, layout).redistribute(placements)
+
+    # -- logical content and checkpoints -------------------------------------------------------
+
+    def logical_tensors(self) -> list[jax.Array]:
+        """Every tensor as a global ``jax.Array`` with ``logical_sharding`` (``unpack_logical``).
+
+        Partial axes are reduced first (the buffer's value). Runs on the devices: no host copy.
+        """
+        reduced = tuple(pl.Replicate() if pl.is_partial(p) else p for p in self.placements)
+        return unpack_logical(self.redistribute(reduced))
+
+    def save(self, directory, *, names: Sequence[str] | None = None, metadata=None, async_save: bool = False):
+        """Writes the logical tensors to ``directory`` (``checkpoint.save_dbuffer``)."""
+        from mxfp8_jax._src import checkpoint
+
+        return checkpoint.save_dbuffer(directory, self, names=names, metadata=metadata, async_save=async_save)
+
+    @classmethod
+    def restore(cls, directory, mesh: Mesh, placements: pl.Placements, **kwargs) -> DBuffer:
+        """A buffer over ``mesh``/``placements`` holding a checkpoint's tensors
+        (``checkpoint.restore_dbuffer``; any mesh and layout)."""
+        from mxfp8_jax._src import checkpoint
+
+        return checkpoint.restore_dbuffer(directory, mesh, placements, **kwargs)
 
     # -- geometry ------------------------------------------------------------------------------
 
@@ -374,6 +406,242 @@ _unpack_one = jax.jit(_unpack, static_argnums=(0, 1))
 @functools.partial(jax.jit, static_argnums=0)
 def _unpack_all(layout: GlobalLayout, data: jax.Array) -> tuple[jax.Array, ...]:
     return tuple(_unpack(layout, i, data) for i in range(layout.num_tensors))
+
+
+# ------------------------------------------------------------------------------------------------
+# Logical tensors <-> flat buffer, on the devices
+#
+# One jitted ``shard_map`` program each way (``_to_logical_fn``, ``_to_flat_fn``): one all-gather
+# per tensor over the Shard axes and static per-shard slices, so no value passes through a host,
+# no device ever holds the whole buffer, and the program grows with tensors + shards (not their
+# product). Floats move as their bits (same-width unsigned ints): exact for every payload.
+
+
+def logical_sharding(mesh: Mesh, placements: pl.Placements, shape: Sequence[int]) -> NamedSharding:
+    """The sharding of a logical tensor beside a buffer over ``mesh``/``placements``.
+
+    Axis 0 split over the buffer's Shard axes (in the flat buffer's order, so each device gets
+    a contiguous run of rows) when their product divides ``shape[0]``; otherwise, and for
+    unsharded placements, replicated over the mesh (jax arrays have no uneven shardings).
+    """
+    shape = tuple(int(d) for d in shape)
+    axes = pl.partition_spec(mesh, pl.validate_placements(mesh, placements))[0]
+    n = pl.num_shards(mesh, placements)
+    if axes is None or not shape or shape[0] % n:
+        return NamedSharding(mesh, PartitionSpec())
+    return NamedSharding(mesh, PartitionSpec(axes, *([None] * (len(shape) - 1))))
+
+
+def unpack_logical(buf: DBuffer) -> list[jax.Array]:
+    """``buf``'s tensors as global arrays with ``logical_sharding``, moved device to device.
+
+    ``buf`` must have no Partial axis (``DBuffer.logical_tensors`` reduces them). Exact: the
+    bytes of every tensor equal ``get_tensors()``'s.
+    """
+    buf._check_no_partial("unpack_logical")
+    if is_traced(buf.data):
+        return list(_unpack_all(buf.layout, buf.data))
+    return list(_to_logical_fn(buf.mesh, buf.placements, buf.layout, jnp.dtype(buf.dtype))(buf.data))
+
+
+def pack_logical(
+    tensors: Sequence, mesh: Mesh, placements: pl.Placements, layout: GlobalLayout, dtype: DTypeLike
+) -> jax.Array:
+    """The flat physical buffer of ``layout`` under ``placements`` (no Partial) from ``tensors``.
+
+    ``tensors`` (in layout order, shapes ``layout.tensor_shapes``) may be global ``jax.Array``s
+    with any sharding over ``mesh``'s devices, fully addressable arrays elsewhere, or host
+    arrays; each is cast to ``dtype`` on the devices. In a multi-process run every process makes
+    the call with its global arrays (host arrays: the same value everywhere); nothing is fetched
+    to a host. The result is sharded as ``NamedSharding(mesh, partition_spec(mesh, placements))``
+    and its padding is zero, as ``DBuffer.distribute_tensors`` packs it.
+    """
+    placements = pl.validate_placements(mesh, placements)
+    for j, p in enumerate(placements):
+        if pl.is_partial(p):
+            raise ValueError(f"pack_logical: placements[{j}]={p} is Partial; pack under Replicate, then redistribute")
+    _check_static(mesh, placements, layout)
+    tensors = list(tensors)
+    if len(tensors) != layout.num_tensors:
+        raise ValueError(f"pack_logical: {len(tensors)} tensors for a layout of {layout.num_tensors}")
+    for i, (t, shape) in enumerate(zip(tensors, layout.tensor_shapes)):
+        if tuple(np.shape(t)) != shape:
+            raise ValueError(f"tensors[{i}] has shape {tuple(np.shape(t))}; the layout holds {shape}")
+    placed = [_onto_mesh(t, mesh, placements, i) for i, t in enumerate(tensors)]
+    return _to_flat_fn(mesh, placements, layout, jnp.dtype(dtype))(*placed)
+
+
+def _is_distributed(t) -> bool:
+    """A concrete jax.Array on several devices, or not all on this process's devices."""
+    return isinstance(t, jax.Array) and (not t.is_fully_addressable or len(t.sharding.device_set) > 1)
+
+
+def _onto_mesh(t, mesh: Mesh, placements, i: int) -> jax.Array:
+    """``t`` resharded (device to device) to ``logical_sharding``, the ``shard_map``'s input."""
+    target = logical_sharding(mesh, placements, np.shape(t))
+    if not isinstance(t, jax.Array):
+        return jax.device_put(np.asarray(t), target)  # host value: each device takes its slice
+    if t.sharding.is_equivalent_to(target, t.ndim):
+        return t
+    if t.is_fully_addressable or t.sharding.device_set == target.device_set:
+        return jax.device_put(t, target)  # device to device
+    raise ValueError(
+        f"tensors[{i}] spans non-addressable devices outside the mesh {dict(mesh.shape)}; put it "
+        f"on the mesh's devices first (jax.jit with out_shardings over that mesh)"
+    )
+
+
+def _bits_dtype(dtype) -> np.dtype:
+    dtype = jnp.dtype(dtype)
+    if jnp.issubdtype(dtype, jnp.floating):
+        return jnp.dtype(f"uint{8 * dtype.itemsize}")
+    return dtype
+
+
+def _to_bits(x):
+    b = _bits_dtype(x.dtype)
+    return x if b == x.dtype else lax.bitcast_convert_type(x, b)
+
+
+def _from_bits(x, dtype):
+    return x if x.dtype == jnp.dtype(dtype) else lax.bitcast_convert_type(x, dtype)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Runs:
+    """Where each tensor's elements sit in each shard's local buffer (static, per geometry).
+
+    ``runs[s][i]``: ``(local_pos, elem, n)`` runs, ``n`` elements of tensor ``i`` (from its
+    element ``elem`` on) at ``local_pos`` of shard ``s``; a shard's elements of one tensor are
+    one contiguous range ``[first[s][i], first[s][i] + count[s][i])`` of the tensor, stored as
+    one run per segment the shard holds.
+    """
+
+    runs: tuple[tuple[tuple[tuple[int, int, int], ...], ...], ...]
+    first: tuple[tuple[int, ...], ...]
+    count: tuple[tuple[int, ...], ...]
+
+    def widest(self, i: int) -> int:
+        return max(1, max(c[i] for c in self.count))
+
+
+@functools.cache
+def _runs(mesh: Mesh, placements, layout: GlobalLayout) -> _Runs:
+    cap, n = layout.segment_capacity, pl.num_shards(mesh, placements)
+    runs, first, count = [], [], []
+    for s in range(n):
+        segs = pl.segments_of_shard(mesh, placements, s)
+        per = [[] for _ in range(layout.num_tensors)]
+        for j, k in enumerate(segs):
+            for i in range(layout.num_tensors):
+                part = layout.overlap(i, k)
+                if part is not None:
+                    a, b = part
+                    local = j * cap + a - layout.rank_segment_offsets[k]
+                    per[i].append((local, a - layout.tensor_to_offset[i], b - a))
+        runs.append(tuple(tuple(r) for r in per))
+        first.append(tuple(r[0][1] if r else 0 for r in per))
+        count.append(tuple(sum(x[2] for x in r) for r in per))
+    return _Runs(tuple(runs), tuple(first), tuple(count))
+
+
+def _pad_to(x, n: int):
+    return x if x.shape[0] == n else jnp.concatenate([x, jnp.zeros((n - x.shape[0],), x.dtype)])
+
+
+def _shard_switch(mesh: Mesh, axes, branches):
+    """``branches[s]()`` on the devices of shard ``s`` (one static program per shard)."""
+    if len(branches) == 1:
+        return branches[0]()
+    return lax.switch(spmd.shard_position(mesh, axes), branches)
+
+
+@functools.cache
+def _to_logical_fn(mesh: Mesh, placements, layout: GlobalLayout, dtype):
+    """Flat buffer -> logical tensors, inside one ``shard_map``:
+
+    1. each device cuts its pieces of every tensor out of its local buffer (a ``switch`` over
+       its shard index: static slices), each padded to the widest shard's piece;
+    2. per tensor, one all-gather of the pieces over the Shard axes, the tensor reassembled by
+       static slices (it exists whole on each device only transiently);
+    3. each device keeps its rows (``logical_sharding``).
+    """
+    axes = pl.shard_axes(mesh, placements)
+    group = spmd.axis_group(axes) if axes else None
+    geo, n = _runs(mesh, placements, layout), pl.num_shards(mesh, placements)
+    bits = _bits_dtype(dtype)
+    widths = [geo.widest(i) for i in range(layout.num_tensors)]
+    out_specs = tuple(logical_sharding(mesh, placements, shp).spec for shp in layout.tensor_shapes)
+
+    def pieces_of(s, local):
+        out = []
+        for i in range(layout.num_tensors):
+            parts = [local[p : p + m] for p, _, m in geo.runs[s][i]]
+            out.append(_pad_to(jnp.concatenate(parts) if parts else jnp.zeros((0,), bits), widths[i]))
+        return tuple(out)
+
+    def local_fn(local):
+        pieces = _shard_switch(mesh, axes, [functools.partial(pieces_of, s, local) for s in range(n)])
+        outs = []
+        for i, shape in enumerate(layout.tensor_shapes):
+            w = widths[i]
+            gathered = pieces[i] if group is None else lax.all_gather(pieces[i], group, axis=0, tiled=True)
+            parts = [gathered[s * w : s * w + geo.count[s][i]] for s in range(n) if geo.count[s][i]]
+            full = (parts[0] if len(parts) == 1 else jnp.concatenate(parts)).reshape(shape)
+            if out_specs[i] != PartitionSpec():  # keep this device's rows
+                rows = shape[0] // n
+                full = lax.dynamic_slice_in_dim(full, spmd.shard_position(mesh, axes) * rows, rows, axis=0)
+            outs.append(full)
+        return tuple(outs)
+
+    fn = spmd.shard_map(local_fn, mesh, pl.partition_spec(mesh, placements), out_specs)
+    return jax.jit(lambda data: tuple(_from_bits(t, dtype) for t in fn(_to_bits(data))))
+
+
+@functools.cache
+def _to_flat_fn(mesh: Mesh, placements, layout: GlobalLayout, dtype):
+    """Logical tensors -> flat buffer, inside one ``shard_map`` (the inputs resharded to
+    ``logical_sharding`` on the way in):
+
+    1. per tensor, its rows all-gathered over the Shard axes (whole only transiently), and the
+       range this device's shard holds cut out (a dynamic slice at a per-shard offset, padded
+       to the widest shard's range);
+    2. each device lays its ranges and the zero padding out as its local buffer (a ``switch``
+       over its shard index: static slices).
+    """
+    axes = pl.shard_axes(mesh, placements)
+    group = spmd.axis_group(axes) if axes else None
+    geo, n = _runs(mesh, placements, layout), pl.num_shards(mesh, placements)
+    bits = _bits_dtype(dtype)
+    local_size = layout.local_size(n)
+    widths = [geo.widest(i) for i in range(layout.num_tensors)]
+    in_specs = tuple(logical_sharding(mesh, placements, shp).spec for shp in layout.tensor_shapes)
+    starts = [np.array([geo.first[s][i] for s in range(n)], np.int32) for i in range(layout.num_tensors)]
+
+    def assemble(s, ranges):
+        parts, at = [], 0
+        runs = sorted((p, i, e, m) for i in range(layout.num_tensors) for p, e, m in geo.runs[s][i])
+        for p, i, e, m in runs:
+            if p > at:
+                parts.append(jnp.zeros((p - at,), bits))
+            o = e - geo.first[s][i]
+            parts.append(ranges[i][o : o + m])
+            at = p + m
+        if local_size > at:
+            parts.append(jnp.zeros((local_size - at,), bits))
+        return jnp.concatenate(parts) if len(parts) > 1 else parts[0]
+
+    def local_fn(*blocks):
+        ranges = []
+        for i, block in enumerate(blocks):
+            full = block if in_specs[i] == PartitionSpec() else lax.all_gather(block, group, axis=0, tiled=True)
+            flat = _pad_to(full.reshape(-1), layout.numel(i) + widths[i])
+            start = jnp.asarray(starts[i])[spmd.shard_position(mesh, axes)] if axes else starts[i][0]
+            ranges.append(lax.dynamic_slice_in_dim(flat, start, widths[i]))
+        return _shard_switch(mesh, axes, [functools.partial(assemble, s, ranges) for s in range(n)])
+
+    fn = spmd.shard_map(local_fn, mesh, in_specs, pl.partition_spec(mesh, placements))
+    return jax.jit(lambda *ts: _from_bits(fn(*(_to_bits(jnp.asarray(t).astype(dtype)) for t in ts)), dtype))
 
 
 # ------------------------------------------------------------------------------------------------
