@@ -14,7 +14,7 @@ See ``mxfp8_jax._src.flax_fsdp`` for what a step does and communicates, and
 """
 
 from mxfp8_jax._src.flax_fsdp import FSDP, ParamInfo, TrainState, UnitPlanes
-from mxfp8_jax._src.flax_layers import Kernel, Linear
+from mxfp8_jax._src.flax_layers import Kernel, Linear, tensor_parallel
 from mxfp8_jax._src.fsdp_unit import PRECISIONS, ShardedKernel, UnitGeometry, unit_matmul
 
 __all__ = [
@@ -27,5 +27,6 @@ __all__ = [
     "TrainState",
     "UnitGeometry",
     "UnitPlanes",
+    "tensor_parallel",
     "unit_matmul",
 ]

@@ -19,6 +19,7 @@ from mxfp8_jax._src.transformer import (
     TransformerLM,
     init_transformer,
     next_token_loss,
+    next_token_pairs,
     rope,
 )
 
@@ -31,5 +32,6 @@ __all__ = [
     "TransformerLM",
     "init_transformer",
     "next_token_loss",
+    "next_token_pairs",
     "rope",
 ]

@@ -120,7 +120,10 @@ class ParamInfo:
     ``unit`` is the geometry of an MXFP8 unit (None otherwise) and ``stack`` the leading stack
     axes of its kernel ``[*stack, in, out]``. A plain parameter is split over the mesh along
     ``shard_axis`` (None: replicated). ``kind`` is ``"unit"``, ``"plain"`` or ``"frozen"``
-    (non-floating: kept, not trained).
+    (non-floating: kept, not trained). Under tensor parallelism a unit's ``tp`` is
+    ``"column"`` (``out`` split over the ``tp_size`` devices of the tp axis) or ``"row"``
+    (``in`` split); its ``unit`` geometry is then that of one tp slice, FSDP-sharded over the
+    other mesh axes.
     """
 
     path: tuple[str | int, ...]
@@ -129,6 +132,8 @@ class ParamInfo:
     unit: UnitGeometry | None = None
     stack: tuple[int, ...] = ()
     shard_axis: int | None = None
+    tp: str | None = None
+    tp_size: int = 1
 
     @property
     def name(self) -> str:
@@ -146,8 +151,16 @@ class ParamInfo:
 
     @property
     def stored_shape(self) -> tuple[int, ...]:
-        """The shape of its array in ``TrainState`` (a unit's padded, transposed master)."""
-        return self.unit.padded_shape(self.stack) if self.unit is not None else self.shape
+        """The shape of its array in ``TrainState`` (a unit's padded, transposed master; the tp
+        slices side by side along rows for ``"column"``, along columns for ``"row"``)."""
+        return self.shape if self.unit is None else self.tp_global(self.unit.padded_shape(self.stack))
+
+    def tp_global(self, local: tuple[int, ...]) -> tuple[int, ...]:
+        """A unit array's shape for one tp slice -> for all of them."""
+        if self.tp is None:
+            return tuple(local)
+        axis = len(local) - (2 if self.tp == "column" else 1)
+        return tuple(d * self.tp_size if a == axis else d for a, d in enumerate(local))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -172,7 +185,15 @@ class FSDP:
     and Python loops freely. ``tx`` sees the parameters by path (``param_tree``).
     """
 
-    def __init__(self, model: nnx.Module, mesh: Mesh, *, precision: str = "mxfp8", scale_rule: str = "rceil") -> None:
+    def __init__(
+        self,
+        model: nnx.Module,
+        mesh: Mesh,
+        *,
+        precision: str = "mxfp8",
+        scale_rule: str = "rceil",
+        tp_axis: str | None = None,
+    ) -> None:
         if not isinstance(model, nnx.Module):
             raise TypeError(f"model must be a flax.nnx.Module, got {type(model).__name__}")
         if not isinstance(mesh, Mesh):
@@ -194,18 +215,37 @@ class FSDP:
         self.master_placements = (pl.BlockAtomic(BLOCK),) * ndim
         self._axes = pl.partition_spec(self.mesh, self.master_placements)[0]  # collective axes
         n = self.mesh.size
+        self.tp_axis = tp_axis
+        self.tp_size = 1
+        self._fsdp_axes, n_fsdp = self._axes, n
+        if tp_axis is not None:
+            if tp_axis not in mesh.axis_names or ndim < 2:
+                raise ValueError(
+                    f"tp_axis={tp_axis!r} must be one axis of a mesh with at least one other (FSDP) "
+                    f"axis; the mesh has {tuple(mesh.axis_names)}"
+                )
+            self.tp_size = int(mesh.shape[tp_axis])
+            fsdp = tuple(reversed([a for a in mesh.axis_names if a != tp_axis]))  # innermost first
+            self._fsdp_axes = fsdp[0] if len(fsdp) == 1 else fsdp
+            n_fsdp = n // self.tp_size
         owners = _unit_kernels(model)
         infos = []
         for path, v in jax.tree_util.tree_flatten_with_path(params, is_leaf=_is_variable)[0]:
             path = _path_names(path)
             shape, dtype = tuple(v.get_value().shape), jnp.dtype(v.get_value().dtype)
-            unit, stack, shard_axis = None, (), None
+            unit, stack, shard_axis, role = None, (), None, None
             if path in owners and jnp.issubdtype(dtype, jnp.floating):
-                stack, k_in, k_out = owners[path]
-                unit = UnitGeometry.build(k_in, k_out, n, self._axes, precision)
+                stack, k_in, k_out, role = owners[path]
+                role = role if tp_axis is not None else None
+                if role is None:
+                    unit = UnitGeometry.build(k_in, k_out, n, self._axes, precision)
+                else:
+                    k_in, k_out = self._tp_slice(path, role, k_in, k_out)
+                    unit = UnitGeometry.build(k_in, k_out, n_fsdp, self._fsdp_axes, precision)
             elif jnp.issubdtype(dtype, jnp.floating):
                 shard_axis = next((a for a, d in enumerate(shape) if d % n == 0 and d > 0), None)
-            infos.append(ParamInfo(path, shape, dtype, unit, stack, shard_axis))
+            tp_size = self.tp_size if role is not None else 1
+            infos.append(ParamInfo(path, shape, dtype, unit, stack, shard_axis, role, tp_size))
         self.params = tuple(infos)
         self.eligible = tuple(j for j, p in enumerate(self.params) if p.eligible)
         self.others = tuple(j for j, p in enumerate(self.params) if p.kind == "plain")
@@ -218,6 +258,20 @@ class FSDP:
                 f"{[(p.name, p.shape) for p in self.params]}"
             )
         self._owner_paths = tuple(self.params[j].path[:-1] for j in self.eligible)
+
+    def _tp_slice(self, path, role: str, k_in: int, k_out: int) -> tuple[int, int]:
+        """A tensor-parallel kernel's ``(in, out)`` on one device of the tp axis."""
+        name, t = "/".join(map(str, path)), self.tp_size
+        if role not in ("column", "row"):
+            raise ValueError(f"{name}: tensor_parallel={role!r} must be 'column' or 'row'")
+        split = k_out if role == "column" else k_in
+        if split % (t * BLOCK):
+            raise ValueError(
+                f"{name}: a {role}-parallel kernel [in={k_in}, out={k_out}] splits its "
+                f"{'out' if role == 'column' else 'in'} features over the {t} devices of "
+                f"{self.tp_axis!r}; they must be a multiple of {t} x {BLOCK}"
+            )
+        return (k_in, k_out // t) if role == "column" else (k_in // t, k_out)
 
     # -- what the plan holds ---------------------------------------------------------------------
 
@@ -250,7 +304,7 @@ class FSDP:
     def stored_elements(self) -> int:
         """Elements of the units' masters as stored, rows padded so every device holds the same
         number of whole 32-row blocks (the bytes a gather moves per element of this)."""
-        return sum(int(np.prod(p.unit.padded_shape(p.stack))) for p in self.units)
+        return sum(int(np.prod(p.stored_shape)) for p in self.units)
 
     def master_sharding(self, info: ParamInfo) -> NamedSharding:
         """A unit's master (and planes): the row axis (second to last) split over the mesh.
@@ -311,7 +365,9 @@ class FSDP:
             master[p.name] = sds(p.stored_shape, jnp.float32, sharding=self.master_sharding(p))
         for p in self.units:
             s = self.master_sharding(p)
-            codes, row_scale, col_scale = (sds(a, jnp.uint8, sharding=s) for a in p.unit.plane_shapes(p.stack))
+            codes, row_scale, col_scale = (
+                sds(p.tp_global(a), jnp.uint8, sharding=s) for a in p.unit.plane_shapes(p.stack)
+            )
             quantized[p.name] = UnitPlanes(codes, row_scale, codes, col_scale)
         rep = NamedSharding(self.mesh, PartitionSpec())
         frozen = {
@@ -485,19 +541,34 @@ class FSDP:
     # -- steps ---------------------------------------------------------------------------------
 
     def place_batch(self, batch: Any) -> Any:
-        """``batch`` with every leaf's leading axis split over the mesh (as a step takes it).
+        """``batch`` with every leaf's leading axis split over the mesh (as a step takes it);
+        under tensor parallelism the leading axis over the FSDP axes and the second (sequence)
+        over the tp axis.
 
         ``jax.ShapeDtypeStruct`` leaves get the sharding attached (for lowering only)."""
+        n_batch = self.mesh.size // self.tp_size
         for leaf in jax.tree.leaves(batch):
-            if np.ndim(leaf) == 0 or np.shape(leaf)[0] % self.mesh.size:
+            shape = np.shape(leaf)
+            if len(shape) == 0 or shape[0] % n_batch:
                 raise ValueError(
-                    f"batch leaf of shape {np.shape(leaf)}: its leading (batch) axis must be "
-                    f"divisible by the mesh's {self.mesh.size} devices"
+                    f"batch leaf of shape {shape}: its leading (batch) axis must be divisible by the "
+                    f"{n_batch} devices it is split over"
                 )
-        sharding = self._flat_sharding
+            if self.tp_axis is not None and (len(shape) < 2 or shape[1] % self.tp_size):
+                raise ValueError(
+                    f"batch leaf of shape {shape}: under tp_axis={self.tp_axis!r} its second (sequence) "
+                    f"axis is split over {self.tp_size} devices and must be divisible by them"
+                )
+        sharding = NamedSharding(self.mesh, self._batch_spec)
         if all(isinstance(leaf, jax.ShapeDtypeStruct) for leaf in jax.tree.leaves(batch)):
             return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding), batch)
         return jax.device_put(batch, sharding)
+
+    @functools.cached_property
+    def _batch_spec(self) -> PartitionSpec:
+        if self.tp_axis is None:
+            return PartitionSpec(self._axes)
+        return PartitionSpec(self._fsdp_axes, self.tp_axis)
 
     def loss_and_grads(self, loss_fn: Callable, *, has_aux: bool = False) -> Callable:
         """``fn(state, batch) -> (loss, grads)`` (``((loss, aux), grads)`` with ``has_aux``),
@@ -548,7 +619,12 @@ class FSDP:
     def to_kernel(self, info: ParamInfo, master: jax.Array) -> jax.Array:
         """A unit's master (or its gradient) ``[*stack, out_padded, in]`` as the kernel's
         logical ``[*stack, in, out]`` (padding rows dropped); works on sharded arrays."""
-        return jnp.swapaxes(master[..., : info.unit.out_features, :], -1, -2)
+        g = info.unit
+        if info.tp == "column":  # [*stack, tp * out_padded, in]: each slice's padding dropped
+            t = info.tp_size
+            w = master.reshape(*master.shape[:-2], t, g.out_padded, master.shape[-1])[..., : g.out_features, :]
+            return jnp.swapaxes(w.reshape(*master.shape[:-2], t * g.out_features, master.shape[-1]), -1, -2)
+        return jnp.swapaxes(master[..., : g.out_features, :], -1, -2)
 
     def to_logical(self, info: ParamInfo, stored: jax.Array) -> jax.Array:
         """Any parameter's stored array (``TrainState.master`` entry, its gradient or an
@@ -562,8 +638,14 @@ class FSDP:
         if info.unit is None:
             return value
         w = jnp.swapaxes(value, -1, -2)  # [*stack, out, in]
-        pad = info.unit.out_padded - info.unit.out_features
-        return jnp.pad(w, [(0, 0)] * len(info.stack) + [(0, pad), (0, 0)])
+        g, stack = info.unit, len(info.stack)
+        pad = g.out_padded - g.out_features
+        if info.tp == "column":  # each tp slice of rows padded on its own
+            t = info.tp_size
+            w = w.reshape(*w.shape[:-2], t, g.out_features, w.shape[-1])
+            w = jnp.pad(w, [(0, 0)] * (stack + 1) + [(0, pad), (0, 0)])
+            return w.reshape(*w.shape[:-3], t * g.out_padded, w.shape[-1])
+        return jnp.pad(w, [(0, 0)] * stack + [(0, pad), (0, 0)])
 
     # -- internals -----------------------------------------------------------------------------
 
@@ -613,7 +695,6 @@ class FSDP:
     def _grads_fn(self, loss_fn: Callable, has_aux: bool) -> Callable:
         """Loss, aux and gradients of one step: a single shard_map over the mesh."""
         mesh, axes, n = self.mesh, self._axes, self.mesh.size
-        flat = PartitionSpec(axes)
         master_specs = {p.name: self._spec(p) for p in self.trained}
         planes_specs = {p.name: UnitPlanes(*(self._spec(p),) * 4) for p in self.units}
         frozen_specs = {self.params[j].name: PartitionSpec() for j in self.frozen_params}
@@ -640,7 +721,7 @@ class FSDP:
                     master_specs,
                     None if planes is None else planes_specs,
                     frozen_specs,
-                    jax.tree.map(lambda _: flat, batch),
+                    jax.tree.map(lambda _: self._batch_spec, batch),
                 ),
                 (PartitionSpec(), PartitionSpec(), master_specs),
             )
@@ -691,14 +772,15 @@ class FSDP:
             offset += size
         return out
 
-    @functools.cached_property
-    def _flat_sharding(self) -> NamedSharding:
-        """Leading axis split over every mesh axis: the batch."""
-        return NamedSharding(self.mesh, PartitionSpec(self._axes))
-
     def _spec(self, info: ParamInfo) -> PartitionSpec:
+        stack = (None,) * len(info.stack)
+        if info.tp == "column":  # rows: tp slices, each split over the FSDP axes
+            fsdp = self._fsdp_axes if isinstance(self._fsdp_axes, tuple) else (self._fsdp_axes,)
+            return PartitionSpec(*stack, (self.tp_axis, *fsdp), None)
+        if info.tp == "row":  # rows over the FSDP axes, columns over tp
+            return PartitionSpec(*stack, self._fsdp_axes, self.tp_axis)
         if info.unit is not None:
-            return PartitionSpec(*(None,) * len(info.stack), self._axes, None)
+            return PartitionSpec(*stack, self._axes, None)
         if info.shard_axis is None:
             return PartitionSpec()
         return PartitionSpec(*(None,) * info.shard_axis, self._axes)
@@ -825,8 +907,9 @@ def _split_loss(out, has_aux: bool):
     return loss, aux
 
 
-def _unit_kernels(model: nnx.Module) -> dict[tuple, tuple[tuple[int, ...], int, int]]:
-    """Kernel path -> ``(stack, in, out)`` for every layer whose kernel can be a unit."""
+def _unit_kernels(model: nnx.Module) -> dict[tuple, tuple[tuple[int, ...], int, int, str | None]]:
+    """Kernel path -> ``(stack, in, out, tensor-parallel role)`` for every layer whose kernel can
+    be a unit (the role: the layer's ``tensor_parallel`` attribute, see ``flax_layers``)."""
     found = {}
     for path, node in nnx.iter_graph(model):
         kernel = getattr(node, "kernel", None) if isinstance(node, nnx.Module) else None
@@ -834,7 +917,7 @@ def _unit_kernels(model: nnx.Module) -> dict[tuple, tuple[tuple[int, ...], int, 
             continue
         spec = unit_kernel_shape(node, tuple(kernel.get_value().shape))
         if spec is not None:
-            found[(*tuple(path), "kernel")] = spec
+            found[(*tuple(path), "kernel")] = (*spec, getattr(node, "tensor_parallel", None))
     return found
 
 

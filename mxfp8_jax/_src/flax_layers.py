@@ -92,6 +92,31 @@ def unit_kernel_shape(module, kernel_shape: tuple[int, ...]) -> tuple[tuple[int,
 
 
 # ------------------------------------------------------------------------------------------------
+# Tensor parallelism
+
+
+TP_ROLES = ("column", "row")
+
+
+def tensor_parallel(layer, role: str):
+    """Marks ``layer`` (an ``nnx.Linear`` or ``mxfp8_jax.flax.Linear``) as column-parallel
+    (``out`` features split over the tp axis: QKV, gate/up) or row-parallel (``in`` features
+    split: attention output, down) for ``FSDP(..., tp_axis=...)``; returns the layer.
+
+    Without a ``tp_axis`` the mark is ignored. Under one, the layer's GEMM inside the step
+    reads and writes its slice only: the model's code shapes its activations for the slice
+    and reduces the row-parallel outputs over the tp axis itself (see
+    ``mxfp8_jax.models.TransformerLM``). Bias-free layers only (a bias would need splitting).
+    """
+    if role not in TP_ROLES:
+        raise ValueError(f"role={role!r} must be one of {TP_ROLES}")
+    if getattr(layer, "bias", None) is not None and getattr(layer, "use_bias", True):
+        raise ValueError("a tensor-parallel layer must have no bias (use_bias=False)")
+    layer.tensor_parallel = role
+    return layer
+
+
+# ------------------------------------------------------------------------------------------------
 # nnx.Linear inside a step
 
 

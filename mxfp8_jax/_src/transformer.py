@@ -7,6 +7,18 @@ bias), the blocks created stacked with ``nnx.vmap`` and run with ``nnx.scan`` (e
 under ``nnx.remat``), a final RMSNorm and an ``nnx.Linear`` LM head. ``FSDP`` keeps every
 projection (and the head, when the vocabulary is a multiple of 32) as MXFP8 units.
 
+With ``norm="mxfp8"`` each block's two norms are MXFP8 RMSNorm + quantize ops whose output
+feeds the next GEMMs (dequantized: CPUs and Hopper have no MXFP8 GEMM), and the residual
+stream is bf16. Run by ``FSDP(..., tp_axis=cfg.tp_axis)`` on a 2-D ``(fsdp, tp)`` mesh, the
+blocks are sequence- and tensor-parallel (Megatron-style): activations between blocks are
+split along the sequence over ``tp``; each norm is ``allgather_rmsnorm_quant`` over ``tp``
+(``norm_path="fused"``; ``"unfused"``: ``lax.all_gather`` + ``rmsnorm_quant``), whose
+quantized output feeds the column-parallel q/k/v and gate/up GEMMs (heads and MLP columns split
+over ``tp``) and whose residual output carries the skip connection; the row-parallel o and
+down GEMMs end in a reduce-scatter back to sequence shards. Without a bound tp axis (one
+device, or FSDP alone) the same model runs the local ``rmsnorm_quant``: the same numbers up to
+GEMM summation order.
+
 The task (``SequenceTask``): each sequence starts with two random tokens and continues by a
 fixed random permutation of the vocabulary applied to the token two places back,
 ``x[t+1] = perm[x[t-1]]``: two interleaved chains. Predicting the next token needs attention to
@@ -22,8 +34,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax import lax
 
 from mxfp8_jax._src import checks
+from mxfp8_jax._src.flax_layers import tensor_parallel
+from mxfp8_jax._src.fused import allgather_rmsnorm_quant_local
+from mxfp8_jax._src.quantize import dequantize
+from mxfp8_jax._src.rmsnorm import rmsnorm_quant
+from mxfp8_jax._src.tensor import MXFP8Tensor
+
+NORMS = ("nnx", "mxfp8")
+NORM_PATHS = ("fused", "unfused")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,12 +61,39 @@ class TransformerConfig:
     eps: float = 1e-6
     remat: bool = True
     dtype: str = "bfloat16"  # compute dtype of the projections and attention
+    norm: str = "nnx"  # "mxfp8": the blocks' norms are RMSNorm + MXFP8 quantize ops
+    tp_axis: str = "tp"  # the mesh axis of sequence/tensor parallelism, when it is bound
+    norm_path: str = "fused"  # under tp: "fused" allgather_rmsnorm_quant, or "unfused"
+    strategy: str = "auto"  # the fused op's strategy
 
     def __post_init__(self):
         for name in ("vocab", "hidden", "heads", "head_dim", "mlp", "layers"):
             object.__setattr__(self, name, checks.positive_int(getattr(self, name), f"TransformerConfig.{name}"))
         if self.head_dim % 2:
             raise ValueError(f"TransformerConfig.head_dim={self.head_dim} must be even (rotary pairs)")
+        if self.norm not in NORMS:
+            raise ValueError(f"TransformerConfig.norm={self.norm!r} must be one of {NORMS}")
+        if self.norm_path not in NORM_PATHS:
+            raise ValueError(f"TransformerConfig.norm_path={self.norm_path!r} must be one of {NORM_PATHS}")
+
+
+def tp_size(axis: str) -> int:
+    """The size of mesh axis ``axis`` when the caller runs inside a ``shard_map`` that binds it
+    (an FSDP step with ``tp_axis``), else 1."""
+    try:
+        return int(lax.axis_size(axis))
+    except NameError:  # unbound: no tensor parallelism here
+        return 1
+
+
+@jax.custom_vjp
+def straight_through(value: jax.Array, carrier: jax.Array) -> jax.Array:
+    """``value`` forward; its cotangent goes to ``carrier`` (same shape): the dequantized MXFP8
+    activation computed, the bf16 ``normed`` it rounds differentiated."""
+    return value
+
+
+straight_through.defvjp(lambda value, carrier: (value, None), lambda _, ct: (None, ct.astype(jnp.bfloat16)))
 
 
 def rope(x: jax.Array, base: float) -> jax.Array:
@@ -62,15 +110,16 @@ class Attention(nnx.Module):
     """Causal multi-head self-attention with rotary embeddings; softmax in fp32."""
 
     def __init__(self, cfg: TransformerConfig, *, rngs: nnx.Rngs) -> None:
-        width, dtype = cfg.heads * cfg.head_dim, jnp.dtype(cfg.dtype)
-        linear = lambda i, o: nnx.Linear(i, o, use_bias=False, dtype=dtype, rngs=rngs)
-        self.q, self.k, self.v = linear(cfg.hidden, width), linear(cfg.hidden, width), linear(cfg.hidden, width)
-        self.o = linear(width, cfg.hidden)
+        width = cfg.heads * cfg.head_dim
+        self.q, self.k, self.v = (_linear(cfg, cfg.hidden, width, "column", rngs) for _ in range(3))
+        self.o = _linear(cfg, width, cfg.hidden, "row", rngs)
         self.heads, self.head_dim, self.base = cfg.heads, cfg.head_dim, cfg.rope_base
 
     def __call__(self, x):
+        """``x [batch, seq, hidden]`` -> ``[batch, seq, hidden]``; inside a tensor-parallel step
+        this device's heads only, the output a partial sum over the tp axis."""
         b, s, _ = x.shape
-        split = lambda t: t.reshape(b, s, self.heads, self.head_dim)
+        split = lambda t: t.reshape(b, s, -1, self.head_dim)  # the heads of this tp slice
         q, k, v = rope(split(self.q(x)), self.base), rope(split(self.k(x)), self.base), split(self.v(x))
         logits = jnp.einsum("bqhd,bkhd->bhqk", q, k, preferred_element_type=jnp.float32)
         logits = logits / np.sqrt(self.head_dim).astype(np.float32)
@@ -84,30 +133,80 @@ class MLP(nnx.Module):
     """SwiGLU: ``down(silu(gate(x)) * up(x))``."""
 
     def __init__(self, cfg: TransformerConfig, *, rngs: nnx.Rngs) -> None:
-        dtype = jnp.dtype(cfg.dtype)
-        linear = lambda i, o: nnx.Linear(i, o, use_bias=False, dtype=dtype, rngs=rngs)
-        self.gate, self.up, self.down = (
-            linear(cfg.hidden, cfg.mlp),
-            linear(cfg.hidden, cfg.mlp),
-            linear(cfg.mlp, cfg.hidden),
-        )
+        self.gate = _linear(cfg, cfg.hidden, cfg.mlp, "column", rngs)
+        self.up = _linear(cfg, cfg.hidden, cfg.mlp, "column", rngs)
+        self.down = _linear(cfg, cfg.mlp, cfg.hidden, "row", rngs)
 
     def __call__(self, x):
         return self.down(jax.nn.silu(self.gate(x)) * self.up(x))
+
+
+def _linear(cfg: TransformerConfig, i: int, o: int, role: str, rngs: nnx.Rngs) -> nnx.Linear:
+    """A bias-free projection marked column- or row-parallel (ignored without a tp axis); with
+    MXFP8 norms the row-parallel ones return fp32 partial sums (reduced over tp, then rounded)."""
+    out = jnp.float32 if cfg.norm == "mxfp8" and role == "row" else None
+    layer = nnx.Linear(i, o, use_bias=False, dtype=jnp.dtype(cfg.dtype), preferred_element_type=out, rngs=rngs)
+    return tensor_parallel(layer, role)
 
 
 class Block(nnx.Module):
     """Pre-norm residual block: attention, then MLP."""
 
     def __init__(self, cfg: TransformerConfig, *, rngs: nnx.Rngs) -> None:
+        self.cfg = cfg
         self.attn_norm = nnx.RMSNorm(cfg.hidden, epsilon=cfg.eps, rngs=rngs)
         self.attn = Attention(cfg, rngs=rngs)
         self.mlp_norm = nnx.RMSNorm(cfg.hidden, epsilon=cfg.eps, rngs=rngs)
         self.mlp = MLP(cfg, rngs=rngs)
 
     def __call__(self, x):
+        if self.cfg.norm == "mxfp8":
+            act, skip = self._norm_quant(self.attn_norm, x)
+            x = skip + self._reduce(self.attn(act))
+            act, skip = self._norm_quant(self.mlp_norm, x)
+            return skip + self._reduce(self.mlp(act))
         x = x + self.attn(self.attn_norm(x)).astype(x.dtype)
         return x + self.mlp(self.mlp_norm(x)).astype(x.dtype)
+
+    def _norm_quant(self, norm: nnx.RMSNorm, x: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """``x [batch, seq, hidden]`` bf16 (this device's sequence shard under tp) -> the
+        dequantized MXFP8 RMSNorm of the whole sequence ``[batch, tp * seq, hidden]`` (its
+        gradient through ``normed``) and the skip connection ``[batch, seq, hidden]``."""
+        cfg, tp = self.cfg, tp_size(self.cfg.tp_axis)
+        b, s, h = x.shape
+        rows = x.reshape(b * s, h).astype(jnp.bfloat16)
+        gamma = norm.scale.get_value().astype(jnp.bfloat16)
+        if tp == 1:
+            normed, q, scales = rmsnorm_quant(rows, gamma, eps=cfg.eps)
+            return _dequantized(q, scales, normed).reshape(b, s, h), rows.reshape(b, s, h)
+        if cfg.norm_path == "fused":
+            normed, q, scales, residual = allgather_rmsnorm_quant_local(
+                rows, gamma, axis_name=cfg.tp_axis, eps=cfg.eps, strategy=cfg.strategy
+            )
+        else:
+            residual = lax.all_gather(rows, cfg.tp_axis, tiled=True)
+            normed, q, scales = rmsnorm_quant(residual, gamma, eps=cfg.eps)
+        # gathered rows are [tp, batch, seq]: the whole sequences are [batch, tp * seq]
+        act = _dequantized(q, scales, normed).reshape(tp, b, s, h).transpose(1, 0, 2, 3).reshape(b, tp * s, h)
+        skip = lax.dynamic_index_in_dim(residual.reshape(tp, b, s, h), lax.axis_index(cfg.tp_axis), keepdims=False)
+        return act, skip
+
+    def _reduce(self, y: jax.Array) -> jax.Array:
+        """A row-parallel output ``[batch, tp * seq, hidden]`` (fp32 partial sums under tp) ->
+        this device's sequence shard of the sum, bf16: one reduce-scatter over tp."""
+        tp = tp_size(self.cfg.tp_axis)
+        if tp > 1:
+            b, s, h = y.shape
+            y = y.reshape(b, tp, s // tp, h).transpose(1, 0, 2, 3)
+            y = lax.psum_scatter(y, self.cfg.tp_axis, scatter_dimension=0, tiled=False)
+        return y.astype(jnp.bfloat16)
+
+
+def _dequantized(q: jax.Array, scales: jax.Array, normed: jax.Array) -> jax.Array:
+    t = MXFP8Tensor(
+        rowwise_data=q, rowwise_scale=scales, columnwise_data=None, columnwise_scale=None, shape=tuple(q.shape)
+    )
+    return straight_through(dequantize(t, dtype=jnp.bfloat16), normed)
 
 
 class TransformerLM(nnx.Module):
@@ -127,7 +226,10 @@ class TransformerLM(nnx.Module):
         self.head = nnx.Linear(cfg.hidden, cfg.vocab, use_bias=False, dtype=jnp.dtype(cfg.dtype), rngs=rngs)
 
     def __call__(self, tokens):
+        """``tokens [batch, seq]`` (under tp: this device's sequence shard) -> fp32 logits."""
         x = self.embed(tokens)
+        if self.cfg.norm == "mxfp8":
+            x = x.astype(jnp.bfloat16)
 
         def layer(x, block):
             return block(x)
@@ -147,12 +249,19 @@ def init_transformer(cfg: TransformerConfig, seed: int = 0) -> TransformerLM:
     return nnx.merge(graphdef, state)
 
 
-def next_token_loss(model: TransformerLM, tokens: jax.Array) -> jax.Array:
-    """Mean cross-entropy of predicting ``tokens[:, 1:]`` from ``tokens[:, :-1]``."""
-    logits = model(tokens[:, :-1])
-    logp = jax.nn.log_softmax(logits, axis=-1)
-    target = tokens[:, 1:]
+def next_token_loss(model: TransformerLM, batch) -> jax.Array:
+    """Mean cross-entropy of predicting ``tokens[:, 1:]`` from ``tokens[:, :-1]``, for
+    ``batch = tokens [batch, seq + 1]``, or ``batch = (inputs, targets)`` already shifted
+    (``next_token_pairs``: what a sequence-split step needs)."""
+    inputs, target = batch if isinstance(batch, tuple) else (batch[:, :-1], batch[:, 1:])
+    logp = jax.nn.log_softmax(model(inputs), axis=-1)
     return -jnp.take_along_axis(logp, target[..., None], axis=-1).mean()
+
+
+def next_token_pairs(tokens) -> tuple[np.ndarray, np.ndarray]:
+    """``tokens [batch, seq + 1]`` -> ``(inputs, targets)``, each ``[batch, seq]``."""
+    tokens = np.asarray(tokens)
+    return tokens[:, :-1], tokens[:, 1:]
 
 
 class SequenceTask:
