@@ -101,6 +101,36 @@ def collectives(hlo_text: str) -> list[Collective]:
     return found
 
 
+_CUSTOM_CALL = re.compile(r'\bcustom-call\(.*custom_call_target="(?P<target>[^"]+)"')
+
+
+@dataclasses.dataclass(frozen=True)
+class CustomCall:
+    """One custom call: its target, the computation it sits in, loop depth and runs per step."""
+
+    target: str
+    computation: str = ""
+    loop_depth: int = 0
+    count: int | None = 1
+
+
+def custom_calls(hlo_text: str) -> list[CustomCall]:
+    """Every custom call in ``hlo_text``, in text order, placed like ``collectives``."""
+    found = []
+    computation = ""
+    module = _Module.parse(hlo_text)
+    for line in hlo_text.splitlines():
+        head = _HEAD.match(line)
+        if head:
+            computation = head["name"]
+            continue
+        m = _CUSTOM_CALL.search(line)
+        if m is not None:
+            depth, count = module.placement(computation)
+            found.append(CustomCall(m["target"], computation, depth, count))
+    return found
+
+
 def counts_by_op(hlo_text: str) -> dict[str, int]:
     """How many collectives of each kind ``hlo_text`` holds (as written, loops not unrolled)."""
     out: dict[str, int] = {}

@@ -203,6 +203,9 @@ class Block(nnx.Module):
 
 
 def _dequantized(q: jax.Array, scales: jax.Array, normed: jax.Array) -> jax.Array:
+    """The MXFP8 activation as the GEMMs read it; differentiated as ``normed`` (the planes carry
+    no gradient)."""
+    q, scales = lax.stop_gradient(q), lax.stop_gradient(scales)
     t = MXFP8Tensor(
         rowwise_data=q, rowwise_scale=scales, columnwise_data=None, columnwise_scale=None, shape=tuple(q.shape)
     )
