@@ -13,8 +13,14 @@ communicates, read from the compiled HLO of the step (collectives inside the sca
 count once per layer): MXFP8 gathers each weight as 8-bit codes plus one scale byte per 32
 (8.25 bits), bf16 FSDP as 16 bits, in the forward, the backward and the recomputation alike.
 
+``--tp 2`` runs the transformer sequence- and tensor-parallel on a ``(devices/2, 2)`` mesh:
+each block's norms are the fused all-gather + RMSNorm + MXFP8 quantize over the tp axis,
+feeding column-parallel q/k/v and gate/up GEMMs; the row-parallel o and down GEMMs end in a
+reduce-scatter back to sequence shards (``--norm-path unfused``: ``lax.all_gather`` + the local
+RMSNorm + quantize instead). ``--tp 1`` (default) is FSDP alone.
+
     mxfp8-jax demo [--model transformer|mlp] [--steps 100] [--devices 8] [--hidden 128]
-                   [--layers 4] [--seed 0] [--json [PATH]]
+                   [--layers 4] [--seed 0] [--tp 1] [--norm-path fused|unfused] [--json [PATH]]
 """
 
 from __future__ import annotations
@@ -139,19 +145,37 @@ SEQ_LEN = 64
 class Workload:
     """A model, its loss, its data stream and an optimizer schedule; built once per demo."""
 
-    def __init__(self, kind: str, *, hidden: int, layers: int, seed: int, steps: int):
+    def __init__(
+        self, kind: str, *, hidden: int, layers: int, seed: int, steps: int, tp: int = 1, norm_path: str = "fused"
+    ):
         import optax
 
-        self.kind, self.steps = kind, steps
+        self.kind, self.steps, self.tp = kind, steps, tp
+        if tp > 1 and kind != "transformer":
+            raise ValueError(f"tp={tp}: tensor parallelism is for --model transformer")
         if kind == "transformer":
             from mxfp8_jax import models
 
+            extra = dict(norm="mxfp8", norm_path=norm_path) if tp > 1 else {}
             self.config = models.TransformerConfig(
-                vocab=128, hidden=hidden, heads=max(1, hidden // 32), head_dim=32, mlp=2 * hidden, layers=layers
+                vocab=128,
+                hidden=hidden,
+                heads=max(1, hidden // 32),
+                head_dim=32,
+                mlp=2 * hidden,
+                layers=layers,
+                **extra,
             )
+            if tp > 1 and (self.config.heads % tp or self.config.mlp % (32 * tp)):
+                raise ValueError(
+                    f"tp={tp} must divide the {self.config.heads} heads and leave the MLP's "
+                    f"{self.config.mlp} features a multiple of 32 per device (try a larger --hidden)"
+                )
             self.model = models.init_transformer(self.config, seed)
             self.loss_fn = models.next_token_loss
-            self._task = models.SequenceTask(self.config.vocab, SEQ_LEN, seed)
+            # under tp the sequence is split: (inputs, targets) pairs of SEQ_LEN tokens
+            self._pairs = tp > 1
+            self._task = models.SequenceTask(self.config.vocab, SEQ_LEN + self._pairs, seed)
             self.per_device_batch = 8
             self.schedule = optax.warmup_cosine_decay_schedule(0.0, 1e-2, min(10, (steps - 1) // 2), steps, 1e-3)
             self.describe = (
@@ -159,6 +183,8 @@ class Workload:
                 f"({self.config.heads} heads, SwiGLU {self.config.mlp}), remat, sequences of {SEQ_LEN}, "
                 f"loss floor {self._task.loss_floor:.3f}"
             )
+            if tp > 1:
+                self.describe += f"; sequence/tensor parallel over tp={tp}, {norm_path} all-gather + RMSNorm + quantize"
         elif kind == "mlp":
             self.model = make_model(hidden, seed)
             self.loss_fn = loss_fn
@@ -170,7 +196,12 @@ class Workload:
             raise ValueError(f"model={kind!r} must be one of {MODELS}")
 
     def batches(self, batch: int):
-        return self._task.batches(self.steps, batch)
+        stream = self._task.batches(self.steps, batch)
+        if getattr(self, "_pairs", False):
+            from mxfp8_jax import models
+
+            return (models.next_token_pairs(t) for t in stream)
+        return stream
 
 
 # ------------------------------------------------------------------------------------------------
@@ -185,10 +216,10 @@ def train(work: Workload, precision: str, *, mesh, progress=None) -> dict:
     from mxfp8_jax._src import hlo
     from mxfp8_jax.flax import FSDP
 
-    fsdp = FSDP(work.model, mesh, precision=precision)
+    fsdp = FSDP(work.model, mesh, precision=precision, tp_axis="tp" if work.tp > 1 else None)
     tx = optax.adam(work.schedule)
     state = fsdp.init(work.model, tx)
-    data = work.batches(work.per_device_batch * mesh.size)
+    data = work.batches(work.per_device_batch * (mesh.size // work.tp))
     first = next(data)
 
     t0, c0 = time.perf_counter(), time.process_time()
@@ -250,6 +281,8 @@ def run(
     console=None,
     model: str = "transformer",
     layers: int = 4,
+    tp: int = 1,
+    norm_path: str = "fused",
 ) -> dict:
     """Both runs on ``devices`` local devices (default all); returns the report dict."""
     import jax
@@ -266,9 +299,15 @@ def run(
     if model not in MODELS:
         raise ValueError(f"model={model!r} must be one of {MODELS}")
     devs = select_devices(devices)
-    mesh = Mesh(np.array(devs), ("data",))
+    tp = checks.positive_int(tp, "tp")
+    if len(devs) % tp:
+        raise ValueError(f"tp={tp} must divide the {len(devs)} devices")
+    if tp > 1:
+        mesh = Mesh(np.array(devs).reshape(len(devs) // tp, tp), ("fsdp", "tp"))
+    else:
+        mesh = Mesh(np.array(devs), ("data",))
     platform = devs[0].platform
-    work = Workload(model, hidden=hidden, layers=layers, seed=seed, steps=steps)
+    work = Workload(model, hidden=hidden, layers=layers, seed=seed, steps=steps, tp=tp, norm_path=norm_path)
     report = {
         "model": model,
         "description": work.describe,
@@ -277,8 +316,11 @@ def run(
         "layers": layers,
         "seed": seed,
         "devices": len(devs),
+        "mesh": dict(mesh.shape),
+        "tp": tp,
+        "norm_path": norm_path if tp > 1 else None,
         "platform": platform,
-        "batch": work.per_device_batch * len(devs),
+        "batch": work.per_device_batch * (len(devs) // tp),
         "mxfp8_jax": mx.__version__,
         "jax": jax.__version__,
         "quantize_path": "ffi" if _ffi.has_target("mxfp8_quantize", platform) else "pure-JAX reference",
@@ -374,6 +416,18 @@ def main(argv=None) -> int:
     p.add_argument("--layers", type=int, default=4, help="transformer blocks (default 4)")
     p.add_argument("--seed", type=int, default=0, help="seed for weights and data (default 0)")
     p.add_argument(
+        "--tp",
+        type=int,
+        default=1,
+        help="sequence/tensor-parallel degree of the transformer (mesh devices/tp x tp; default 1: FSDP alone)",
+    )
+    p.add_argument(
+        "--norm-path",
+        choices=("fused", "unfused"),
+        default="fused",
+        help="under --tp > 1: the fused all-gather + RMSNorm + quantize (default) or all_gather then the local op",
+    )
+    p.add_argument(
         "--json",
         nargs="?",
         const="-",
@@ -388,6 +442,8 @@ def main(argv=None) -> int:
         p.error(f"--hidden={args.hidden} must be a positive multiple of 32 (MXFP8 blocks are 32 wide)")
     if args.layers < 1:
         p.error(f"--layers={args.layers} must be at least 1")
+    if args.tp < 1:
+        p.error(f"--tp={args.tp} must be at least 1")
     if args.devices is not None and args.devices < 1:
         p.error(f"--devices={args.devices} must be at least 1")
     configure_devices(args.devices)
@@ -406,6 +462,8 @@ def main(argv=None) -> int:
             console=console,
             model=args.model,
             layers=args.layers,
+            tp=args.tp,
+            norm_path=args.norm_path,
         )
     except ValueError as e:
         p.error(str(e))
