@@ -39,8 +39,8 @@ def _quantize_dims(rowwise: bool, columnwise: bool) -> kernel_sharding.Dims:
 
 
 @functools.cache
-def _quantize_fn(scale_rule: int, rowwise: bool, columnwise: bool):
-    """The partitioned ``mxfp8_quantize`` call of one configuration, with its vmap rule."""
+def _quantize_call(scale_rule: int, rowwise: bool, columnwise: bool) -> kernel_sharding.Partitioned:
+    """The partitioned ``mxfp8_quantize`` call of one configuration."""
 
     def body(x2d):
         m, k = x2d.shape
@@ -60,8 +60,13 @@ def _quantize_fn(scale_rule: int, rowwise: bool, columnwise: bool):
             )
         )
 
-    call = kernel_sharding.partitioned(body, _quantize_dims(rowwise, columnwise))
-    fn = jax.custom_batching.custom_vmap(call)
+    return kernel_sharding.Partitioned(body, _quantize_dims(rowwise, columnwise))
+
+
+@functools.cache
+def _quantize_fn(scale_rule: int, rowwise: bool, columnwise: bool):
+    """``_quantize_call`` with its vmap rule (custom partitioning has none of its own)."""
+    fn = jax.custom_batching.custom_vmap(_quantize_call(scale_rule, rowwise, columnwise))
 
     @fn.def_vmap
     def _batched(axis_size, in_batched, x):
@@ -89,7 +94,9 @@ def quantize(x2d: jax.Array, *, scale_rule: int, rowwise: bool, columnwise: bool
 
 
 @functools.cache
-def _segments_fn(scale_rule: int, rowwise: bool, columnwise: bool):
+def _segments_call(scale_rule: int, rowwise: bool, columnwise: bool) -> kernel_sharding.Partitioned:
+    """The partitioned ``mxfp8_quantize_segments`` call of one configuration."""
+
     def body(x, desc):
         (s,) = x.shape
         u8 = jnp.uint8
@@ -125,7 +132,7 @@ def _segments_fn(scale_rule: int, rowwise: bool, columnwise: bool):
         blocked=frozenset({"s"}) if rowwise or columnwise else frozenset(),
         replicated=frozenset({"s", "p", "c"}),
     )
-    return kernel_sharding.partitioned(body, dims)
+    return kernel_sharding.Partitioned(body, dims)
 
 
 def quantize_segments(x: jax.Array, desc: jax.Array, *, scale_rule: int, rowwise: bool, columnwise: bool):
@@ -136,7 +143,7 @@ def quantize_segments(x: jax.Array, desc: jax.Array, *, scale_rule: int, rowwise
     Returns ``(row_q [S], row_s [S/32]), (col_q [S], col_s [S/32])`` as uint8; unrequested
     planes are None. Under ``jit`` a sharded segment is replicated (see ``_segments_fn``).
     """
-    rq, rs, cq, cs = _segments_fn(int(scale_rule), bool(rowwise), bool(columnwise))(x, desc)
+    rq, rs, cq, cs = _segments_call(int(scale_rule), bool(rowwise), bool(columnwise))(x, desc)
     return (rq, rs) if rowwise else (None, None), (cq, cs) if columnwise else (None, None)
 
 
@@ -162,7 +169,10 @@ def _norm_attrs(eps, weight_offset, quantize_from_fp32, columnwise, scale_rule):
 
 
 @functools.cache
-def _rmsnorm_fn(eps: float, weight_offset: float, quantize_from_fp32: bool, columnwise: bool, scale_rule: int):
+def _rmsnorm_call(
+    eps: float, weight_offset: float, quantize_from_fp32: bool, columnwise: bool, scale_rule: int
+) -> kernel_sharding.Partitioned:
+    """The partitioned ``mxfp8_rmsnorm_quantize`` call of one configuration."""
     attrs = _norm_attrs(eps, weight_offset, quantize_from_fp32, columnwise, scale_rule)
 
     def body(x, gamma):
@@ -184,8 +194,13 @@ def _rmsnorm_fn(eps: float, weight_offset: float, quantize_from_fp32: bool, colu
         blocked=frozenset({"k", "m"} if columnwise else {"k"}),
         replicated=frozenset({"k"}),
     )
-    call = kernel_sharding.partitioned(body, dims)
-    fn = jax.custom_batching.custom_vmap(call)
+    return kernel_sharding.Partitioned(body, dims)
+
+
+@functools.cache
+def _rmsnorm_fn(*config):
+    """``_rmsnorm_call`` with its vmap rule (custom partitioning has none of its own)."""
+    fn = jax.custom_batching.custom_vmap(_rmsnorm_call(*config))
 
     @fn.def_vmap
     def _batched(axis_size, in_batched, x, gamma):

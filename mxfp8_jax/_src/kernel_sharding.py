@@ -33,6 +33,7 @@ from collections.abc import Callable
 
 import jax
 from jax.experimental.custom_partitioning import CompoundFactor, SdyShardingRule, custom_partitioning
+from jax.interpreters.mlir import ir
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -54,19 +55,23 @@ def _base(label: str) -> str:
     return label.removesuffix("/32")
 
 
-def sdy_rule(dims: Dims) -> SdyShardingRule:
-    """The Shardy rule of ``dims``: factors named by logical dimension (the module docstring)."""
-    empties = iter(range(len(dims.operands) + len(dims.results)))
+def sdy_rule(dims: Dims, shape: tuple[int, ...]) -> SdyShardingRule:
+    """The Shardy rule of ``dims`` for a first operand of ``shape`` (the module docstring)."""
+    sizes = dict(zip(dims.operands[0], shape))
     labels = {d for arr in dims.operands + dims.results for d in arr}
-    # a blocked dimension with a scale axis is (blocks, 32); one without (k of a columnwise-only
-    # quantize, which the kernel still wants whole blocks of) is checked by ``choose`` alone
-    compound = {d for d in dims.blocked if f"{d}/32" in labels}
+    # a blocked dimension with a scale axis is (blocks, 32); one of a single block cannot be cut
+    # (nor written as a compound: Shardy refuses a factor of size 1 in one) and one without a
+    # scale axis (k of a columnwise-only quantize, whose kernel still wants whole blocks of k)
+    # is checked by ``choose`` alone
+    single = {d for d in dims.blocked if sizes.get(d) == BLOCK}
+    compound = {d for d in dims.blocked if f"{d}/32" in labels} - single
+    empties = iter(range(len(dims.operands) + len(dims.results)))
 
     def factor(label: str):
         if label == EMPTY:
             return f"e{next(empties)}"
         if label.endswith("/32"):
-            return _base(label)
+            return f"{_base(label)}_blocks" if _base(label) in single else _base(label)
         return CompoundFactor(label, f"{label}_in_block") if label in compound else label
 
     operands = tuple(tuple(factor(d) for d in arr) for arr in dims.operands)
@@ -77,13 +82,17 @@ def sdy_rule(dims: Dims) -> SdyShardingRule:
             for name in (f,) if isinstance(f, str) else f:
                 if name not in order:
                     order.append(name)
-    special = set(dims.replicated) | {f"{d}_in_block" for d in compound}
+    special = set(dims.replicated) | single | {f"{d}_in_block" for d in compound}
     return SdyShardingRule(
         operands,
         results,
         need_replication_factors=tuple(f for f in order if f in special),
         **{f"{d}_in_block": BLOCK for d in compound},
     )
+
+
+def _shape(ir_type) -> tuple[int, ...]:
+    return tuple(ir_type.shape) if hasattr(ir_type, "shape") else tuple(ir.RankedTensorType(ir_type).shape)
 
 
 def _axes(entry) -> tuple[str, ...]:
@@ -168,30 +177,33 @@ def manual_axes() -> frozenset:
     return frozenset(getattr(mesh, "manual_axes", ()) or ())
 
 
-def partitioned(body: Callable, dims: Dims) -> Callable:
+class Partitioned:
     """``body`` (arrays -> tuple of arrays, the plain custom call) with the rule of ``dims``.
 
-    Use one instance per static configuration (cache it): jax keeps a callback per instance.
+    Make one per static configuration (cache it): jax keeps a callback per instance.
     """
-    fn = custom_partitioning(body)
 
-    def partition(mesh, arg_shapes, result_shape):
-        args, results = _shardings(dims, mesh, arg_shapes)
-        return mesh, body, results, args
+    def __init__(self, body: Callable, dims: Dims):
+        self.body, self.dims = body, dims
+        self._fn = custom_partitioning(body)
+        self._fn.def_partition(
+            partition=self.partition,
+            infer_sharding_from_operands=lambda mesh, arg_shapes, result_shape: self.shardings(mesh, arg_shapes)[1],
+            sharding_rule=lambda mesh, operands, results: sdy_rule(dims, _shape(operands[0])),
+            decode_shardings=False,  # decoded by ``named``, which also handles what no spec names
+        )
 
-    def infer(mesh, arg_shapes, result_shape):
-        return _shardings(dims, mesh, arg_shapes)[1]
+    def shardings(self, mesh, arg_shapes) -> tuple[tuple[NamedSharding, ...], tuple[NamedSharding, ...]]:
+        """(operand shardings, result shardings) the call runs with, for operands ``arg_shapes``
+        (``ShapeDtypeStruct``s carrying the shardings propagation gave them)."""
+        return _shardings(self.dims, mesh, arg_shapes)
 
-    fn.def_partition(
-        partition=partition,
-        infer_sharding_from_operands=infer,
-        sharding_rule=sdy_rule(dims),
-        decode_shardings=False,  # decoded by ``named``, which also handles what no spec names
-    )
+    def partition(self, mesh, arg_shapes, result_shape=None):
+        """The partitioner's callback: the mesh, the per-shard body and the chosen shardings."""
+        args, results = self.shardings(mesh, arg_shapes)
+        return mesh, self.body, results, args
 
-    def call(*args):
+    def __call__(self, *args):
         if manual_axes():  # inside shard_map: already per device
-            return body(*args)
-        return fn(*args)
-
-    return call
+            return self.body(*args)
+        return self._fn(*args)
