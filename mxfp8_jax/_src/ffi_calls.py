@@ -7,6 +7,11 @@ afterwards would be a separate pass over the plane on XLA:CPU); scales are ``uin
 exception is ``mxfp8_quantize_segments``, whose flat planes are stored as bytes in uint8
 DBuffers. A plane that was not asked for is a zero-size ``uint8[0]`` result and comes back as
 None.
+
+Each call carries a partitioning rule (``kernel_sharding``; docs/design.md §7), so that under
+``jit`` a sharded input is quantized where it lies instead of being all-gathered, and a vmap rule
+(custom partitioning has no batching rule of its own). One partitioned call is built per static
+configuration and cached.
 """
 
 from __future__ import annotations

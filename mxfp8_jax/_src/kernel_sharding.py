@@ -1,4 +1,5 @@
-"""Partitioning rules for the kernels' custom calls: a sharded input stays sharded under ``jit``.
+"""Partitioning rules for the kernels' custom calls: a sharded input stays sharded under ``jit``
+(docs/design.md §7, "Partitioning rules").
 
 XLA cannot see into a custom call, so without a rule it replicates every operand (an all-gather
 of the whole input onto each device) and runs the full kernel everywhere. Each kernel here works
@@ -16,6 +17,8 @@ says which dimensions must be cut in whole 32-blocks (``blocked``) or not at all
   partitioning under Shardy: for each dimension of the first operand, the longest prefix of its
   mesh axes that divides it evenly and, where it is blocked, leaves whole blocks on each shard;
   anything else is resharded to replicated. Results and the other operands follow that choice.
+  The shardings arrive undecoded and ``named`` reads them against the mesh: one that no
+  ``PartitionSpec`` can write (a part of a mesh axis) counts as replicated.
 
 The per-shard body is the plain custom call on the local shapes: it produces exactly the bytes
 of the corresponding rows and columns of the unsharded call (rowwise blocks lie along ``k``,
@@ -33,7 +36,6 @@ from collections.abc import Callable
 
 import jax
 from jax.experimental.custom_partitioning import CompoundFactor, SdyShardingRule, custom_partitioning
-from jax.interpreters.mlir import ir
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -92,7 +94,12 @@ def sdy_rule(dims: Dims, shape: tuple[int, ...]) -> SdyShardingRule:
 
 
 def _shape(ir_type) -> tuple[int, ...]:
-    return tuple(ir_type.shape) if hasattr(ir_type, "shape") else tuple(ir.RankedTensorType(ir_type).shape)
+    """The shape of an operand's MLIR type (what a callable Shardy rule is handed)."""
+    if hasattr(ir_type, "shape"):
+        return tuple(ir_type.shape)
+    from jax.interpreters.mlir import ir
+
+    return tuple(ir.RankedTensorType(ir_type).shape)
 
 
 def _axes(entry) -> tuple[str, ...]:
