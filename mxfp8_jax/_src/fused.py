@@ -35,6 +35,10 @@ Gradients (``custom_vjp``): ``normed`` and ``residual`` carry them to ``x`` -- t
 transpose of the gather, a reduce-scatter -- and ``normed`` to ``gamma``; ``quant`` and
 ``scales`` carry none. The bf16 rounding of ``normed`` is treated as the identity.
 
+``vmap``: both strategies batch, each batch element gathered on its own; ``"p2p"`` runs its
+custom call once per element in a loop (``vmap_method="sequential"``), ``"xla"`` batches the
+all-gather and loops its local kernel the same way.
+
 Ragged shards: ``row_counts[k]`` is the number of valid rows of device ``k`` along the axis;
 local inputs are padded to the largest count (valid rows first) and a device may own none.
 A group's rows are its devices' valid rows in device order.
