@@ -7,6 +7,12 @@ holds comes from jax's own ``NamedSharding.devices_indices_map``.
 
 import bisect
 import itertools
+import os
+import pathlib
+import re
+import socket
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -16,7 +22,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 import mxfp8_jax as mx
 from mxfp8_jax import DBuffer, ShardLayout
-from mxfp8_jax._src import hlo
+from mxfp8_jax._src import checks, hlo
 from mxfp8_jax._src import placement as pl
 
 from conftest import as_bytes
@@ -371,3 +377,51 @@ def test_errors(meshes):
         DBuffer(jax.device_put(buf.data, NamedSharding(m24, PartitionSpec())), m24, (S, S), buf.layout)
     with pytest.raises(ValueError, match=r"tensor shapes .* differ from layout.tensor_shapes"):
         DBuffer.distribute_tensors(tensors[:2], m24, (S, S), layout=buf.layout)
+
+
+def test_empty_buffer_is_refused_at_construction(meshes):
+    # a layout of no tensor is a valid layout, but a DBuffer of it could never be gathered
+    m8 = meshes[(8,)]
+    with pytest.raises(ValueError, match=r"layout holds no tensor: a DBuffer packs at least one"):
+        DBuffer.empty(m8, (S,), [], jnp.float32)
+    with pytest.raises(ValueError, match=r"layout holds no tensor"):
+        DBuffer.distribute_tensors([], m8, (S,))
+    with pytest.raises(ValueError, match=r"layout holds no tensor"):
+        DBuffer.zeros(m8, (R,), mx.GlobalLayout.build([], 8), jnp.float32)
+
+
+def test_wrong_mesh_errors_say_what_differs(meshes, cpu_devices):
+    m8 = meshes[(8,)]
+    buf = DBuffer.distribute_tensors(tensors_for(SHAPES), m8, (S,))
+    # the same names, sizes and types, devices in reverse: the reprs alone look equal
+    rev = Mesh(np.array(cpu_devices[::-1]), ("x",), axis_types=m8.axis_types)
+    assert repr(rev) == repr(m8)
+    moved = jax.device_put(buf.data, NamedSharding(rev, PartitionSpec("x")))
+    with pytest.raises(ValueError, match=r"meshes differ in device order: mesh position \(0,\) holds device 7 vs 0"):
+        DBuffer(moved, m8, (S,), buf.layout)
+    # each difference is named, and only those
+    m24, m42 = meshes[(2, 4)], meshes[(4, 2)]
+    assert checks.mesh_difference(m8, m8) == ""
+    assert checks.mesh_difference(m24, m42) == "axis sizes (2, 4) vs (4, 2)"
+    renamed = Mesh(m24.devices, ("a", "c"), axis_types=m24.axis_types)
+    assert checks.mesh_difference(renamed, m24) == "axis names ('a', 'c') vs ('a', 'b')"
+    half = Mesh(np.array(cpu_devices[:4]), ("x",), axis_types=m8.axis_types)
+    assert checks.mesh_difference(half, m8).startswith("axis sizes (4,) vs (8,); devices (ids [] vs [4, 5, 6, 7]")
+
+
+def test_constructor_checks_the_mesh_under_two_processes():
+    # two CPU processes of 2 devices: the data is not fully addressable, its sharding is known
+    with socket.socket() as sock:
+        sock.bind(("localhost", 0))
+        port = sock.getsockname()[1]
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    script = pathlib.Path(__file__).with_name("_dbuffer_two_processes.py")
+    procs = [
+        subprocess.Popen([sys.executable, str(script), str(port), str(k)], env=env, stdout=subprocess.PIPE, text=True)
+        for k in range(2)
+    ]
+    outs = [p.communicate(timeout=180)[0] for p in procs]
+    for out, p in zip(outs, procs):
+        assert p.returncode == 0, out
+        assert "ACCEPTED right mesh, fully addressable: False" in out
+        assert re.search(r"REFUSED reversed mesh: data is sharded as .*meshes differ in device order", out), out

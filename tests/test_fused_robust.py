@@ -109,6 +109,48 @@ def test_missing_peers_fail_with_deadline_and_process_stays_usable(cpu_devices):
     np.testing.assert_array_equal(as_bytes(out), as_bytes(canonical(np.asarray(x), np.ones(H, BF16), eps=1e-6)[0]))
 
 
+@pytest.mark.parametrize("timeout_s", [None, float("inf"), 1e10, 1e300])
+def test_no_deadline_and_huge_timeouts_gather_normally(cpu_devices, timeout_s):
+    # None/inf mean no deadline; 1e10 s (past the int64 nanoseconds of the clock: once a
+    # deadline in the past, DEADLINE_EXCEEDED with every peer present) and 1e300 s (past
+    # int64 milliseconds) saturate to none instead of overflowing
+    mesh = _mesh(cpu_devices)
+    x = _x(11)
+    gamma = np.ones(H, BF16)
+    out = mx.allgather_rmsnorm_quant(x, gamma, mesh=mesh, axis="x", strategy="p2p", p2p_timeout_s=timeout_s)[0]
+    np.testing.assert_array_equal(as_bytes(out), as_bytes(canonical(x, gamma, eps=1e-6)[0]))
+
+
+@pytest.mark.parametrize("timeout_s", [0, -1.0, float("nan"), float("-inf"), "10", True])
+def test_bad_timeouts_are_refused(cpu_devices, timeout_s):
+    x = jnp.zeros((8, H), jnp.bfloat16)
+    with pytest.raises(ValueError, match=r"p2p_timeout_s=.* must be a positive number of seconds, or None"):
+        mx.allgather_rmsnorm_quant(
+            x, jnp.ones(H, jnp.bfloat16), mesh=_mesh(cpu_devices), axis="x", p2p_timeout_s=timeout_s
+        )
+
+
+def test_vmap_of_p2p_gathers_each_batch_element(cpu_devices):
+    # a batching rule (one rendezvous per element, in order), not JAX's NotImplementedError
+    mesh = _mesh(cpu_devices)
+    xs = np.stack([_x(20 + b, rows=16) for b in range(3)])  # [B, 16, H]: 2 rows per device
+    gamma = np.ones(H, BF16)
+    op = lambda strategy: lambda x: mx.allgather_rmsnorm_quant(x, gamma, mesh=mesh, axis="x", strategy=strategy)
+    p2p = jax.jit(jax.vmap(op("p2p")))(xs)
+    xla = jax.jit(jax.vmap(op("xla")))(xs)
+    for b in range(3):
+        normed, _, _, residual = (np.asarray(o[b]) for o in p2p)
+        np.testing.assert_array_equal(as_bytes(residual), as_bytes(xs[b]))
+        np.testing.assert_array_equal(as_bytes(normed), as_bytes(canonical(xs[b], gamma, eps=1e-6)[0]))
+    for a, b in zip(p2p, xla):
+        np.testing.assert_array_equal(as_bytes(a), as_bytes(b))
+    # and its gradient, through the same custom_vjp
+    loss = lambda s: lambda x: jax.vmap(op(s))(x)[0].astype(jnp.float32).sum()
+    np.testing.assert_array_equal(
+        as_bytes(jax.jit(jax.grad(loss("p2p")))(xs)), as_bytes(jax.jit(jax.grad(loss("xla")))(xs))
+    )
+
+
 def test_p2p_across_processes_is_refused():
     with pytest.raises(ValueError, match="strategy='p2p' needs every device of axis 'x' in this process"):
         fused_impl._resolve_strategy("p2p", "cpu", False, "x")

@@ -227,6 +227,11 @@ def test_build_rejects_bad_arguments():
             GlobalLayout.build([(64, 4)], 2, block_size=bad)
         with pytest.raises(ValueError, match="dp_size=.* must be a positive int"):
             GlobalLayout.build([(64, 4)], bad)
+    # the same rule for the dimensions of tensor_shapes (64.5 was truncated to 64)
+    assert GlobalLayout.build([(np.int64(64), np.int32(4))], 2).tensor_shapes == ((64, 4),)
+    for bad in ((64.5, 4), (64.0, 4), (True, 4)):
+        with pytest.raises(TypeError, match=r"tensor_shapes\[0\]=.* must be a tuple of ints"):
+            GlobalLayout.build([bad], 2)
     with pytest.raises(TypeError, match=r"shard_layout='padded' must be a ShardLayout"):
         GlobalLayout.build([(4,)], 2, shard_layout="padded")
     with pytest.raises(TypeError, match=r"tensor_shapes\[0\]=4 must be a tuple of ints"):

@@ -322,6 +322,41 @@ def test_rowwise_only_m_check_names_columnwise():
 
 
 # ------------------------------------------------------------------------------------------------
+# gradients: one behaviour for every backend (docs/design.md §2)
+
+
+@pytest.mark.parametrize("backend", ("auto",) + COMPARED)
+def test_differentiating_quantize_is_an_error_for_every_backend(backend):
+    x = jnp.linspace(-3.0, 3.0, 64 * 64, dtype=jnp.float32).reshape(64, 64)
+    loss = lambda a: mx.dequantize(mx.quantize(a, backend=backend), dtype=jnp.float32).sum()
+    for transform in (jax.grad, lambda f: jax.jit(jax.grad(f))):
+        with pytest.raises(TypeError, match=r"mx\.quantize is not differentiable.*stop_gradient"):
+            transform(loss)(x)
+    with pytest.raises(TypeError, match=r"mx\.quantize is not differentiable"):
+        jax.jvp(lambda a: mx.quantize(a, backend=backend, columnwise=False).rowwise_data, (x,), (x,))
+
+
+def test_differentiating_dequantize_in_its_data_is_an_error():
+    t = mx.quantize(jnp.ones((32, 64), jnp.float32), columnwise=False)
+    rebuilt = lambda d: mx.MXFP8Tensor(d, t.rowwise_scale, None, None, shape=t.shape, dtype=jnp.float32)
+    with pytest.raises(TypeError, match=r"mx\.dequantize is not differentiable"):
+        jax.grad(lambda d: mx.dequantize(rebuilt(d), dtype=jnp.float32).sum())(t.rowwise_data)
+
+
+@pytest.mark.parametrize("backend", COMPARED)
+def test_straight_through_estimator_of_the_error_message(backend):
+    # the idiom the error suggests: value dequantize(quantize(x)), gradient the identity
+    x = np.random.default_rng(8).standard_normal((64, 64)).astype(np.float32)
+    dq = lambda a: mx.dequantize(mx.quantize(a, backend=backend), dtype=jnp.float32)
+    ste = lambda a: a + jax.lax.stop_gradient(dq(jax.lax.stop_gradient(a)) - a)
+    w = np.random.default_rng(9).standard_normal((64, 64)).astype(np.float32)
+    grad = jax.jit(jax.grad(lambda a: (ste(a) * w).sum()))(jnp.asarray(x))
+    np.testing.assert_array_equal(np.asarray(grad), w)
+    want = oracle.dequantize_rowwise(*(oracle.quantize(x)[p] for p in ("rowwise_data", "rowwise_scale")))
+    np.testing.assert_allclose(np.asarray(ste(jnp.asarray(x))), want, rtol=0, atol=1e-6)
+
+
+# ------------------------------------------------------------------------------------------------
 # E8M0 helpers
 
 

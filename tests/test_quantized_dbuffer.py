@@ -6,6 +6,7 @@ buffer is quantized locally (each device its own segment), gathered, and every t
 compared with the oracle's bytes; the FFI and pure-JAX paths must agree on every stored byte.
 """
 
+import dataclasses
 import functools
 
 import jax
@@ -363,8 +364,12 @@ def test_master_weight_must_match():
     mesh, placements = mesh_of("8")
     other_mesh = jax.make_mesh((8,), ("x",), devices=jax.devices("cpu")[::-1])
     w_mesh = mx.DBuffer.distribute_tensors(tensors, other_mesh, placements, layout=q.layout)
-    with pytest.raises(ValueError, match="main_weight.mesh"):
+    # the two meshes print alike; the error says where they differ
+    with pytest.raises(ValueError, match=r"main_weight.mesh .*device order: mesh position \(0,\) holds device 7 vs 0"):
         q.quantize(w_mesh)
+    plane = mx.DBuffer.zeros(other_mesh, q.rowwise_data.placements, q.rowwise_data.layout, jnp.uint8)
+    with pytest.raises(ValueError, match=r"rowwise_data is on another mesh than the buffer: device order"):
+        dataclasses.replace(q, rowwise_data=plane)
     with pytest.raises(ValueError, match="main_weight.placements"):
         q.quantize(w.redistribute((mx.Replicate(),)))
     w_layout = mx.DBuffer.distribute_tensors(
@@ -378,3 +383,13 @@ def test_master_weight_must_match():
         q.quantize(tensors[0])
     with pytest.raises(ValueError, match="scale_rule='nearest'"):
         q.quantize(w, scale_rule="nearest")
+
+
+def test_local_tensor_view_of_a_released_buffer_raises():
+    q, _, _ = build("8", mx.ShardLayout.PADDED, [(64, 64)])
+    dev = jax.devices("cpu")[0]
+    with pytest.raises(ValueError, match=r"local_tensor_view\(0\): every plane is released"):
+        q.release_storage().local_tensor_view(0, dev)
+    # one direction released: the other one's rows, the released planes None
+    half = q.release_storage(rowwise_only=True).local_tensor_view(0, dev)
+    assert half.rowwise_data is None and half.columnwise_data is not None

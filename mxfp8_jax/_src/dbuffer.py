@@ -46,9 +46,10 @@ class DBuffer:
     """A flat sharded buffer of packed tensors.
 
     Invariants (checked on construction): ``placements`` valid for ``mesh`` (one per axis, Shard
-    placements a suffix); ``layout.dp_size == mesh.size``; every ``BlockAtomic(n)`` has
-    ``layout.block_size % n == 0``; ``data`` is 1-D of length ``layout.physical_size`` and, once
-    concrete, sharded as ``NamedSharding(mesh, partition_spec(mesh, placements))``.
+    placements a suffix); ``layout.dp_size == mesh.size`` and the layout holds at least one
+    tensor; every ``BlockAtomic(n)`` has ``layout.block_size % n == 0``; ``data`` is 1-D of
+    length ``layout.physical_size`` and, once concrete, sharded as
+    ``NamedSharding(mesh, partition_spec(mesh, placements))`` (in multi-process runs too).
     """
 
     data: jax.Array
@@ -67,12 +68,17 @@ class DBuffer:
                 f"data has shape {tuple(data.shape)}; a DBuffer holds a flat "
                 f"[{self.layout.physical_size}] array (layout.physical_size)"
             )
-        if not is_traced(data) and data.is_fully_addressable:
-            if not data.sharding.is_equivalent_to(self.sharding, 1):
-                raise ValueError(
-                    f"data is sharded as {data.sharding}, but placements {self.placements} need "
-                    f"{self.sharding}; jax.device_put it there first"
-                )
+        # Under several processes the data is not fully addressable, but its global sharding
+        # (mesh, devices, spec) is known in every process: it is checked the same way.
+        if not is_traced(data) and not data.sharding.is_equivalent_to(self.sharding, 1):
+            mesh = getattr(data.sharding, "mesh", None)
+            differ = checks.mesh_difference(mesh, self.mesh) if isinstance(mesh, Mesh) else ""
+            raise ValueError(
+                f"data is sharded as {data.sharding}, but placements {self.placements} need "
+                f"{self.sharding}"
+                + (f" (the meshes differ in {differ})" if differ else "")
+                + "; jax.device_put it there first"
+            )
 
     # -- construction --------------------------------------------------------------------------
 
@@ -334,6 +340,11 @@ class DBuffer:
 def _check_static(mesh: Mesh, placements, layout: GlobalLayout) -> None:
     if not isinstance(layout, GlobalLayout):
         raise TypeError(f"layout must be a GlobalLayout, got {type(layout).__name__}")
+    if layout.num_tensors == 0:
+        raise ValueError(
+            "layout holds no tensor: a DBuffer packs at least one (an empty flat buffer has "
+            "nothing to shard, and XLA cannot gather zero-size shards)"
+        )
     if layout.dp_size != mesh.size:
         raise ValueError(
             f"layout.dp_size={layout.dp_size} must equal mesh.size={mesh.size}: DBuffer layouts "

@@ -262,10 +262,14 @@ def allgather_rmsnorm_quantize(
     and xla_ffi/gpu/handlers.cc for the experimental GPU handler):
     ``x [rows_max, H]``, ``gamma [H]`` bf16, ``where = (rank, group, rendezvous id)`` int32 ->
     ``(normed, row_q, row_s, col_q, col_s, residual)`` for the group's ``rows`` gathered rows.
+    Under ``vmap`` the batch runs as a loop of calls (``"sequential"``): every device's k-th
+    call meets its peers' k-th under the same op id, in order (see rendezvous.h on repeated keys).
     """
     h = x.shape[1]
     shapes = _norm_shapes(rows, h, columnwise) + (jax.ShapeDtypeStruct((rows, h), jnp.bfloat16),)
-    normed, rq, rs, cq, cs, residual = jax.ffi.ffi_call("mxfp8_allgather_rmsnorm_quantize", shapes)(
+    normed, rq, rs, cq, cs, residual = jax.ffi.ffi_call(
+        "mxfp8_allgather_rmsnorm_quantize", shapes, vmap_method="sequential"
+    )(
         x,
         gamma,
         where,

@@ -13,7 +13,8 @@ Strategies:
   devices of a group meet in process, exchange their input buffers and read the rows straight
   from their peers while normalizing and quantizing; no separate gather pass. It needs every
   device of the group in this process; peers that cannot meet give a DEADLINE_EXCEEDED error
-  after ``p2p_timeout_s``, never a hang.
+  after ``p2p_timeout_s``, never a hang (``None`` or ``inf``: no deadline; a bound past what
+  the clock can hold is no deadline either, never an overflow).
 - ``"auto"``: ``"p2p"`` on CPU when every device of the axis is in this process (and the
   extension is installed), ``"xla"`` otherwise -- in particular on GPUs, whose p2p path is
   opt-in until it has run on multi-GPU hardware.
@@ -34,6 +35,10 @@ Gradients (``custom_vjp``): ``normed`` and ``residual`` carry them to ``x`` -- t
 transpose of the gather, a reduce-scatter -- and ``normed`` to ``gamma``; ``quant`` and
 ``scales`` carry none. The bf16 rounding of ``normed`` is treated as the identity.
 
+``vmap``: both strategies batch, each batch element gathered on its own; ``"p2p"`` runs its
+custom call once per element in a loop (``vmap_method="sequential"``), ``"xla"`` batches the
+all-gather and loops its local kernel the same way.
+
 Ragged shards: ``row_counts[k]`` is the number of valid rows of device ``k`` along the axis;
 local inputs are padded to the largest count (valid rows first) and a device may own none.
 A group's rows are its devices' valid rows in device order.
@@ -44,6 +49,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import itertools
+import math
 import numbers
 import warnings
 from collections.abc import Sequence
@@ -161,10 +167,24 @@ def _check_row_counts(row_counts, n: int, rows_max: int, group_size: int, axis) 
     return counts
 
 
+# The kernels' ``timeout_ms`` attribute: 0 means no deadline, and so does any bound the clock
+# cannot hold (rendezvous.h, timeout_from_ms); larger values are sent as the int64 maximum.
+_NO_DEADLINE_MS = 0
+_MAX_TIMEOUT_MS = np.iinfo(np.int64).max
+
+
 def _p2p_timeout_ms(p2p_timeout_s) -> int:
-    if not isinstance(p2p_timeout_s, numbers.Real) or not p2p_timeout_s > 0:
-        raise ValueError(f"p2p_timeout_s={p2p_timeout_s!r} must be a positive number of seconds")
-    return max(1, round(float(p2p_timeout_s) * 1000))
+    """``p2p_timeout_s`` (seconds; ``None`` or ``inf``: no deadline) as the kernel's
+    ``timeout_ms``: at least 1 ms, saturating at the int64 maximum (itself no deadline)."""
+    if p2p_timeout_s is None:
+        return _NO_DEADLINE_MS
+    if isinstance(p2p_timeout_s, bool) or not isinstance(p2p_timeout_s, numbers.Real) or not p2p_timeout_s > 0:
+        raise ValueError(
+            f"p2p_timeout_s={p2p_timeout_s!r} must be a positive number of seconds, or None (or inf) for no deadline"
+        )
+    if math.isinf(p2p_timeout_s):
+        return _NO_DEADLINE_MS
+    return max(1, min(_MAX_TIMEOUT_MS, round(float(p2p_timeout_s) * 1000)))
 
 
 class ExperimentalGpuP2PWarning(UserWarning):
@@ -341,7 +361,7 @@ def allgather_rmsnorm_quant_local(
     columnwise: bool = False,
     strategy: str = "auto",
     scale_rule: str = "rceil",
-    p2p_timeout_s: float = DEFAULT_P2P_TIMEOUT_S,
+    p2p_timeout_s: float | None = DEFAULT_P2P_TIMEOUT_S,
 ) -> tuple[jax.Array, ...]:
     """The fused op as one device sees it, for use inside ``jax.shard_map`` over ``axis_name``.
 
@@ -408,7 +428,7 @@ def allgather_rmsnorm_quant(
     columnwise: bool = False,
     strategy: str = "auto",
     scale_rule: str = "rceil",
-    p2p_timeout_s: float = DEFAULT_P2P_TIMEOUT_S,
+    p2p_timeout_s: float | None = DEFAULT_P2P_TIMEOUT_S,
 ) -> tuple[jax.Array, ...]:
     """All-gather + RMSNorm + MXFP8 quantize of ``x`` over mesh axis ``axis`` (docs/design.md §5).
 

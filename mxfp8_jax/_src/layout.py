@@ -263,10 +263,7 @@ def _check_shapes(tensor_shapes, block_size) -> tuple[Shape, ...]:
         raise TypeError(f"tensor_shapes must be a sequence of shapes, got {tensor_shapes!r}")
     shapes = []
     for i, s in enumerate(tensor_shapes):
-        try:
-            shape = tuple(int(d) for d in s)
-        except TypeError:
-            raise TypeError(f"tensor_shapes[{i}]={s!r} must be a tuple of ints") from None
+        shape = checks.int_tuple(s, f"tensor_shapes[{i}]")
         if len(shape) == 0:
             raise ValueError(f"tensor_shapes[{i}]=() is 0-D; a layout holds tensors with at least one axis")
         if min(shape) < 1:

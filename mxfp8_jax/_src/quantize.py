@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -13,7 +14,7 @@ from jax.typing import DTypeLike
 from mxfp8_jax._src import backend as backends
 from mxfp8_jax._src import ffi_calls
 from mxfp8_jax._src import format as fmt
-from mxfp8_jax._src.tensor import MXFP8Tensor
+from mxfp8_jax._src.tensor import MXFP8Tensor, carries_tangent, not_differentiable, zero_tangent
 from mxfp8_jax._src.tracing import is_traced
 
 INPUT_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
@@ -55,6 +56,11 @@ def quantize(
     Rowwise blocks run along the last axis, columnwise blocks along the rows of the 2-D view
     ``[M, K]`` with ``M = prod(shape[:-1])``. Returns an ``MXFP8Tensor`` holding the requested
     planes; ``shape`` and ``dtype`` record the input.
+
+    Not differentiable: ``jax.grad``/``jax.jvp`` through it raises a TypeError for every backend
+    (the planes cannot carry a gradient; docs/design.md §2). Quantize
+    ``jax.lax.stop_gradient(x)`` for a constant, or write a straight-through estimator as
+    ``x + stop_gradient(dequantize(quantize(stop_gradient(x))) - x)``.
     """
     # the dtype is checked before jnp.asarray, which would turn float64 into float32 silently
     check_input(x if hasattr(x, "dtype") else jnp.asarray(x), rowwise=rowwise, columnwise=columnwise)
@@ -73,6 +79,13 @@ def quantize(
 
 
 def _planes(x2d, *, rowwise: bool, columnwise: bool, rule: fmt.ScaleRule, backend: str):
+    return _planes_no_grad(x2d, rowwise, columnwise, rule, backend)
+
+
+# One gradient behaviour for every backend: the reference's bit manipulation would give silent
+# zeros and an FFI call cannot be differentiated at all, so differentiating either is an error.
+@functools.partial(jax.custom_jvp, nondiff_argnums=(1, 2, 3, 4))
+def _planes_no_grad(x2d, rowwise: bool, columnwise: bool, rule: fmt.ScaleRule, backend: str):
     def reference(x2d):
         row = fmt.quantize_rowwise(x2d, rule) if rowwise else (None, None)
         col = fmt.quantize_columnwise(x2d, rule) if columnwise else (None, None)
@@ -85,6 +98,14 @@ def _planes(x2d, *, rowwise: bool, columnwise: bool, rule: fmt.ScaleRule, backen
     return backends.run("mxfp8_quantize", backend, kernel, reference, x2d)
 
 
+@functools.partial(_planes_no_grad.defjvp, symbolic_zeros=True)
+def _planes_jvp(rowwise, columnwise, rule, backend, primals, tangents):
+    if carries_tangent(tangents[0]):
+        raise not_differentiable("mx.quantize")
+    out = _planes_no_grad(*primals, rowwise, columnwise, rule, backend)
+    return out, jax.tree.map(zero_tangent, out)
+
+
 _planes_jit = jax.jit(_planes, static_argnames=("rowwise", "columnwise", "rule", "backend"))
 
 
@@ -92,7 +113,8 @@ def dequantize(t: MXFP8Tensor, *, columnwise: bool = False, dtype: DTypeLike = j
     """``fp32(q) * 2^(byte - 127)`` of the rowwise (default) or columnwise plane, as ``dtype``.
 
     Exact in fp32 (subnormal results included); bf16 output is rounded to nearest even. ``t``
-    must satisfy ``MXFP8Tensor.validate`` (E4M3 data, uint8 scales of the planes' shapes).
+    must satisfy ``MXFP8Tensor.validate`` (E4M3 data, uint8 scales of the planes' shapes);
+    ``dtype`` must be a floating-point type. Not differentiable in the planes (see ``quantize``).
     """
     if not isinstance(t, MXFP8Tensor):
         raise TypeError(f"t must be an MXFP8Tensor, got {type(t).__name__}")

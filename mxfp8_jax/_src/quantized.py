@@ -236,11 +236,15 @@ class QuantizedDBuffer:
                 continue
             if not isinstance(plane, DBuffer):
                 raise TypeError(f"{name} must be a DBuffer or None, got {type(plane).__name__}")
-            if plane.mesh != self.mesh or plane.layout != layout or plane.placements != placements:
+            if plane.mesh != self.mesh:
                 raise ValueError(
-                    f"{name} does not match the buffer: need mesh {dict(self.mesh.shape)}, "
-                    f"placements {placements} and layout {layout}, got mesh "
-                    f"{dict(plane.mesh.shape)}, placements {plane.placements}"
+                    f"{name} is on another mesh than the buffer: "
+                    f"{checks.mesh_difference(plane.mesh, self.mesh)} (the plane's vs the buffer's)"
+                )
+            if plane.layout != layout or plane.placements != placements:
+                raise ValueError(
+                    f"{name} does not match the buffer: need placements {placements} and layout "
+                    f"{layout}, got placements {plane.placements} and layout {plane.layout}"
                 )
             if isinstance(plane.data, jax.Array) and jnp.dtype(plane.data.dtype) != jnp.uint8:
                 raise TypeError(f"{name} must hold uint8 bytes, got {jnp.dtype(plane.data.dtype)}")
@@ -384,8 +388,8 @@ class QuantizedDBuffer:
             raise ValueError("quantize: no plane is allocated; call reallocate_storage() first")
         if main_weight.mesh != self.mesh:
             raise ValueError(
-                f"main_weight.mesh {dict(main_weight.mesh.shape)} {main_weight.mesh.devices.tolist()} "
-                f"must be this buffer's mesh {dict(self.mesh.shape)} {self.mesh.devices.tolist()}"
+                f"main_weight.mesh must be this buffer's mesh; they differ in "
+                f"{checks.mesh_difference(main_weight.mesh, self.mesh)} (main_weight's vs this buffer's)"
             )
         for direction, alloc in (("rowwise", rowwise), ("columnwise", columnwise)):
             want = getattr(self, f"{direction}_placements")
@@ -465,8 +469,14 @@ class QuantizedDBuffer:
         """Host copy of the rows of tensor ``i`` that ``device`` holds, as a compact MXFP8Tensor.
 
         Shape ``[n_rows, K]`` (``n_rows`` may be 0); scales ``[n_rows, K/32]``/``[n_rows/32, K]``.
+        The planes of a released direction are None; with both released this raises.
         """
         checks.index(i, self.layout.num_tensors)
+        if not (self.is_rowwise_allocated or self.is_columnwise_allocated):
+            raise ValueError(
+                f"local_tensor_view({i}): every plane is released (release_storage); "
+                f"reallocate_storage() and quantize first"
+            )
         planes = {}
         for name, plane in zip(("rowwise_data", "columnwise_data", "rowwise_scale", "columnwise_scale"), self.planes):
             planes[name] = None if plane is None else plane.local_tensor(i, device)

@@ -16,11 +16,14 @@ just before use.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+from jax.custom_derivatives import SymbolicZero
 from jax.typing import DTypeLike
 
 from mxfp8_jax._src import format as fmt
@@ -100,6 +103,8 @@ class MXFP8Tensor:
         in the logical ``shape``.
 
         Exact in fp32 (subnormal results included); bf16 output is rounded to nearest even.
+        Not differentiable in the planes: ``jax.grad``/``jax.jvp`` with respect to the data
+        raises a TypeError, for every backend (docs/design.md §2).
         """
         self.validate()
         dtype = jnp.dtype(self.dtype if dtype is None else dtype)
@@ -148,11 +153,52 @@ class MXFP8Tensor:
 
 
 def _dequantize(data, scale, *, axis: int, dtype):
+    return _dequantize_planes(data, scale, axis, dtype)
+
+
+_dequantize_jit = jax.jit(_dequantize, static_argnames=("axis", "dtype"))
+
+
+# ------------------------------------------------------------------------------------------------
+# gradients: MXFP8 planes carry none (docs/design.md §2)
+
+
+def not_differentiable(what: str) -> TypeError:
+    """The error of ``jax.grad``/``jax.jvp`` through ``what`` (``mx.quantize``, ``mx.dequantize``)."""
+    return TypeError(
+        f"{what} is not differentiable: MXFP8 rounding has a zero derivative almost everywhere, "
+        f"and an E4M3 plane cannot carry a gradient faithfully (its cotangent would keep 3 "
+        f"mantissa bits), so no backend defines one (docs/design.md §2). Quantize a constant, "
+        f"mx.quantize(jax.lax.stop_gradient(x)); a straight-through estimator is "
+        f"x + jax.lax.stop_gradient(mx.dequantize(mx.quantize(jax.lax.stop_gradient(x))) - x); "
+        f"or give the surrounding op its own jax.custom_vjp"
+    )
+
+
+def carries_tangent(t) -> bool:
+    """Whether a custom_jvp tangent (``symbolic_zeros=True``) can be non-zero."""
+    return type(t) is not SymbolicZero and jnp.dtype(t.dtype) != jax.dtypes.float0
+
+
+def zero_tangent(x):
+    """The zero tangent of ``x``: zeros of its dtype, or float0 for integer arrays."""
+    if jnp.issubdtype(x.dtype, jnp.inexact):
+        return jnp.zeros_like(x)
+    return np.zeros(x.shape, jax.dtypes.float0)
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(2, 3))
+def _dequantize_planes(data, scale, axis: int, dtype):
     bits = fmt.scaled_to_bits(data, jnp.repeat(scale, BLOCK, axis=axis))
     return fmt.f32_bits_to(bits, dtype)
 
 
-_dequantize_jit = jax.jit(_dequantize, static_argnames=("axis", "dtype"))
+@functools.partial(_dequantize_planes.defjvp, symbolic_zeros=True)
+def _dequantize_planes_jvp(axis, dtype, primals, tangents):
+    if carries_tangent(tangents[0]):
+        raise not_differentiable("mx.dequantize")
+    out = _dequantize_planes(*primals, axis, dtype)
+    return out, zero_tangent(out)
 
 
 @jax.tree_util.register_dataclass

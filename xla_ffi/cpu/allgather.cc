@@ -25,7 +25,8 @@
 //   row_counts i64[n]       valid rows of every device of the axis (n = n_groups * group_size);
 //                           a group's rows are those of its ranks, in rank order
 //   eps f32, weight_offset f32, quantize_from_fp32 bool, columnwise bool, scale_rule i32
-//   timeout_ms i64          how long a rank waits for its peers before DEADLINE_EXCEEDED
+//   timeout_ms i64          how long a rank waits for its peers before DEADLINE_EXCEEDED;
+//                           0 (or a bound past the clock's range): no deadline
 //
 // The handler is asynchronous (it returns an ffi::Future) and never blocks waiting for peers:
 // each rank registers its buffers and its promise and returns. The last rank to arrive does the
@@ -39,7 +40,6 @@
 //
 // Devices whose gamma bytes are equal get equal outputs, so each set of them is computed once
 // and copied to the others.
-#include <chrono>
 #include <cstring>
 #include <string>
 #include <vector>
@@ -172,7 +172,7 @@ ffi::Future AllgatherRmsnormQuantize(
       rendezvous::Key{run_id.run_id, op_id, plan.rendezvous_id}, static_cast<int>(rank),
       static_cast<int>(group_size),
       gather_signature(plan, eps, weight_offset, quantize_from_fp32, columnwise, scale_rule),
-      std::move(a), std::chrono::milliseconds(timeout_ms));
+      std::move(a), rendezvous::timeout_from_ms(timeout_ms));
   switch (joined.status) {
     case rendezvous::Status::kWaiting: return future;
     case rendezvous::Status::kFailed: promise.SetError(invalid(joined.error)); return future;

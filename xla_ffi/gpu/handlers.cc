@@ -160,7 +160,7 @@ struct GatherCall {
   GatherPlan plan;
   rendezvous::Key key;
   std::string signature;  // what every rank of the group must agree on
-  std::chrono::milliseconds timeout{0};
+  rendezvous::Clock::duration timeout = rendezvous::kNoDeadline;
   // The kernel's arguments other than the rows.
   const uint16_t* x = nullptr;
   const uint16_t* gamma = nullptr;
@@ -317,7 +317,7 @@ ffi::Error AllgatherRmsnormQuantize(
   c.key = rendezvous::Key{run_id.run_id, op_id, c.plan.rendezvous_id};
   c.signature =
       gather_signature(c.plan, eps, weight_offset, quantize_from_fp32, columnwise, scale_rule);
-  c.timeout = std::chrono::milliseconds(timeout_ms);
+  c.timeout = rendezvous::timeout_from_ms(timeout_ms);  // 0: no deadline
   c.x = reinterpret_cast<const uint16_t*>(x.typed_data());
   c.gamma = reinterpret_cast<const uint16_t*>(gamma.typed_data());
   c.prm = norm_params(c.plan.H, eps, weight_offset, scale_rule);

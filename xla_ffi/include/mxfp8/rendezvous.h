@@ -15,6 +15,7 @@
 // A watchdog thread fails the arrivals of entries that outlive their deadline, naming the ranks
 // that never came, so a peer that cannot arrive (another process, a program that diverged)
 // gives an error after a bounded wait instead of a hang. The table stays usable afterwards.
+// An entry joined with kNoDeadline waits for its peers as long as it takes.
 //
 // Keys: (run id, op id, group id). A run id identifies one execution of a program, the op id one
 // call site in it, the group id the devices that gather together. If the same key is joined
@@ -50,6 +51,28 @@
 namespace mxfp8::rendezvous {
 
 using Clock = std::chrono::steady_clock;
+
+// No deadline: an entry waits until its group is complete (Clock::duration::max()).
+inline constexpr Clock::duration kNoDeadline = Clock::duration::max();
+
+// The wait bound of an op's ``timeout_ms`` attribute: ``timeout_ms <= 0`` means no deadline
+// (the Python wrapper sends 0 for ``p2p_timeout_s=None`` or ``inf``), and so does any bound past
+// what the clock's nanosecond count can hold (about 292 years), which would otherwise overflow
+// into a deadline in the past.
+inline Clock::duration timeout_from_ms(int64_t timeout_ms) {
+  using std::chrono::milliseconds;
+  constexpr int64_t kMaxMs = std::chrono::duration_cast<milliseconds>(kNoDeadline).count();
+  if (timeout_ms <= 0 || timeout_ms >= kMaxMs) return kNoDeadline;
+  return milliseconds(timeout_ms);
+}
+
+// now + timeout, saturating at Clock::time_point::max() (never reached: no deadline).
+inline Clock::time_point deadline_after(Clock::time_point now, Clock::duration timeout) {
+  if (timeout == kNoDeadline || timeout >= Clock::time_point::max() - now) {
+    return Clock::time_point::max();
+  }
+  return now + timeout;
+}
 
 struct Key {
   int64_t run_id = 0;
@@ -112,7 +135,7 @@ class Table {
         e->group_size = group_size;
         e->signature = signature;
         e->first_rank = rank;
-        e->deadline = Clock::now() + timeout;
+        e->deadline = deadline_after(Clock::now(), timeout);
         e->timeout = timeout;
         e->slots.resize(static_cast<size_t>(group_size));
         queue.push_back(e);
