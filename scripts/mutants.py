@@ -164,7 +164,7 @@ MUTANTS = (
                 "t = quantize(w.reshape(-1, w.shape[-1]))",
             ),
         ),
-        ("tests/test_scale_rule_paths.py",),
+        ("tests/test_fsdp_scale.py::test_floor_rule_planes_and_gradients",),
     ),
     Mutant(
         "fsdp-bf16-dgrad-negated",
