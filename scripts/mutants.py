@@ -19,6 +19,7 @@ Run on demand, not in CI (one mutant takes from seconds to a minute or two, most
     python scripts/mutants.py --list       # the mutants and their tests
     python scripts/mutants.py rceil-tiny-boundary unpadded-greedy-cuts   # chosen ones
     python scripts/mutants.py --check      # only verify that every pattern still applies
+    python scripts/mutants.py --tests tests/test_quantize.py rceil-tiny-boundary   # other tests
 
 The exit status is 1 when any mutant is missed (or a pattern no longer applies), else 0.
 """
@@ -268,6 +269,9 @@ def main(argv=None) -> int:
     parser.add_argument("--list", action="store_true", help="list the mutants and exit")
     parser.add_argument("--check", action="store_true", help="only check that every pattern applies")
     parser.add_argument("--baseline", action="store_true", help="first run every mutant's tests unmutated")
+    parser.add_argument(
+        "--tests", nargs="+", metavar="NODE", help="run these tests against every chosen mutant instead of its own"
+    )
     parser.add_argument("--timeout", type=float, default=900, help="seconds per mutant (default 900)")
     parser.add_argument("-v", "--verbose", action="store_true", help="print the test output of each mutant")
     opts = parser.parse_args(argv)
@@ -303,7 +307,7 @@ def main(argv=None) -> int:
         if not extensions:
             print("warning: no compiled extension found; the FFI tests will fail or skip", file=sys.stderr)
         if opts.baseline:
-            tests = tuple(dict.fromkeys(t for m in chosen for t in m.tests))
+            tests = tuple(opts.tests or dict.fromkeys(t for m in chosen for t in m.tests))
             copy = Path(tmp) / "baseline"
             make_copy(copy, extensions)
             ok, secs, out = run_tests(copy, tests, opts.timeout)
@@ -317,7 +321,7 @@ def main(argv=None) -> int:
             copy = Path(tmp) / m.name
             make_copy(copy, extensions)
             apply(m, copy / "mxfp8_jax")
-            passed, secs, out = run_tests(copy, m.tests, opts.timeout)
+            passed, secs, out = run_tests(copy, tuple(opts.tests or m.tests), opts.timeout)
             failed = [ln.split(" - ")[0][7:] for ln in out.splitlines() if ln.startswith(("FAILED ", "ERROR "))]
             verdict = "missed" if passed else "caught"
             rows.append((m.name, verdict, secs, failed[0] if failed else ""))
