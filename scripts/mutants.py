@@ -128,6 +128,18 @@ MUTANTS = (
         ),
         ("tests/test_layout.py",),
     ),
+    Mutant(
+        "to-te-dq-dtype-default",
+        "to_te gives TE bf16 as the dequantize dtype whatever the tensor's nominal dtype",
+        (
+            (
+                "_src/te.py",
+                "dq_dtype=jnp.dtype(t.dtype if dq_dtype is None else dq_dtype),",
+                "dq_dtype=jnp.dtype(jnp.bfloat16 if dq_dtype is None else dq_dtype),",
+            ),
+        ),
+        ("tests/test_te.py",),
+    ),
     # -- placements -----------------------------------------------------------------------------
     Mutant(
         "partition-spec-axis-order",
