@@ -153,6 +153,12 @@ MUTANTS = (
         ),
         ("tests/test_placement.py", "tests/test_dbuffer.py"),
     ),
+    Mutant(
+        "shard-index-axis-order",
+        "shard_index reads the outermost Shard axis as the most significant digit",
+        (("_src/placement.py", "for name in reversed(axes):", "for name in axes:"),),
+        ("tests/test_placement.py", "tests/test_dbuffer.py"),
+    ),
     # -- fused RMSNorm + quantize: the scale rule reaches the kernels ----------------------------
     Mutant(
         "rmsnorm-quant-ignores-scale-rule",
@@ -208,6 +214,18 @@ MUTANTS = (
             ),
         ),
         ("tests/test_fsdp_scale.py::test_gradients_match_single_device_reference",),
+    ),
+    Mutant(
+        "fsdp-padding-rows-get-gradient",
+        "the wgrad's padding rows (below out_features) receive ones instead of zeros",
+        (
+            (
+                "_src/fsdp_unit.py",
+                "dw = jnp.pad(dw, ((0, g.out_padded - g.out_features), (0, 0)))",
+                "dw = jnp.pad(dw, ((0, g.out_padded - g.out_features), (0, 0)), constant_values=1.0)",
+            ),
+        ),
+        ("tests/test_flax.py::test_sharded_gradients_match_single_device_reference",),
     ),
 )
 
