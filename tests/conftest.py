@@ -45,3 +45,32 @@ def pytest_report_header(config):
             "(bench/gpu_check.sh runs it on a GPU machine)"
         )
     return None
+
+
+KNOWN_CPU_ISAS = ("baseline", "avx2", "avx512")  # the builds the CPU extension carries
+
+
+def not_run_here() -> list[str]:
+    """What this host cannot test: shown at the end of every run, -q and -n included."""
+    import mxfp8_jax as mx
+
+    lines = []
+    if not _GPU_REQUESTED:
+        lines.append("GPU tests: tests/test_gpu.py not collected (JAX_PLATFORMS asks for no GPU; bench/gpu_check.sh)")
+    if "cpu" not in mx.available_backends():
+        lines.append("CPU kernels: the compiled extension is not installed; only the pure-JAX paths ran")
+    else:
+        missing = [isa for isa in KNOWN_CPU_ISAS if isa not in mx.cpu_isas()]
+        if missing:
+            lines.append(f"CPU kernel builds this CPU cannot run, so never tested here: {', '.join(missing)}")
+    return lines
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    if hasattr(config, "workerinput"):  # an xdist worker: the controller reports
+        return
+    lines = not_run_here()
+    if lines:
+        terminalreporter.write_sep("-", "not run on this host")
+        for line in lines:
+            terminalreporter.write_line(line)

@@ -9,6 +9,7 @@ independent single-device reference whose weights the numpy oracle quantized.
 
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 import optax
 import pytest
@@ -250,10 +251,10 @@ def batch_data(seed=1):
     return rng.standard_normal((BATCH, D)).astype(np.float32), rng.integers(0, 10, BATCH).astype(np.int32)
 
 
-def fsdp_grads(mode, mesh):
+def fsdp_grads(mode, mesh, **fsdp_options):
     """Loss and gradients of the sharded step, as (kernels [DEPTH, in, out], biases, head_k, head_b)."""
     model, values = host_model("scan" if mode == "mesh-2x4" else mode)
-    fsdp = FSDP(model, mesh)
+    fsdp = FSDP(model, mesh, **fsdp_options)
     loss, grads = fsdp.loss_and_grads(ce_loss)(fsdp.init(model, optax.sgd(0.1)), batch_data())
     g = {p.name: np.asarray(fsdp.to_logical(p, grads[p.name])) for p in fsdp.trained}
     if mode == "loop":
@@ -272,22 +273,40 @@ def grads_by_mode(mesh, cpu_devices):
     return grads
 
 
-@pytest.mark.parametrize("mode", MODES)
-def test_gradients_match_single_device_reference(grads_by_mode, mode):
-    loss, got, (kernels, biases, head_k, head_b) = grads_by_mode[mode]
-    planes = [npo.mxfp8_weights(k.T) for k in kernels]  # W = kernel.T: (rowwise, columnwise)
+def oracle_kernels(kernels, rule="rceil"):
+    """(forward, dgrad) kernels [DEPTH, in, out] as the GEMMs read them: the rowwise and the
+    columnwise values of ``W = kernel.T`` after the numpy oracle's quantization."""
+    planes = [npo.mxfp8_weights(k.T, rule) for k in kernels]
     fwd = np.stack([r.T for r, _ in planes]).astype(np.float32)
     bwd = np.stack([c.T for _, c in planes]).astype(np.float32)
-    f32 = lambda a: np.asarray(a, np.float32)
+    return fwd, bwd
+
+
+def f32(a):
+    return np.asarray(a, np.float32)
+
+
+def check_against_reference(loss, got, fwd, bwd, values, *, label, tol=1e-5):
+    """The sharded loss and gradients against the single-device reference with these kernels."""
+    _, biases, head_k, head_b = values
     ref_loss, ref = reference_grads(fwd, bwd, f32(biases), f32(head_k), f32(head_b), batch_data())
     np.testing.assert_allclose(loss, float(ref_loss), rtol=1e-5)
-    tol = 1e-5
     for name, g, r in zip(("kernels", "biases", "head_kernel", "head_bias"), got, ref):
         r = np.asarray(r)
         per_layer = zip(g, r) if name in ("kernels", "biases") else [(g, r)]
         for i, (gi, ri) in enumerate(per_layer):
             err = column_errors(gi, ri)
-            assert err.max() < tol, (mode, name, i, err.max())
+            assert err.max() < tol, (label, name, i, err.max())
+    return ref
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_gradients_match_single_device_reference(grads_by_mode, mode):
+    loss, got, values = grads_by_mode[mode]
+    kernels, biases, head_k, head_b = values
+    fwd, bwd = oracle_kernels(kernels)
+    tol = 1e-5
+    ref = check_against_reference(loss, got, fwd, bwd, values, label=mode, tol=tol)
     # The tolerance separates the planes: layer 0's gradient for the features whose layer-1
     # weights only the columnwise plane keeps is far off when the dgrad reads the rowwise plane.
     _, wrong = reference_grads(fwd, fwd, f32(biases), f32(head_k), f32(head_b), batch_data())
@@ -323,3 +342,38 @@ def test_training_a_scanned_stack(mesh):
         want = npo.quantize(master[i])
         for plane, v in want.items():
             np.testing.assert_array_equal(np.asarray(getattr(q, plane))[i].view(np.uint8), v, err_msg=f"{i} {plane}")
+
+
+# ------------------------------------------------------------------------------------------------
+# The other configurations: precision="bf16" and scale_rule="floor", against the same reference
+
+
+def test_bf16_gradients_match_single_device_reference(mesh):
+    """``precision="bf16"``: both GEMMs read the master rounded to bf16 (ml_dtypes, round to
+    nearest even); fp32 weights instead are far outside the tolerance."""
+    loss, got, values = fsdp_grads("scan", mesh, precision="bf16")
+    kernels = values[0]
+    bf16 = f32(np.asarray(kernels, np.float32).astype(ml_dtypes.bfloat16))
+    ref = check_against_reference(loss, got, bf16, bf16, values, label="bf16")
+    _, unrounded = reference_grads(f32(kernels), f32(kernels), *map(f32, values[1:]), batch_data())
+    assert column_errors(np.asarray(unrounded[0])[0], np.asarray(ref[0])[0]).max() > 1e-3
+
+
+def test_floor_rule_planes_and_gradients(mesh):
+    """``scale_rule="floor"``: the stored planes are the oracle's floor quantization of the
+    masters, and the gradients use those weights (rceil's are outside the tolerance)."""
+    model, values = host_model("scan")
+    fsdp = FSDP(model, mesh, scale_rule="floor")
+    state = fsdp.init(model, optax.sgd(0.1))
+    (p,) = fsdp.units
+    master, q = np.asarray(state.master[p.name]), state.quantized[p.name]
+    for i in range(DEPTH):
+        want, rceil = npo.quantize(master[i], "floor"), npo.quantize(master[i])
+        assert (want["rowwise_scale"] != rceil["rowwise_scale"]).any()
+        for plane, v in want.items():
+            np.testing.assert_array_equal(np.asarray(getattr(q, plane))[i].view(np.uint8), v, err_msg=f"{i} {plane}")
+    loss, got, _ = fsdp_grads("scan", mesh, scale_rule="floor")
+    fwd, bwd = oracle_kernels(values[0], "floor")
+    ref = check_against_reference(loss, got, fwd, bwd, values, label="floor")
+    _, rceil_ref = reference_grads(*oracle_kernels(values[0]), *map(f32, values[1:]), batch_data())
+    assert column_errors(np.asarray(rceil_ref[0])[0], np.asarray(ref[0])[0]).max() > 1e-3

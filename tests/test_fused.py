@@ -134,6 +134,12 @@ def test_strategies_agree_and_match_oracles(case, cpu_devices):
         np.testing.assert_array_equal(as_bytes(normed), as_bytes(normed_want))
         assert within_one_bf16_ulp(normed, float64(rows, gam, eps=case.eps, offset=case.offset)).all()
         np.testing.assert_array_equal(as_bytes(copies["residual"][k]), as_bytes(rows))
+        # shapes and dtypes: for zero rows they are all there is to check (the bytes are empty)
+        assert copies["residual"][k].shape == (r, case.h) and copies["residual"][k].dtype == BF16
+        assert copies["quant"][k].shape == (r, case.h) and copies["quant"][k].dtype == jnp.float8_e4m3fn
+        assert copies["scales"][k].shape == (r, case.h // 32) and copies["scales"][k].dtype == np.uint8
+        if case.columnwise:
+            assert copies["col_quant"][k].shape == (r, case.h) and copies["col_scales"][k].shape == (r // 32, case.h)
         if r == 0:
             continue
         src = y if case.quantize_from == "fp32" else normed

@@ -6,6 +6,7 @@ properties are checked from the layout's plain fields (offsets, bounds), not its
 
 import dataclasses
 import math
+from fractions import Fraction
 
 import numpy as np
 import pytest
@@ -143,16 +144,22 @@ def check_layout(lay: GlobalLayout, shapes, dp, block):
     assert all(b % block == 0 for b in bounds)  # MXFP8 scale layouts divide bounds by the block
     cap = max(b - a for a, b in zip(bounds, bounds[1:]))
     assert lay.segment_capacity == cap and lay.physical_size == dp * cap >= lay.size
-    numel = sum(math.prod(s) for s in shapes)
-    assert lay.padding_overhead == pytest.approx(1 - numel / lay.physical_size if numel else 0)
     # pieces: the rows of every tensor, each exactly once, offsets inside the segment
     got = {i: [] for i in range(len(shapes))}
+    stored = np.zeros(lay.physical_size, np.int64)  # how many elements each physical slot holds
     for k in range(dp):
         for i, row, n_rows, off in lay.pieces(k):
             rs = math.prod(shapes[i][1:])
             assert row % block == 0 and n_rows % block == 0 and n_rows > 0
             assert lay.tensor_to_offset[i] + row * rs == bounds[k] + off
+            assert off + n_rows * rs <= cap  # inside its own segment's storage
+            stored[k * cap + off : k * cap + off + n_rows * rs] += 1
             got[i].append((row, n_rows))
+    # padding is what no piece occupies (counted from the pieces, not from the sizes)
+    assert stored.max(initial=0) <= 1
+    padding = int((stored == 0).sum())
+    assert padding == lay.physical_size - sum(math.prod(s) for s in shapes)
+    assert lay.padding_overhead == (padding / lay.physical_size if lay.physical_size else 0.0)
     for i, runs in got.items():
         assert sorted(runs) == runs and sum(n for _, n in runs) == shapes[i][0]
         assert all(r0 + n0 == r1 for (r0, n0), (r1, _) in zip(runs, runs[1:]))
@@ -172,11 +179,9 @@ def test_random_layouts_properties(args):
     assert unp.physical_size <= pad.physical_size
 
 
-@given(layouts_args())
-def test_unpadded_segments_are_as_short_as_cuts_allow(args):
-    """No choice of cuts gives a shorter longest segment than UNPADDED's (brute force, small)."""
-    shapes, dp, block = args
-    lay = GlobalLayout.build(shapes, dp, block_size=block, shard_layout=UNPADDED)
+def allowed_cuts(lay, shapes, block):
+    """Every position a segment bound may take (from the layout's offsets alone): the ends of the
+    tensors, their block boundaries, and block_size multiples in the gaps between them."""
     cuts = {0, lay.size}
     starts = sorted((off, off + math.prod(s), block * math.prod(s[1:])) for s, off in zip(shapes, lay.tensor_to_offset))
     at = 0
@@ -184,7 +189,15 @@ def test_unpadded_segments_are_as_short_as_cuts_allow(args):
         cuts.update({at, off, *range(-(-at // block) * block, off, block)})  # gap: block multiples
         cuts.update(range(off, end + 1, grain))
         at = end
-    cuts = sorted(cuts)
+    return sorted(cuts)
+
+
+@given(layouts_args())
+def test_unpadded_segments_are_as_short_as_cuts_allow(args):
+    """No choice of cuts gives a shorter longest segment than UNPADDED's (brute force, small)."""
+    shapes, dp, block = args
+    lay = GlobalLayout.build(shapes, dp, block_size=block, shard_layout=UNPADDED)
+    cuts = allowed_cuts(lay, shapes, block)
 
     def feasible(cap):  # greedy farthest cut within cap
         pos, used = 0, 0
@@ -197,6 +210,35 @@ def test_unpadded_segments_are_as_short_as_cuts_allow(args):
 
     assert feasible(lay.segment_capacity)
     assert lay.segment_capacity == 0 or not feasible(lay.segment_capacity - 1)
+
+
+@given(layouts_args())
+def test_unpadded_bounds_are_as_even_as_cuts_allow(args):
+    """Balance, not only the longest segment: no single bound can be moved to an allowed cut
+    nearer its even share ``k * size / dp`` without making a segment longer than the longest.
+    (A greedy cut -- every segment as long as allowed, the last ones short or empty -- fails.)"""
+    shapes, dp, block = args
+    lay = GlobalLayout.build(shapes, dp, block_size=block, shard_layout=UNPADDED)
+    cuts, b, cap = allowed_cuts(lay, shapes, block), lay.rank_segment_offsets, lay.segment_capacity
+    for k in range(1, dp):
+        ideal = Fraction(k * lay.size, dp)
+        for c in cuts:
+            if b[k - 1] <= c <= b[k + 1] and abs(c - ideal) < abs(b[k] - ideal):
+                assert max(c - b[k - 1], b[k + 1] - c) > cap, (
+                    f"bound {k} at {b[k]} could move to {c}, nearer {float(ideal)}, keeping every "
+                    f"segment <= {cap}: bounds {b}"
+                )
+
+
+def test_unpadded_even_bounds_worked_example():
+    # 40 rows of 1 element, block 1, on 8 ranks: every position is a cut, 5 rows each.
+    lay = GlobalLayout.build([(16,), (24,)], 8, shard_layout=UNPADDED)
+    assert lay.rank_segment_offsets == tuple(range(0, 41, 5))
+    # (4,8) at [0, 32) and (2,4) at [32, 40), block 2: cuts {0, 16, 32, 40}, a longest segment
+    # of 16. The even shares 10, 20, 30 take the nearest cuts that keep it: 16, 16 (nearer 20
+    # than 32), 32. A greedy cut (0, 16, 32, 40, 40) would put its last bound 10 away from 30.
+    lay = GlobalLayout.build([(4, 8), (2, 4)], 4, block_size=2, shard_layout=UNPADDED)
+    assert lay.rank_segment_offsets == (0, 16, 16, 32, 40)
 
 
 # -- errors --------------------------------------------------------------------------------------

@@ -86,6 +86,28 @@ def test_padded_scales_and_padded_tensor():
     )
 
 
+def test_padded_scales_swizzled_from_hand_placed_bytes():
+    """``padded_scales(swizzle=True)`` of a tensor whose compact scales are numbered bytes,
+    against positions placed by hand (tile_offset): rowwise [M, K/32] and columnwise [M/32, K]
+    both end in cuBLAS's 128x4 order; TE's padding bytes are 0."""
+    m, k = 160, 96  # rowwise [160, 3] -> padded [256, 4]; columnwise [5, 96] -> padded [8, 128]
+    row_s, col_s = numbered((m, k // 32)), numbered((m // 32, k))
+    e4m3 = jnp.zeros((m, k), jnp.float8_e4m3fn)
+    t = mx.MXFP8Tensor(e4m3, jnp.asarray(row_s), e4m3, jnp.asarray(col_s), shape=(m, k))
+    srow, scol = (np.asarray(a) for a in t.padded_scales(swizzle=True))
+    want_row = np.zeros(256 * 4, np.uint8)
+    for r in range(m):
+        for c in range(k // 32):
+            want_row[tile_offset(r, c, 4)] = row_s[r, c]
+    np.testing.assert_array_equal(srow, want_row)
+    # columnwise: the padded [8, 128] plane is swizzled as its transpose [128, 8] (rows = K)
+    want_col = np.zeros(128 * 8, np.uint8)
+    for kk in range(k):
+        for j in range(m // 32):
+            want_col[tile_offset(kk, j, 8)] = col_s[j, kk]
+    np.testing.assert_array_equal(scol, want_col)
+
+
 def test_padding_and_swizzle_errors():
     with pytest.raises(ValueError, match="rows a multiple of 128 and columns a multiple of 4"):
         mx.swizzle_scale(jnp.zeros((64, 4), jnp.uint8))
@@ -149,13 +171,17 @@ def test_dequantize_validates_its_input():
 
 
 def test_scale_e8m0_is_a_bitcast():
-    t = mx.quantize(np.arange(64 * 32, dtype=np.float32).reshape(64, 32))
-    v = t.scale_e8m0()
-    assert v.dtype == jnp.float8_e8m0fnu
-    np.testing.assert_array_equal(np.asarray(v).view(np.uint8), np.asarray(t.rowwise_scale))
-    np.testing.assert_array_equal(
-        np.asarray(t.scale_e8m0(columnwise=True)).view(np.uint8), np.asarray(t.columnwise_scale)
-    )
+    x = np.arange(64 * 32, dtype=np.float32).reshape(64, 32)
+    t, want = mx.quantize(x), npo.quantize(x)
+    assert not np.array_equal(want["rowwise_scale"].T, want["columnwise_scale"])  # [64, 1] vs [2, 32]
+    for columnwise, plane in ((False, "rowwise_scale"), (True, "columnwise_scale")):
+        v = t.scale_e8m0(columnwise=columnwise)
+        assert v.dtype == jnp.float8_e8m0fnu and v.shape == want[plane].shape
+        np.testing.assert_array_equal(np.asarray(v).view(np.uint8), want[plane])
+        # the values E8M0 means: 2^(byte - 127)
+        np.testing.assert_array_equal(
+            np.asarray(v).astype(np.float64), np.ldexp(1.0, want[plane].astype(np.int64) - 127)
+        )
 
 
 # ------------------------------------------------------------------------------------------------

@@ -1,0 +1,372 @@
+"""Planted-bug (mutation) check of the test suite: does some test fail for each known bug?
+
+Each mutant below is one deliberate bug, written as search/replace edits of the package's Python
+sources. For each mutant in turn the script copies ``mxfp8_jax/``, ``tests/`` and
+``pyproject.toml`` into a fresh temporary directory (the working tree is never touched), applies
+the edits there, and runs the tests named for that mutant against the copy. A mutant is
+*caught* when those tests fail, *missed* when they pass. A search string that no longer occurs
+exactly once in its file stops the run with an error naming the mutant: fix the pattern after an
+upstream edit instead of letting a mutant silently become a no-op.
+
+The compiled extension is not rebuilt: the copy uses the ``_mxfp8_*`` modules of the installed
+package, so the mutants cover the Python sources (the pure-JAX numerics, layouts, placements,
+tensor helpers, the FFI call sites and the FSDP gradient path); the C++ kernels are checked
+against the same oracles by the tests themselves.
+
+Run on demand, not in CI (one mutant takes from seconds to a minute or two, mostly compiling):
+
+    python scripts/mutants.py              # every mutant, then a caught/missed table
+    python scripts/mutants.py --list       # the mutants and their tests
+    python scripts/mutants.py rceil-tiny-boundary unpadded-greedy-cuts   # chosen ones
+    python scripts/mutants.py --check      # only verify that every pattern still applies
+    python scripts/mutants.py --tests tests/test_quantize.py rceil-tiny-boundary   # other tests
+
+The exit status is 1 when any mutant is missed (or a pattern no longer applies), else 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib.util
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@dataclasses.dataclass(frozen=True)
+class Mutant:
+    name: str
+    what: str
+    edits: tuple[tuple[str, str, str], ...]  # (file under mxfp8_jax/, search, replace)
+    tests: tuple[str, ...]  # pytest node ids (or files), relative to the repository root
+
+
+MUTANTS = (
+    # -- numerics -------------------------------------------------------------------------------
+    Mutant(
+        "rceil-tiny-boundary",
+        "rceil: `>=` turned into `>` where v = amax/448 is subnormal (amax 0x04600002 gets byte 0)",
+        (("_src/format.py", "tiny = (amax_bits >= _AMAX_BYTE_1)", "tiny = (amax_bits > _AMAX_BYTE_1)"),),
+        ("tests/test_scale_boundaries.py",),
+    ),
+    Mutant(
+        "floor-off-by-one",
+        "floor: byte = exp - 7 instead of exp - 8",
+        (("_src/format.py", "byte = jnp.clip(exp - 8, 0, 254)", "byte = jnp.clip(exp - 7, 0, 254)"),),
+        ("tests/test_scale_boundaries.py",),
+    ),
+    Mutant(
+        "columnwise-dequantize-scales",
+        "MXFP8Tensor.dequantize(columnwise=True) applies the scale rows in reverse order",
+        (
+            (
+                "_src/tensor.py",
+                "data, scale, axis = self.columnwise_data, self.columnwise_scale, 0",
+                "data, scale, axis = self.columnwise_data, self.columnwise_scale[::-1], 0",
+            ),
+        ),
+        ("tests/test_tensor.py", "tests/test_fsdp_scale.py::test_gradients_match_single_device_reference"),
+    ),
+    Mutant(
+        "dequantize-default-dtype",
+        "MXFP8Tensor.dequantize() defaults to bf16 instead of the tensor's nominal dtype",
+        (
+            (
+                "_src/tensor.py",
+                "dtype = jnp.dtype(self.dtype if dtype is None else dtype)",
+                "dtype = jnp.dtype(jnp.bfloat16 if dtype is None else dtype)",
+            ),
+        ),
+        ("tests/test_tensor.py",),
+    ),
+    # -- layout: TE padding, cuBLAS swizzle, E8M0 view, UNPADDED cuts ---------------------------
+    Mutant(
+        "swizzle-tile-order",
+        "swizzle_scale: the 32-row groups and 4-row quarters of a 128x4 tile swapped",
+        (("_src/tensor.py", "4).transpose(0, 3, 2, 1, 4).reshape(-1)", "4).transpose(0, 3, 1, 2, 4).reshape(-1)"),),
+        ("tests/test_tensor.py",),
+    ),
+    Mutant(
+        "padded-scales-columnwise-unswizzled",
+        "padded_scales(swizzle=True) leaves the columnwise plane in its padded order",
+        (
+            (
+                "_src/tensor.py",
+                "col = None if col is None else swizzle_scale(col, columnwise=True)",
+                "col = None if col is None else col.reshape(-1)",
+            ),
+        ),
+        ("tests/test_tensor.py",),
+    ),
+    Mutant(
+        "scale-e8m0-columnwise",
+        "MXFP8Tensor.scale_e8m0(columnwise=True) returns the rowwise scales",
+        (
+            (
+                "_src/tensor.py",
+                "s = self.columnwise_scale if columnwise else self.rowwise_scale",
+                "s = self.rowwise_scale if self.rowwise_scale is not None else self.columnwise_scale",
+            ),
+        ),
+        ("tests/test_tensor.py",),
+    ),
+    Mutant(
+        "unpadded-greedy-cuts",
+        "UNPADDED bounds cut greedily (each segment as long as allowed) instead of balanced",
+        (
+            (
+                "_src/layout.py",
+                "bounds.append(min(cands, key=lambda c: (abs(c - ideal), c)))",
+                "bounds.append(max(cands))",
+            ),
+        ),
+        ("tests/test_layout.py",),
+    ),
+    Mutant(
+        "to-te-dq-dtype-default",
+        "to_te gives TE bf16 as the dequantize dtype whatever the tensor's nominal dtype",
+        (
+            (
+                "_src/te.py",
+                "dq_dtype=jnp.dtype(t.dtype if dq_dtype is None else dq_dtype),",
+                "dq_dtype=jnp.dtype(jnp.bfloat16 if dq_dtype is None else dq_dtype),",
+            ),
+        ),
+        ("tests/test_te.py",),
+    ),
+    # -- placements -----------------------------------------------------------------------------
+    Mutant(
+        "partition-spec-axis-order",
+        "partition_spec lists the Shard axes outermost first (the shard order of shard_index reversed)",
+        (
+            (
+                "_src/placement.py",
+                "axes = tuple(reversed(shard_axes(mesh, placements)))",
+                "axes = tuple(shard_axes(mesh, placements))",
+            ),
+        ),
+        ("tests/test_placement.py", "tests/test_dbuffer.py"),
+    ),
+    Mutant(
+        "shard-index-axis-order",
+        "shard_index reads the outermost Shard axis as the most significant digit",
+        (("_src/placement.py", "for name in reversed(axes):", "for name in axes:"),),
+        ("tests/test_placement.py", "tests/test_dbuffer.py"),
+    ),
+    # -- fused RMSNorm + quantize: the scale rule reaches the kernels ----------------------------
+    Mutant(
+        "rmsnorm-quant-ignores-scale-rule",
+        "rmsnorm_quant's kernel call always passes rceil",
+        (("_src/rmsnorm.py", "scale_rule=cfg.rule.code,", "scale_rule=0,"),),
+        ("tests/test_scale_rule_paths.py",),
+    ),
+    Mutant(
+        "allgather-p2p-ignores-scale-rule",
+        'allgather_rmsnorm_quant (strategy="p2p") always passes rceil',
+        (("_src/fused.py", "scale_rule=n.rule.code,", "scale_rule=0,"),),
+        ("tests/test_scale_rule_paths.py",),
+    ),
+    # -- FSDP -----------------------------------------------------------------------------------
+    Mutant(
+        "fsdp-ignores-scale-rule",
+        "FSDP quantizes its masters with the default rule whatever scale_rule says",
+        (
+            (
+                "_src/flax_fsdp.py",
+                "t = quantize(w.reshape(-1, w.shape[-1]), scale_rule=rule)",
+                "t = quantize(w.reshape(-1, w.shape[-1]))",
+            ),
+        ),
+        ("tests/test_fsdp_scale.py::test_floor_rule_planes_and_gradients",),
+    ),
+    Mutant(
+        "fsdp-bf16-dgrad-negated",
+        'precision="bf16": the dgrad GEMM reads -W',
+        (
+            (
+                "_src/fsdp_unit.py",
+                "    w = _gathered_weight(cfg, keep, columnwise=True)\n",
+                '    w = _gathered_weight(cfg, keep, columnwise=True)\n    w = w if g.precision == "mxfp8" else -w\n',
+            ),
+        ),
+        ("tests/test_fsdp_scale.py::test_bf16_gradients_match_single_device_reference",),
+    ),
+    Mutant(
+        "fsdp-dgrad-rowwise-plane",
+        "the MXFP8 dgrad gathers the rowwise planes (blocks along the wrong axis)",
+        (
+            (
+                "_src/fsdp_unit.py",
+                'keep = columnwise if cfg.geometry.precision == "mxfp8" else master',
+                'keep = rowwise if cfg.geometry.precision == "mxfp8" else master',
+            ),
+            ("_src/fsdp_unit.py", "def _matmul_fwd(cfg: _Config, x, master, rowwise, columnwise):", None),
+            (
+                "_src/fsdp_unit.py",
+                "w = _gathered_weight(cfg, keep, columnwise=True)",
+                "w = _gathered_weight(cfg, keep, columnwise=False)",
+            ),
+        ),
+        ("tests/test_fsdp_scale.py::test_gradients_match_single_device_reference",),
+    ),
+    Mutant(
+        "fsdp-padding-rows-get-gradient",
+        "the wgrad's padding rows (below out_features) receive ones instead of zeros",
+        (
+            (
+                "_src/fsdp_unit.py",
+                "dw = jnp.pad(dw, ((0, g.out_padded - g.out_features), (0, 0)))",
+                "dw = jnp.pad(dw, ((0, g.out_padded - g.out_features), (0, 0)), constant_values=1.0)",
+            ),
+        ),
+        ("tests/test_flax.py::test_sharded_gradients_match_single_device_reference",),
+    ),
+)
+
+
+class PatternError(RuntimeError):
+    pass
+
+
+def apply(mutant: Mutant, package: Path) -> None:
+    """Applies ``mutant``'s edits to the package copy at ``package``. A replacement of None only
+    asserts that the search string is there (an anchor that says the edit still means what it did)."""
+    for rel, search, replace in mutant.edits:
+        path = package / rel
+        text = path.read_text()
+        count = text.count(search)
+        if count != 1:
+            raise PatternError(
+                f"mutant {mutant.name!r}: {search!r} occurs {count} times in mxfp8_jax/{rel} (want exactly 1); "
+                f"update the pattern in scripts/mutants.py"
+            )
+        if replace is not None:
+            path.write_text(text.replace(search, replace))
+
+
+def extension_files() -> list[Path]:
+    """The compiled ``_mxfp8_*`` modules of the installed package (found without importing it)."""
+    spec = importlib.util.find_spec("mxfp8_jax")
+    if spec is None or not spec.submodule_search_locations:
+        raise SystemExit("mxfp8_jax is not installed in this interpreter")
+    found = []
+    for loc in spec.submodule_search_locations:
+        found += [p for p in Path(loc).glob("_mxfp8_*") if p.suffix in (".so", ".pyd")]
+    return sorted({p.name: p for p in found}.values())
+
+
+# The child interpreter drops editable-install import hooks (they would import the working
+# tree's package instead of the copy), puts the copy first on sys.path, then runs pytest.
+_BOOT = (
+    "import sys; sys.meta_path[:] = [f for f in sys.meta_path "
+    "if not type(f).__module__.startswith('_editable')]; sys.path.insert(0, sys.argv[1]); "
+    "import mxfp8_jax; assert mxfp8_jax.__file__.startswith(sys.argv[1]), mxfp8_jax.__file__; "
+    "import pytest; sys.exit(pytest.main(sys.argv[2:]))"
+)
+
+
+def make_copy(dest: Path, extensions: list[Path]) -> None:
+    ignore = shutil.ignore_patterns("__pycache__", "*.so", "*.pyd", ".hypothesis", ".pytest_cache")
+    shutil.copytree(ROOT / "mxfp8_jax", dest / "mxfp8_jax", ignore=ignore)
+    shutil.copytree(ROOT / "tests", dest / "tests", ignore=ignore)
+    shutil.copy2(ROOT / "pyproject.toml", dest / "pyproject.toml")
+    for ext in extensions:
+        shutil.copy2(ext, dest / "mxfp8_jax" / ext.name)
+
+
+def run_tests(copy: Path, tests: tuple[str, ...], timeout: float) -> tuple[bool, float, str]:
+    """(passed, seconds, output tail) of the tests against the copy."""
+    args = [sys.executable, "-c", _BOOT, str(copy), "-q", "-x", "-p", "no:cacheprovider", "-p", "no:randomly"]
+    t0 = time.monotonic()
+    try:
+        proc = subprocess.run(
+            args + list(tests), cwd=copy, capture_output=True, text=True, timeout=timeout, check=False
+        )
+    except subprocess.TimeoutExpired:
+        return False, time.monotonic() - t0, "timed out (counted as caught only if tests failed: see output)"
+    return proc.returncode == 0, time.monotonic() - t0, (proc.stdout + proc.stderr)[-3000:]
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("names", nargs="*", help="mutants to run (default: all)")
+    parser.add_argument("--list", action="store_true", help="list the mutants and exit")
+    parser.add_argument("--check", action="store_true", help="only check that every pattern applies")
+    parser.add_argument("--baseline", action="store_true", help="first run every mutant's tests unmutated")
+    parser.add_argument(
+        "--tests", nargs="+", metavar="NODE", help="run these tests against every chosen mutant instead of its own"
+    )
+    parser.add_argument("--timeout", type=float, default=900, help="seconds per mutant (default 900)")
+    parser.add_argument("-v", "--verbose", action="store_true", help="print the test output of each mutant")
+    opts = parser.parse_args(argv)
+
+    by_name = {m.name: m for m in MUTANTS}
+    unknown = [n for n in opts.names if n not in by_name]
+    if unknown:
+        parser.error(f"unknown mutants {unknown}; --list shows them")
+    chosen = [by_name[n] for n in opts.names] if opts.names else list(MUTANTS)
+    if opts.list:
+        for m in chosen:
+            print(f"{m.name:40s} {m.what}\n{'':40s} tests: {' '.join(m.tests)}")
+        return 0
+
+    with tempfile.TemporaryDirectory(prefix="mxfp8-mutants-") as tmp:
+        pristine = Path(tmp) / "pristine"
+        shutil.copytree(ROOT / "mxfp8_jax", pristine, ignore=shutil.ignore_patterns("__pycache__"))
+        for m in chosen:  # every pattern first: a stale one fails before any test runs
+            scratch = Path(tmp) / "check"
+            shutil.copytree(pristine, scratch)
+            try:
+                apply(m, scratch)
+            except PatternError as e:
+                print(f"error: {e}", file=sys.stderr)
+                return 1
+            finally:
+                shutil.rmtree(scratch)
+        if opts.check:
+            print(f"all {len(chosen)} mutants apply")
+            return 0
+
+        extensions = extension_files()
+        if not extensions:
+            print("warning: no compiled extension found; the FFI tests will fail or skip", file=sys.stderr)
+        if opts.baseline:
+            tests = tuple(opts.tests or dict.fromkeys(t for m in chosen for t in m.tests))
+            copy = Path(tmp) / "baseline"
+            make_copy(copy, extensions)
+            ok, secs, out = run_tests(copy, tests, opts.timeout)
+            print(f"baseline (unmutated) {'passes' if ok else 'FAILS'} in {secs:.0f}s")
+            if not ok:
+                print(out)
+                return 1
+
+        rows = []
+        for m in chosen:
+            copy = Path(tmp) / m.name
+            make_copy(copy, extensions)
+            apply(m, copy / "mxfp8_jax")
+            passed, secs, out = run_tests(copy, tuple(opts.tests or m.tests), opts.timeout)
+            failed = [ln.split(" - ")[0][7:] for ln in out.splitlines() if ln.startswith(("FAILED ", "ERROR "))]
+            verdict = "missed" if passed else "caught"
+            rows.append((m.name, verdict, secs, failed[0] if failed else ""))
+            print(f"{verdict:6s} {m.name:40s} {secs:5.0f}s  {rows[-1][3]}", flush=True)
+            if opts.verbose or passed:
+                print(out)
+            shutil.rmtree(copy)
+
+    print("\n| mutant | result | first failing test |\n|---|---|---|")
+    for name, verdict, _, test in rows:
+        print(f"| {name} | {verdict} | {test} |")
+    missed = [r for r in rows if r[1] == "missed"]
+    print(f"\n{len(rows) - len(missed)} of {len(rows)} caught")
+    return 1 if missed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
