@@ -6,7 +6,6 @@ restoring on another mesh; for a resume, the uninterrupted run's losses.
 """
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
@@ -16,55 +15,7 @@ from jax.sharding import Mesh
 from mxfp8_jax.flax import FSDP
 
 from conftest import as_bytes
-
-D, H, CLASSES, BATCH = 64, 96, 8, 32
-
-
-class Block(nnx.Module):
-    def __init__(self, rngs):
-        self.up = nnx.Linear(D, H, rngs=rngs)
-        self.down = nnx.Linear(H, D, rngs=rngs)
-
-
-class Net(nnx.Module):
-    """Two blocks stacked by vmap (run by scan), a plain head and norm; unit rows 96 and 64 pad
-    differently on 8, 4 and 2x4 devices, so flat storage differs between the meshes."""
-
-    def __init__(self, rngs, names=("blocks", "head")):
-        self.names = names
-        make = nnx.split_rngs(splits=2)(nnx.vmap(lambda r: Block(r), in_axes=(0,)))
-        setattr(self, names[0], make(rngs))
-        self.norm = nnx.RMSNorm(D, rngs=rngs)
-        setattr(self, names[1], nnx.Linear(D, CLASSES, rngs=rngs))
-
-    def __call__(self, x):
-        @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
-        def body(h, blk):
-            return h + blk.down(jax.nn.gelu(blk.up(h)))
-
-        h = body(x, getattr(self, self.names[0]))
-        return getattr(self, self.names[1])(self.norm(h))
-
-
-def make_net(seed=0, **kw):
-    model = Net(nnx.Rngs(seed), **kw)
-    rng = np.random.default_rng(seed)
-    for _, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
-        var.set_value(jnp.asarray(rng.standard_normal(var.get_value().shape) * 0.2, jnp.float32))
-    return model
-
-
-def loss_fn(model, batch):
-    x, y = batch
-    return optax.softmax_cross_entropy_with_integer_labels(model(x), y).mean()
-
-
-def batch(i):
-    rng = np.random.default_rng(100 + i)
-    return rng.standard_normal((BATCH, D)).astype(np.float32), rng.integers(0, CLASSES, BATCH).astype(np.int32)
-
-
-TX = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-2, weight_decay=0.1))
+from fsdp_model import CLASSES, TX, D, Net, batch, loss_fn, make_net
 
 
 def meshes(devs):
@@ -198,3 +149,35 @@ def test_init_from_sharded_params(cpu_devices):
     from_host = fsdp.init(model, TX)
     for a, b in zip(jax.tree.leaves(from_sharded), jax.tree.leaves(from_host)):
         np.testing.assert_array_equal(as_bytes(a), as_bytes(b))
+
+
+def test_two_processes_init_from_sharded_params_then_resume_here(cpu_devices, tmp_path):
+    """2 processes x 4 CPU devices: FSDP built from parameters sharded across both processes
+    (no host transfer allowed), 10 steps, saved; here (1 process x 8 devices) the same 10
+    steps give the same losses, and the 2-process checkpoint resumes to the same next losses."""
+    from _fsdp_workers import STEPS
+    from multiproc import run_processes
+
+    results = run_processes("tests/_fsdp_workers.py:train_and_save", 2, args=[str(tmp_path / "mp")], timeout=240)
+    for i, r in enumerate(results):
+        assert r.result["process"] == i and r.result["devices"] == 8
+        assert not any(r.result["params_fully_addressable"])
+    assert results[0].result["losses"] == results[1].result["losses"]
+
+    mesh = meshes(cpu_devices)["8"]
+    model = make_net()
+    fsdp = FSDP(model, mesh)
+    state = fsdp.init(model, TX)
+    step = fsdp.train_step(loss_fn, TX)
+    losses = []
+    for i in range(STEPS + 2):
+        state, loss = step(state, batch(i))
+        losses.append(float(loss))
+    np.testing.assert_allclose(results[0].result["losses"], losses[:STEPS], rtol=1e-6, atol=1e-6)
+    resumed = fsdp.restore(tmp_path / "mp", TX)
+    assert int(resumed.step) == STEPS
+    more = []
+    for i in range(STEPS, STEPS + 2):
+        resumed, loss = step(resumed, batch(i))
+        more.append(float(loss))
+    np.testing.assert_allclose(more, losses[STEPS:], rtol=1e-6, atol=1e-6)
