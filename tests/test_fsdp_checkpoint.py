@@ -47,7 +47,8 @@ def trained(cpu_devices, tmp_path_factory):
     for i in range(3):
         state, _ = step(state, batch(i))
     path = tmp_path_factory.mktemp("ckpt") / "s3"
-    fsdp.save(state, path)
+    handle = fsdp.save(state, path, async_save=True)  # orbax writes in the background
+    handle.wait()
     return fsdp, state, path
 
 
@@ -76,20 +77,20 @@ def test_resume_on_another_mesh_matches_uninterrupted(trained, cpu_devices):
     state = fsdp8.init(model, TX)
     step8 = fsdp8.train_step(loss_fn, TX)
     path = trained[2].parent / "resume"
-    losses = []
-    for i in range(6):
+    losses = []  # 20 uninterrupted steps on 8 devices
+    for i in range(20):
         state, loss = step8(state, batch(i))
         losses.append(float(loss))
-        if i == 2:  # the step-3 state, saved mid-run (before the next step consumes it)
+        if i == 9:  # the step-10 state, saved mid-run (before the next step consumes it)
             fsdp8.save(state, path)
     fsdp4 = FSDP(model, meshes(cpu_devices)["4"])
     state4 = fsdp4.restore(path, TX)
     step4 = fsdp4.train_step(loss_fn, TX)
-    resumed = []
-    for i in range(3, 6):
+    resumed = []  # restored onto 4 devices: 10 more
+    for i in range(10, 20):
         state4, loss = step4(state4, batch(i))
         resumed.append(float(loss))
-    np.testing.assert_allclose(resumed, losses[3:], rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(resumed, losses[10:], rtol=1e-6, atol=1e-6)
 
 
 def test_mismatches_are_named(trained, cpu_devices, tmp_path):
