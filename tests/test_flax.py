@@ -314,7 +314,7 @@ def test_errors_name_the_rule(mesh):
 def test_batch_must_split_over_devices(f32_setup):
     _, fsdp, _ = f32_setup
     x, y = make_batch()
-    with pytest.raises(ValueError, match=r"shape \(60, 32\).*divisible by the mesh's 8 devices"):
+    with pytest.raises(ValueError, match=r"shape \(60, 32\).*divisible by the 8 devices it is split over"):
         fsdp.place_batch((x[:60], y[:60]))
 
 
