@@ -400,12 +400,17 @@ def _unpack(layout: GlobalLayout, i: int, data: jax.Array) -> jax.Array:
     return flat.reshape(layout.tensor_shapes[i])
 
 
-_unpack_one = jax.jit(_unpack, static_argnums=(0, 1))
+# Slices and concatenations of narrow floats move their bits: XLA:CPU computes bf16/fp8
+# concatenations in f32 and would canonicalize NaN payloads.
+@functools.partial(jax.jit, static_argnums=(0, 1))
+def _unpack_one(layout: GlobalLayout, i: int, data: jax.Array) -> jax.Array:
+    return _from_bits(_unpack(layout, i, _to_bits(data)), data.dtype)
 
 
 @functools.partial(jax.jit, static_argnums=0)
 def _unpack_all(layout: GlobalLayout, data: jax.Array) -> tuple[jax.Array, ...]:
-    return tuple(_unpack(layout, i, data) for i in range(layout.num_tensors))
+    bits = _to_bits(data)
+    return tuple(_from_bits(_unpack(layout, i, bits), data.dtype) for i in range(layout.num_tensors))
 
 
 # ------------------------------------------------------------------------------------------------
