@@ -20,7 +20,8 @@ Every wait is bounded: the processes get ``timeout`` seconds in all; when one fa
 get ``grace`` seconds more (they may be blocked in a collective with it) and are then killed.
 All processes (and anything they started in their session) are killed before ``launch``
 returns, whatever happens. Output is captured per process (``stdout``, ``stderr``), except the
-stdout of process ``echo`` when given, which goes straight to this process's stdout.
+stdout of process ``echo`` when given, which is copied to this process's stdout as it comes
+(without gloo's ``[Gloo]`` connection lines).
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import traceback
 from collections.abc import Mapping, Sequence
@@ -102,7 +104,7 @@ def launch(
     json.dumps(list(args))  # arguments travel as JSON
     port = free_port()
     with tempfile.TemporaryDirectory(prefix="mxfp8_launch_") as tmp:
-        procs, files = [], []
+        procs, files, pump = [], [], None
         try:
             for i in range(num_processes):
                 spec = dict(
@@ -116,9 +118,9 @@ def launch(
                     result=os.path.join(tmp, f"result_{i}.json"),
                 )
                 child_env = {**os.environ, **(env or {}), _SPEC_ENV: json.dumps(spec), "JAX_PLATFORMS": "cpu"}
-                out = None if echo == i else open(os.path.join(tmp, f"stdout_{i}"), "w")
+                out = subprocess.PIPE if echo == i else open(os.path.join(tmp, f"stdout_{i}"), "w")
                 err = open(os.path.join(tmp, f"stderr_{i}"), "w")
-                files += [f for f in (out, err) if f is not None]
+                files += [f for f in (out, err) if f is not subprocess.PIPE]
                 procs.append(
                     subprocess.Popen(
                         [sys.executable, "-m", "mxfp8_jax._src.launch"],
@@ -129,10 +131,15 @@ def launch(
                         start_new_session=True,  # its own process group, killed as one below
                     )
                 )
+                if echo == i:
+                    pump = threading.Thread(target=_echo, args=(procs[-1].stdout,), daemon=True)
+                    pump.start()
             codes = _wait(procs, time.monotonic() + timeout, grace)
         finally:
             for p in procs:
                 _kill(p)
+            if pump is not None:
+                pump.join(timeout=10)
             for f in files:
                 f.close()
         results = [_collect(tmp, i, codes[i], echo == i) for i in range(num_processes)]
@@ -145,6 +152,15 @@ def launch(
                 lines.append(f"--- process {r.process_id}: {state}; stderr tail:\n{r.stderr[-3000:]}")
             raise LaunchError("\n".join(lines), results)
     return results
+
+
+def _echo(stream) -> None:
+    """Copies a process's stdout here line by line, without gloo's connection chatter."""
+    for line in iter(stream.readline, b""):
+        if not line.startswith(b"[Gloo]"):
+            sys.stdout.buffer.write(line)
+            sys.stdout.flush()
+    stream.close()
 
 
 def _wait(procs, deadline: float, grace: float) -> list[int | None]:
@@ -189,6 +205,67 @@ def _collect(tmp: str, i: int, code, echoed: bool) -> ProcessResult:
         result = json.loads(raw)["value"]
     stdout = "" if echoed else _read(os.path.join(tmp, f"stdout_{i}"))
     return ProcessResult(i, code, stdout, _read(os.path.join(tmp, f"stderr_{i}")), result)
+
+
+# ------------------------------------------------------------------------------------------------
+# mxfp8-jax demo --processes N
+
+
+def run_demo(argv: Sequence[str]) -> int:
+    """``mxfp8-jax demo --processes N [--devices D] [demo flags]``: the demo in N local processes
+    of one distributed job (``D`` CPU devices in all, default 8, split evenly); process 0
+    prints (and writes ``--json``), the others' output is shown only if they fail."""
+    import argparse
+
+    p = argparse.ArgumentParser(prog="mxfp8-jax demo", add_help=False)
+    p.add_argument("--processes", type=int, required=True)
+    p.add_argument("--devices", type=int, default=None)
+    p.add_argument("--timeout", type=float, default=3600.0)
+    known, rest = p.parse_known_args(list(argv))
+    n = known.processes
+    if n < 1:
+        p.error(f"--processes={n} must be at least 1")
+    total = 8 if known.devices is None else known.devices
+    if total < n or total % n:
+        p.error(f"--devices={total} must be a multiple of --processes={n} (each process gets {total}/{n})")
+    results = launch(
+        "mxfp8_jax._src.launch:_demo_worker",
+        n,
+        args=[rest],
+        devices_per_process=total // n,
+        timeout=known.timeout,
+        echo=0,
+        check=False,
+    )
+    failed = [r for r in results if not r.ok]
+    for r in failed:
+        state = "killed (still running)" if r.returncode is None else f"exit code {r.returncode}"
+        print(f"--- process {r.process_id}: {state}\n{r.stderr[-3000:]}", file=sys.stderr)
+    if failed:
+        return 1
+    return int(results[0].result or 0)
+
+
+def _demo_worker(argv: list[str]) -> int:
+    import jax
+
+    from mxfp8_jax import demo
+
+    if jax.process_index() != 0:  # one process writes the report
+        argv = _without_json(argv)
+    return demo.main(argv)
+
+
+def _without_json(argv: list[str]) -> list[str]:
+    out, skip = [], False
+    for j, a in enumerate(argv):
+        if skip:
+            skip = False
+        elif a == "--json":
+            skip = j + 1 < len(argv) and not argv[j + 1].startswith("-")
+        elif not a.startswith("--json="):
+            out.append(a)
+    return out
 
 
 # ------------------------------------------------------------------------------------------------
