@@ -39,3 +39,33 @@ def distribute_and_save(directory: str) -> dict:
         buffer_fully_addressable=buf.data.is_fully_addressable,
         physical_size=buf.layout.physical_size,
     )
+
+
+def restore_and_check(directory: str) -> dict:
+    """A checkpoint saved by one process restored onto (2, 4) over both processes, PADDED; each
+    process checks the shards it holds against the formula (numpy) and returns the verdicts."""
+    import jax
+    import numpy as np
+
+    from mxfp8_jax._src import placement as pl
+    from mxfp8_jax._src.dbuffer import DBuffer
+    from mxfp8_jax._src.layout import ShardLayout
+
+    from ckpt_values import host_tensor
+
+    mesh = jax.make_mesh((2, 4), ("a", "b"))
+    buf = DBuffer.restore(
+        directory, mesh, [pl.Replicate(), pl.RowAtomic()], names=NAMES, shard_layout=ShardLayout.PADDED
+    )
+    checked, equal = 0, True
+    for t, (x, shape) in enumerate(zip(buf.logical_tensors(), SHAPES)):
+        want = host_tensor(shape, t)
+        for shard in x.addressable_shards:
+            got = np.asarray(shard.data)
+            equal &= bool((got.view(np.uint8) == want[shard.index].view(np.uint8)).all())
+            checked += got.size
+    return dict(process=jax.process_index(), elements_checked=checked, equal=equal)
+
+
+def save_then_restore(save_dir: str, restore_dir: str) -> dict:
+    return dict(saved=distribute_and_save(save_dir), restored=restore_and_check(restore_dir))

@@ -161,17 +161,17 @@ def test_quantized_round_trip(tmp_path, cpu_devices):
     mesh8 = _mesh((8,), ("x",), cpu_devices)
     q = QuantizedDBuffer.empty(mesh8, [ROW], shapes, shard_layout=UNPADDED)
     master = DBuffer.distribute_tensors(master_np, mesh8, [ROW], layout=q.layout)
-    q = q.quantize(master, scale_rule="floor", backend="jax")
+    q = q.quantize(master, scale_rule="floor")
     ck.save_quantized(tmp_path / "q", q, master, scale_rule="floor", names=names)
     assert ck.read_metadata(tmp_path / "q").metadata["scale_rule"] == "floor"
 
     mesh4 = _mesh((4,), ("x",), cpu_devices)
-    m2, q2 = QuantizedDBuffer.restore(tmp_path / "q", mesh4, [ROW], shard_layout=PADDED, backend="jax")
+    m2, q2 = QuantizedDBuffer.restore(tmp_path / "q", mesh4, [ROW], shard_layout=PADDED)
     assert q2.layout.shard_layout is PADDED and q2.layout.rank_segment_offsets != q.layout.rank_segment_offsets
     for g, want in zip(m2.get_tensors(), master_np):
         np.testing.assert_array_equal(as_bytes(g), as_bytes(want))
     ref_master = DBuffer.distribute_tensors(master_np, mesh4, [ROW], layout=q2.layout)
-    ref = QuantizedDBuffer.zeros(mesh4, [ROW], q2.layout).quantize(ref_master, scale_rule="floor", backend="jax")
+    ref = QuantizedDBuffer.zeros(mesh4, [ROW], q2.layout).quantize(ref_master, scale_rule="floor")
     for p_got, p_ref in zip(q2.planes, ref.planes):
         np.testing.assert_array_equal(as_bytes(p_got.allgather().data), as_bytes(p_ref.allgather().data))
     # the logical MXFP8 tensors are the ones saved (layout independent)
@@ -214,23 +214,32 @@ def test_logical_sharding_rule(cpu_devices):
     assert logical_sharding(mesh, [pl.Replicate(), pl.Replicate()], (64,)).spec == PartitionSpec()
 
 
-def test_two_processes_save_one_restores(tmp_path):
+def test_two_processes(tmp_path, cpu_devices):
     """2 processes x 4 CPU devices: tensors made sharded across both (non-addressable from
-    either), packed with no host transfer, saved; restored here on 1 x 8, bytes equal."""
+    either), packed with no host transfer and saved, then restored here on 1 x 8 (and 4),
+    bytes equal; and a checkpoint saved here restored onto (2, 4) across both processes."""
     from _ckpt_workers import NAMES as W_NAMES
     from _ckpt_workers import SHAPES as W_SHAPES
 
     from multiproc import run_processes
 
-    results = run_processes("tests/_ckpt_workers.py:distribute_and_save", 2, args=[str(tmp_path / "c")], timeout=150)
+    mesh8 = _mesh((8,), ("x",), cpu_devices)
+    here = DBuffer.distribute_tensors([host_tensor(s, t) for t, s in enumerate(W_SHAPES)], mesh8, [ROW])
+    here.save(tmp_path / "here", names=W_NAMES)
+    results = run_processes(
+        "tests/_ckpt_workers.py:save_then_restore", 2, args=[str(tmp_path / "there"), str(tmp_path / "here")]
+    )
     for i, r in enumerate(results):
-        assert r.result["process"] == i and r.result["devices"] == 8 and r.result["local_devices"] == 4
-        assert r.result["inputs_fully_addressable"] == [False, False, False]
-        assert r.result["buffer_fully_addressable"] is False
-    assert ck.read_metadata(tmp_path / "c").metadata["user"] == {"step": 7}
-    devices = jax.devices("cpu")
-    for mesh_shape, placements in (((8,), [ROW]), ((4,), [ROW])):
-        mesh = jax.make_mesh(mesh_shape, ("x",), devices=devices[: mesh_shape[0]])
-        got = DBuffer.restore(tmp_path / "c", mesh, placements, names=W_NAMES)
+        saved, restored = r.result["saved"], r.result["restored"]
+        assert saved["process"] == i and saved["devices"] == 8 and saved["local_devices"] == 4
+        assert saved["inputs_fully_addressable"] == [False, False, False]
+        assert saved["buffer_fully_addressable"] is False
+        assert restored["equal"] is True
+        # the shards a process holds: tensors split over "b" (4 ways), one process per "a" row
+        assert restored["elements_checked"] == sum(int(np.prod(s)) for s in W_SHAPES)
+    assert ck.read_metadata(tmp_path / "there").metadata["user"] == {"step": 7}
+    for n in (8, 4):
+        mesh = _mesh((n,), ("x",), cpu_devices)
+        got = DBuffer.restore(tmp_path / "there", mesh, [ROW], names=W_NAMES)
         for t, (g, shape) in enumerate(zip(got.get_tensors(), W_SHAPES)):
             np.testing.assert_array_equal(as_bytes(g), as_bytes(host_tensor(shape, t)), err_msg=W_NAMES[t])
