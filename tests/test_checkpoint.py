@@ -10,7 +10,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from mxfp8_jax._src import checkpoint as ck
 from mxfp8_jax._src import placement as pl
-from mxfp8_jax._src.dbuffer import DBuffer, logical_sharding
+from mxfp8_jax._src.dbuffer import DBuffer, logical_sharding, pack_logical
 from mxfp8_jax._src.layout import ShardLayout
 from mxfp8_jax._src.quantized import QuantizedDBuffer
 
@@ -243,3 +243,24 @@ def test_two_processes(tmp_path, cpu_devices):
         got = DBuffer.restore(tmp_path / "there", mesh, [ROW], names=W_NAMES)
         for t, (g, shape) in enumerate(zip(got.get_tensors(), W_SHAPES)):
             np.testing.assert_array_equal(as_bytes(g), as_bytes(host_tensor(shape, t)), err_msg=W_NAMES[t])
+
+
+def test_conversions_move_tensor_pieces_not_the_buffer(cpu_devices):
+    """The compiled conversions move data device to device: one all-to-all per tensor (rows
+    split evenly across the 8 shards; 40 % 8 == 0 splits the (40, 8) one too), each device
+    exchanging messages of one tensor's size at most, never the whole buffer."""
+    from mxfp8_jax._src import hlo
+
+    mesh = _mesh((8,), ("x",), cpu_devices)
+    buf = DBuffer.distribute_tensors(_tensors(), mesh, [ROW], shard_layout=UNPADDED)
+    lay = buf.layout
+    to_logical = jax.jit(lambda b: b.logical_tensors()).lower(buf).compile().as_text()
+    arrays = buf.logical_tensors()
+    to_flat = jax.jit(lambda *ts: pack_logical(ts, mesh, [ROW], lay, np.float32))
+    to_flat = to_flat.lower(*arrays).compile().as_text()
+    for text in (to_logical, to_flat):
+        ops = hlo.collectives(text)
+        assert [c.op for c in ops] == ["all-to-all"] * lay.num_tensors
+        # messages padded to the largest: at most each tensor's size (4 bytes an element)
+        assert sorted(c.bytes for c in ops) == sorted(4 * lay.numel(i) for i in range(lay.num_tensors))
+        assert max(c.bytes for c in ops) < 4 * lay.physical_size
