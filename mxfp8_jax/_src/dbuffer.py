@@ -400,17 +400,12 @@ def _unpack(layout: GlobalLayout, i: int, data: jax.Array) -> jax.Array:
     return flat.reshape(layout.tensor_shapes[i])
 
 
-# Slices and concatenations of narrow floats move their bits: XLA:CPU computes bf16/fp8
-# concatenations in f32 and would canonicalize NaN payloads.
-@functools.partial(jax.jit, static_argnums=(0, 1))
-def _unpack_one(layout: GlobalLayout, i: int, data: jax.Array) -> jax.Array:
-    return _from_bits(_unpack(layout, i, _to_bits(data)), data.dtype)
+_unpack_one = jax.jit(_unpack, static_argnums=(0, 1))
 
 
 @functools.partial(jax.jit, static_argnums=0)
 def _unpack_all(layout: GlobalLayout, data: jax.Array) -> tuple[jax.Array, ...]:
-    bits = _to_bits(data)
-    return tuple(_from_bits(_unpack(layout, i, bits), data.dtype) for i in range(layout.num_tensors))
+    return tuple(_unpack(layout, i, data) for i in range(layout.num_tensors))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -419,7 +414,9 @@ def _unpack_all(layout: GlobalLayout, data: jax.Array) -> tuple[jax.Array, ...]:
 # One jitted ``shard_map`` program each way (``_to_logical_fn``, ``_to_flat_fn``): one all-to-all
 # per sharded tensor (an all-gather per replicated one) over the Shard axes, and static
 # per-shard slices, so no value passes through a host and no device holds the whole buffer.
-# Floats move as their bits (same-width unsigned ints): exact for every payload.
+# Floats move as their bits (same-width unsigned ints): exact for every payload (XLA:CPU computes
+# bf16 concatenations in f32, which canonicalizes NaN payloads), and therefore not differentiable:
+# these are for checkpoints and initialization, not for use inside a differentiated step.
 
 
 def logical_sharding(mesh: Mesh, placements: pl.Placements, shape: Sequence[int]) -> NamedSharding:
