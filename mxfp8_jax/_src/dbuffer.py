@@ -158,11 +158,22 @@ class DBuffer:
         reduced = tuple(pl.Replicate() if pl.is_partial(p) else p for p in self.placements)
         return unpack_logical(self.redistribute(reduced))
 
-    def save(self, directory, *, names: Sequence[str] | None = None, metadata=None, async_save: bool = False):
-        """Writes the logical tensors to ``directory`` (``checkpoint.save_dbuffer``)."""
+    def save(
+        self,
+        directory,
+        *,
+        names: Sequence[str] | None = None,
+        metadata=None,
+        async_save: bool = False,
+        overwrite: bool = False,
+    ):
+        """Writes the logical tensors to ``directory`` (``checkpoint.save_dbuffer``); returns a
+        ``SaveHandle`` (``wait()`` before relying on an asynchronous save)."""
         from mxfp8_jax._src import checkpoint
 
-        return checkpoint.save_dbuffer(directory, self, names=names, metadata=metadata, async_save=async_save)
+        return checkpoint.save_dbuffer(
+            directory, self, names=names, metadata=metadata, async_save=async_save, overwrite=overwrite
+        )
 
     @classmethod
     def restore(cls, directory, mesh: Mesh, placements: pl.Placements, **kwargs) -> DBuffer:
