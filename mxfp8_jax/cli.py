@@ -1,6 +1,7 @@
 """The ``mxfp8-jax`` command.
 
 mxfp8-jax demo [--steps N --devices N --hidden N --seed N --json [PATH]]
+mxfp8-jax demo --processes P [--devices N] [...]   P local processes on 127.0.0.1, N devices in all
 mxfp8-jax info
 mxfp8-jax bench NAME [ARGS...]     runs mxfp8_jax.bench.NAME's main(ARGS)
 """
@@ -65,6 +66,10 @@ def main(argv=None) -> int:
     b.add_argument("name", nargs="?")
     args, rest = p.parse_known_args(argv)
     if args.command == "demo":
+        if any(a == "--processes" or a.startswith("--processes=") for a in rest):
+            from mxfp8_jax._src import launch  # N local processes of one jax.distributed job
+
+            return launch.run_demo(rest)
         from mxfp8_jax import demo  # parses its own flags; sets up devices before jax starts
 
         return demo.main(rest)

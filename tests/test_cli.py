@@ -7,6 +7,7 @@ import shutil
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 import mxfp8_jax as mx
@@ -209,3 +210,30 @@ def test_fsdp_benchmark_measures_every_variant(capsys):
     assert got["dp"]["all_gather_bytes"] == 0 and got["dp"]["all_reduce_bytes"] > 0
     assert all(r["loops"] == [2, 2] for r in got.values())  # every variant keeps the scan
     assert "FSDP step vs depth" in capsys.readouterr().out
+
+
+def test_demo_two_processes(tmp_path):
+    """``demo --processes 2``: two local processes of one jax.distributed job (1 CPU device
+    each, gloo); process 0 prints and writes the report; the losses match one process with
+    the same 2 devices."""
+    out = tmp_path / "report.json"
+    argv = ["--model", "mlp", "--steps", "2", "--hidden", "32", "--seed", "1"]
+    proc = subprocess.run(
+        [*command(), "demo", "--processes", "2", "--devices", "2", *argv, "--json", str(out)],
+        capture_output=True,
+        text=True,
+        env=dict(os.environ, JAX_PLATFORMS="cpu"),
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert "bits per gathered weight" in proc.stdout and "[Gloo]" not in proc.stdout
+    report = json.loads(out.read_text())
+    assert report["devices"] == 2 and report["model"] == "mlp"
+    single = demo.run(steps=2, devices=2, hidden=32, seed=1, show_progress=False, model="mlp")
+    for name in ("mxfp8", "bf16"):
+        np.testing.assert_allclose(report["runs"][name]["losses"], single["runs"][name]["losses"], rtol=1e-6)
+
+
+def test_demo_processes_arguments():
+    with pytest.raises(SystemExit):
+        cli.main(["demo", "--processes", "2", "--devices", "3"])

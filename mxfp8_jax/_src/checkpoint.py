@@ -177,18 +177,18 @@ def read_metadata(directory) -> CheckpointInfo:
     return CheckpointInfo(tensors, dict(raw.get("metadata", {})), int(raw["version"]))
 
 
+def check_names(info: CheckpointInfo, names, *, where: str = "") -> None:
+    """Raises a ``ValueError`` listing the names missing from the checkpoint and the stored
+    names missing from ``names`` (a renamed parameter shows up in both lists)."""
+    _raise(_name_problems(info, names), where)
+
+
 def check_targets(info: CheckpointInfo, targets: Mapping[str, Any], *, where: str = "") -> None:
     """Raises one ``ValueError`` listing every path that does not fit: names missing from the
     checkpoint or from ``targets``, and shape or dtype differences (``targets`` values have
     ``.shape`` and ``.dtype``)."""
+    problems = _name_problems(info, targets)
     stored = {t.name: t for t in info.tensors}
-    problems = []
-    missing = [n for n in targets if n not in stored]
-    extra = [n for n in stored if n not in targets]
-    if missing:
-        problems.append(f"not in the checkpoint: {', '.join(map(repr, missing))}")
-    if extra:
-        problems.append(f"in the checkpoint but not in the targets: {', '.join(map(repr, extra))}")
     for name, t in targets.items():
         s = stored.get(name)
         if s is None:
@@ -198,6 +198,22 @@ def check_targets(info: CheckpointInfo, targets: Mapping[str, Any], *, where: st
             problems.append(f"{name!r}: stored shape {s.shape}, target shape {shape}")
         elif dtype != s.dtype:
             problems.append(f"{name!r}: stored dtype {s.dtype.name}, target dtype {dtype.name}")
+    _raise(problems, where)
+
+
+def _name_problems(info: CheckpointInfo, names) -> list[str]:
+    stored, wanted = info.names, list(names)
+    missing = [n for n in wanted if n not in stored]
+    extra = [n for n in stored if n not in wanted]
+    problems = []
+    if missing:
+        problems.append(f"not in the checkpoint: {', '.join(map(repr, missing))}")
+    if extra:
+        problems.append(f"in the checkpoint but not in the targets: {', '.join(map(repr, extra))}")
+    return problems
+
+
+def _raise(problems: list[str], where: str) -> None:
     if problems:
         head = f"checkpoint {where} does not fit the targets" if where else "checkpoint does not fit the targets"
         raise ValueError(head + ":\n  " + "\n  ".join(problems))
@@ -276,8 +292,7 @@ def restore_dbuffer(
     """
     info = read_metadata(directory)
     names = info.names if names is None else _names(names, None)
-    probe = {n: info[n] for n in names if n in info.names}
-    check_targets(info, {**{n: _Missing() for n in names if n not in probe}, **probe}, where=str(directory))
+    check_names(info, names, where=_path(directory))
     shapes = [info[n].shape for n in names]
     stored = {info[n].dtype for n in names}
     if len(stored) > 1:
@@ -352,10 +367,8 @@ def restore_quantized(
     if meta.get("kind") != "QuantizedDBuffer":
         raise ValueError(f"{directory} holds a {meta.get('kind')!r} checkpoint, not a QuantizedDBuffer's")
     names = info.names if names is None else _names(names, None)
-    shapes = [info[n].shape if n in info.names else None for n in names]
-    layout = None
-    if all(s is not None for s in shapes):
-        layout = GlobalLayout.build(shapes, mesh.size, block_size=32, shard_layout=shard_layout)
+    check_names(info, names, where=_path(directory))
+    layout = GlobalLayout.build([info[n].shape for n in names], mesh.size, block_size=32, shard_layout=shard_layout)
     master = restore_dbuffer(directory, mesh, placements, names=names, layout=layout, dtype=dtype)
     qbuf = QuantizedDBuffer.zeros(
         mesh, placements, master.layout, rowwise=bool(meta["rowwise"]), columnwise=bool(meta["columnwise"])
@@ -365,13 +378,6 @@ def restore_quantized(
 
 # ------------------------------------------------------------------------------------------------
 # Helpers
-
-
-class _Missing:
-    """A target whose shape is not known (a name absent from the checkpoint)."""
-
-    shape = ()
-    dtype = np.dtype(np.float32)
 
 
 def _path(directory) -> str:

@@ -164,11 +164,22 @@ class DBuffer:
         reduced = tuple(pl.Replicate() if pl.is_partial(p) else p for p in self.placements)
         return unpack_logical(self.redistribute(reduced))
 
-    def save(self, directory, *, names: Sequence[str] | None = None, metadata=None, async_save: bool = False):
-        """Writes the logical tensors to ``directory`` (``checkpoint.save_dbuffer``)."""
+    def save(
+        self,
+        directory,
+        *,
+        names: Sequence[str] | None = None,
+        metadata=None,
+        async_save: bool = False,
+        overwrite: bool = False,
+    ):
+        """Writes the logical tensors to ``directory`` (``checkpoint.save_dbuffer``); returns a
+        ``SaveHandle`` (``wait()`` before relying on an asynchronous save)."""
         from mxfp8_jax._src import checkpoint
 
-        return checkpoint.save_dbuffer(directory, self, names=names, metadata=metadata, async_save=async_save)
+        return checkpoint.save_dbuffer(
+            directory, self, names=names, metadata=metadata, async_save=async_save, overwrite=overwrite
+        )
 
     @classmethod
     def restore(cls, directory, mesh: Mesh, placements: pl.Placements, **kwargs) -> DBuffer:
@@ -422,10 +433,12 @@ def _unpack_all(layout: GlobalLayout, data: jax.Array) -> tuple[jax.Array, ...]:
 # ------------------------------------------------------------------------------------------------
 # Logical tensors <-> flat buffer, on the devices
 #
-# One jitted ``shard_map`` program each way (``_to_logical_fn``, ``_to_flat_fn``): one all-gather
-# per tensor over the Shard axes and static per-shard slices, so no value passes through a host,
-# no device ever holds the whole buffer, and the program grows with tensors + shards (not their
-# product). Floats move as their bits (same-width unsigned ints): exact for every payload.
+# One jitted ``shard_map`` program each way (``_to_logical_fn``, ``_to_flat_fn``): one all-to-all
+# per sharded tensor (an all-gather per replicated one) over the Shard axes, and static
+# per-shard slices, so no value passes through a host and no device holds the whole buffer.
+# Floats move as their bits (same-width unsigned ints): exact for every payload (XLA:CPU computes
+# bf16 concatenations in f32, which canonicalizes NaN payloads), and therefore not differentiable:
+# these are for checkpoints and initialization, not for use inside a differentiated step.
 
 
 def logical_sharding(mesh: Mesh, placements: pl.Placements, shape: Sequence[int]) -> NamedSharding:
@@ -450,8 +463,6 @@ def unpack_logical(buf: DBuffer) -> list[jax.Array]:
     bytes of every tensor equal ``get_tensors()``'s.
     """
     buf._check_no_partial("unpack_logical")
-    if is_traced(buf.data):
-        return list(_unpack_all(buf.layout, buf.data))
     return list(_to_logical_fn(buf.mesh, buf.placements, buf.layout, jnp.dtype(buf.dtype))(buf.data))
 
 
@@ -490,9 +501,13 @@ def _is_distributed(t) -> bool:
 def _onto_mesh(t, mesh: Mesh, placements, i: int) -> jax.Array:
     """``t`` resharded (device to device) to ``logical_sharding``, the ``shard_map``'s input."""
     target = logical_sharding(mesh, placements, np.shape(t))
+    if is_traced(t):  # under jit: Explicit mesh axes take jax.reshard, Auto ones a constraint
+        if any(a == jax.sharding.AxisType.Explicit for a in mesh.axis_types):
+            return jax.reshard(t, target)
+        return lax.with_sharding_constraint(t, target)
     if not isinstance(t, jax.Array):
         return jax.device_put(np.asarray(t), target)  # host value: each device takes its slice
-    if t.sharding.is_equivalent_to(target, t.ndim):
+    if t.sharding == target:  # the same mesh object too: shard_map takes no other
         return t
     if t.is_fully_addressable or t.sharding.device_set == target.device_set:
         return jax.device_put(t, target)  # device to device
@@ -535,6 +550,20 @@ class _Runs:
     def widest(self, i: int) -> int:
         return max(1, max(c[i] for c in self.count))
 
+    def local_slices(self, s: int, i: int, e0: int, e1: int) -> list[tuple[int, int]]:
+        """``(local_pos, n)`` slices of shard ``s``'s buffer holding tensor elements ``[e0, e1)``."""
+        out = []
+        for p, e, m in self.runs[s][i]:
+            a, b = max(e, e0), min(e + m, e1)
+            if a < b:
+                out.append((p + a - e, b - a))
+        return out
+
+    def overlap(self, s: int, i: int, e0: int, e1: int) -> tuple[int, int]:
+        """``(start, n)`` of tensor elements ``[e0, e1)`` within shard ``s``'s range."""
+        a, b = max(self.first[s][i], e0), min(self.first[s][i] + self.count[s][i], e1)
+        return (a, b - a) if a < b else (a, 0)
+
 
 @functools.cache
 def _runs(mesh: Mesh, placements, layout: GlobalLayout) -> _Runs:
@@ -556,8 +585,14 @@ def _runs(mesh: Mesh, placements, layout: GlobalLayout) -> _Runs:
     return _Runs(tuple(runs), tuple(first), tuple(count))
 
 
-def _pad_to(x, n: int):
-    return x if x.shape[0] == n else jnp.concatenate([x, jnp.zeros((n - x.shape[0],), x.dtype)])
+def _concat(parts, n: int, dtype):
+    """``parts`` back to back, zero-padded to ``n`` elements."""
+    at = sum(p.shape[0] for p in parts)
+    if n > at:
+        parts = [*parts, jnp.zeros((n - at,), dtype)]
+    if not parts:
+        return jnp.zeros((0,), dtype)
+    return parts[0] if len(parts) == 1 else jnp.concatenate(parts)
 
 
 def _shard_switch(mesh: Mesh, axes, branches):
@@ -569,40 +604,65 @@ def _shard_switch(mesh: Mesh, axes, branches):
 
 @functools.cache
 def _to_logical_fn(mesh: Mesh, placements, layout: GlobalLayout, dtype):
-    """Flat buffer -> logical tensors, inside one ``shard_map``:
+    """Flat buffer -> logical tensors, one ``shard_map``; per tensor ``i`` (``n`` shards):
 
-    1. each device cuts its pieces of every tensor out of its local buffer (a ``switch`` over
-       its shard index: static slices), each padded to the widest shard's piece;
-    2. per tensor, one all-gather of the pieces over the Shard axes, the tensor reassembled by
-       static slices (it exists whole on each device only transiently);
-    3. each device keeps its rows (``logical_sharding``).
+    - sharded result (``n`` divides dim 0; chunk ``c = numel / n``): shard ``s`` sends shard
+      ``d`` the part of its range inside ``[d c, (d+1) c)`` (one all-to-all, each message
+      padded to the largest), and ``d`` lays the ``n`` messages out as its rows;
+    - replicated result: one all-gather of every shard's range (padded to the widest), laid out.
+
+    Cutting messages out of the local buffer and laying them out are static slices, one
+    program per shard (a ``switch`` over its shard index); no device holds more than about one
+    tensor beyond its own shard.
     """
     axes = pl.shard_axes(mesh, placements)
     group = spmd.axis_group(axes) if axes else None
     geo, n = _runs(mesh, placements, layout), pl.num_shards(mesh, placements)
     bits = _bits_dtype(dtype)
-    widths = [geo.widest(i) for i in range(layout.num_tensors)]
     out_specs = tuple(logical_sharding(mesh, placements, shp).spec for shp in layout.tensor_shapes)
+    plans = []
+    for i in range(layout.num_tensors):
+        numel = layout.numel(i)
+        if out_specs[i] == PartitionSpec():  # every device gets everything
+            plans.append((numel, [[(0, numel)] * n], geo.widest(i)))
+            continue
+        c = numel // n
+        # sends[s][d] = (start, count) of tensor elements s sends to d
+        sends = [[geo.overlap(s, i, d * c, (d + 1) * c) for d in range(n)] for s in range(n)]
+        plans.append((c, sends, max(1, max(m for row in sends for _, m in row))))
 
-    def pieces_of(s, local):
+    def send_of(s, local):
         out = []
         for i in range(layout.num_tensors):
-            parts = [local[p : p + m] for p, _, m in geo.runs[s][i]]
-            out.append(_pad_to(jnp.concatenate(parts) if parts else jnp.zeros((0,), bits), widths[i]))
+            chunk, sends, w = plans[i]
+            if out_specs[i] == PartitionSpec():
+                piece = [local[p : p + m] for p, m in geo.local_slices(s, i, 0, layout.numel(i))]
+                out.append(_concat(piece, w, bits))
+                continue
+            rows = []
+            for d in range(n):
+                e, m = sends[s][d]
+                rows.append(_concat([local[p : p + k] for p, k in geo.local_slices(s, i, e, e + m)], w, bits))
+            out.append(jnp.stack(rows))
         return tuple(out)
 
+    def receive_of(d, i, got):
+        chunk, sends, w = plans[i]
+        return _concat([got[s, : sends[s][d][1]] for s in range(n) if sends[s][d][1]], chunk, bits)
+
     def local_fn(local):
-        pieces = _shard_switch(mesh, axes, [functools.partial(pieces_of, s, local) for s in range(n)])
+        sent = _shard_switch(mesh, axes, [functools.partial(send_of, s, local) for s in range(n)])
         outs = []
         for i, shape in enumerate(layout.tensor_shapes):
-            w = widths[i]
-            gathered = pieces[i] if group is None else lax.all_gather(pieces[i], group, axis=0, tiled=True)
-            parts = [gathered[s * w : s * w + geo.count[s][i]] for s in range(n) if geo.count[s][i]]
-            full = (parts[0] if len(parts) == 1 else jnp.concatenate(parts)).reshape(shape)
-            if out_specs[i] != PartitionSpec():  # keep this device's rows
-                rows = shape[0] // n
-                full = lax.dynamic_slice_in_dim(full, spmd.shard_position(mesh, axes) * rows, rows, axis=0)
-            outs.append(full)
+            chunk, sends, w = plans[i]
+            if out_specs[i] == PartitionSpec():
+                gathered = sent[i] if group is None else lax.all_gather(sent[i], group, axis=0, tiled=True)
+                parts = [gathered[s * w : s * w + geo.count[s][i]] for s in range(n) if geo.count[s][i]]
+                outs.append(_concat(parts, layout.numel(i), bits).reshape(shape))
+                continue
+            got = lax.all_to_all(sent[i], group, 0, 0) if n > 1 else sent[i]
+            mine = _shard_switch(mesh, axes, [functools.partial(receive_of, d, i, got) for d in range(n)])
+            outs.append(mine.reshape((shape[0] // n, *shape[1:])))
         return tuple(outs)
 
     fn = spmd.shard_map(local_fn, mesh, pl.partition_spec(mesh, placements), out_specs)
@@ -611,14 +671,16 @@ def _to_logical_fn(mesh: Mesh, placements, layout: GlobalLayout, dtype):
 
 @functools.cache
 def _to_flat_fn(mesh: Mesh, placements, layout: GlobalLayout, dtype):
-    """Logical tensors -> flat buffer, inside one ``shard_map`` (the inputs resharded to
-    ``logical_sharding`` on the way in):
+    """Logical tensors -> flat buffer, one ``shard_map`` (inputs resharded to
+    ``logical_sharding`` on the way in); per tensor ``i``, each shard ``s`` first collects the
+    contiguous range of the tensor it holds (``[first, first + count)``, padded to the widest):
 
-    1. per tensor, its rows all-gathered over the Shard axes (whole only transiently), and the
-       range this device's shard holds cut out (a dynamic slice at a per-shard offset, padded
-       to the widest shard's range);
-    2. each device lays its ranges and the zero padding out as its local buffer (a ``switch``
-       over its shard index: static slices).
+    - sharded input (device ``d`` holds chunk ``[d c, (d+1) c)``): ``d`` sends ``s`` the part of
+      its chunk inside ``s``'s range (one all-to-all, messages padded to the largest);
+    - replicated input: a dynamic slice at ``s``'s offset;
+
+    then lays its ranges and the zero padding out as its local buffer (static slices, a
+    ``switch`` over its shard index).
     """
     axes = pl.shard_axes(mesh, placements)
     group = spmd.axis_group(axes) if axes else None
@@ -628,6 +690,23 @@ def _to_flat_fn(mesh: Mesh, placements, layout: GlobalLayout, dtype):
     widths = [geo.widest(i) for i in range(layout.num_tensors)]
     in_specs = tuple(logical_sharding(mesh, placements, shp).spec for shp in layout.tensor_shapes)
     starts = [np.array([geo.first[s][i] for s in range(n)], np.int32) for i in range(layout.num_tensors)]
+    plans = []
+    for i in range(layout.num_tensors):
+        if in_specs[i] == PartitionSpec():
+            plans.append(None)
+            continue
+        c = layout.numel(i) // n
+        # sends[d][s] = (start, count) of tensor elements chunk d sends to shard s
+        sends = [[geo.overlap(s, i, d * c, (d + 1) * c) for s in range(n)] for d in range(n)]
+        plans.append((c, sends, max(1, max(m for row in sends for _, m in row))))
+
+    def send_of(d, i, block):
+        c, sends, w = plans[i]
+        return jnp.stack([_concat([block[e - d * c : e - d * c + m]], w, bits) for e, m in sends[d]])
+
+    def receive_of(s, i, got):
+        c, sends, w = plans[i]
+        return _concat([got[d, : sends[d][s][1]] for d in range(n) if sends[d][s][1]], widths[i], bits)
 
     def assemble(s, ranges):
         parts, at = [], 0
@@ -638,17 +717,20 @@ def _to_flat_fn(mesh: Mesh, placements, layout: GlobalLayout, dtype):
             o = e - geo.first[s][i]
             parts.append(ranges[i][o : o + m])
             at = p + m
-        if local_size > at:
-            parts.append(jnp.zeros((local_size - at,), bits))
-        return jnp.concatenate(parts) if len(parts) > 1 else parts[0]
+        return _concat(parts, local_size, bits)
 
     def local_fn(*blocks):
         ranges = []
         for i, block in enumerate(blocks):
-            full = block if in_specs[i] == PartitionSpec() else lax.all_gather(block, group, axis=0, tiled=True)
-            flat = _pad_to(full.reshape(-1), layout.numel(i) + widths[i])
-            start = jnp.asarray(starts[i])[spmd.shard_position(mesh, axes)] if axes else starts[i][0]
-            ranges.append(lax.dynamic_slice_in_dim(flat, start, widths[i]))
+            flat = block.reshape(-1)
+            if plans[i] is None:  # whole on every device: cut this shard's range
+                flat = _concat([flat], layout.numel(i) + widths[i], bits)
+                start = jnp.asarray(starts[i])[spmd.shard_position(mesh, axes)] if axes else starts[i][0]
+                ranges.append(lax.dynamic_slice_in_dim(flat, start, widths[i]))
+                continue
+            sent = _shard_switch(mesh, axes, [functools.partial(send_of, d, i, flat) for d in range(n)])
+            got = lax.all_to_all(sent, group, 0, 0) if n > 1 else sent
+            ranges.append(_shard_switch(mesh, axes, [functools.partial(receive_of, s, i, got) for s in range(n)]))
         return _shard_switch(mesh, axes, [functools.partial(assemble, s, ranges) for s in range(n)])
 
     fn = spmd.shard_map(local_fn, mesh, in_specs, pl.partition_spec(mesh, placements))

@@ -34,6 +34,7 @@ _OP = re.compile(
 _HEAD = re.compile(r"^(?P<entry>ENTRY\s+)?%?(?P<name>[\w.\-]+)\s*\(.*\{\s*$")
 _CALL = re.compile(r"\b(?P<kind>calls|to_apply|body|condition)=%(?P<name>[\w.\-]+)")
 _CALL_LIST = re.compile(r"\b(?:branch_computations|called_computations)=\{(?P<names>[^}]*)\}")
+_INDEX_COMMENT = re.compile(r"/\*index=\d+\*/")
 _TRIP = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
 
 
@@ -90,7 +91,7 @@ def collectives(hlo_text: str) -> list[Collective]:
         if head:
             computation = head["name"]
             continue
-        m = _OP.search(line)
+        m = _OP.search(_INDEX_COMMENT.sub("", line))  # long tuples carry /*index=N*/ marks
         if m is None:
             continue
         shapes = [(d, tuple(int(x) for x in s.split(",") if x)) for d, s in _SHAPE.findall(m["result"])]

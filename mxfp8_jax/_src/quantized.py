@@ -426,6 +426,23 @@ class QuantizedDBuffer:
         }
         return dataclasses.replace(self, **new)
 
+    # -- checkpoints ---------------------------------------------------------------------------
+
+    def save(self, directory, master: DBuffer, *, scale_rule: str = "rceil", **kwargs):
+        """Saves the master weights ``master`` this buffer was quantized from (the planes are not
+        stored; ``checkpoint.save_quantized``)."""
+        from mxfp8_jax._src import checkpoint
+
+        return checkpoint.save_quantized(directory, self, master, scale_rule=scale_rule, **kwargs)
+
+    @classmethod
+    def restore(cls, directory, mesh: Mesh, placements: pl.Placements, **kwargs) -> tuple[DBuffer, QuantizedDBuffer]:
+        """``(master, qbuf)`` on any mesh/layout, the planes recomputed from the restored master
+        (``checkpoint.restore_quantized``)."""
+        from mxfp8_jax._src import checkpoint
+
+        return checkpoint.restore_quantized(directory, mesh, placements, **kwargs)
+
     # -- reading -------------------------------------------------------------------------------
 
     def get_tensor_view(self, i: int, *, rowwise: bool | None = None, columnwise: bool | None = None) -> MXFP8Tensor:

@@ -1,0 +1,267 @@
+"""Logical checkpoints (mxfp8_jax/_src/checkpoint.py): exact round trips across meshes and
+layouts, mismatches named before any data moves, packing from sharded arrays with no host gather,
+and a 2-process x 4-device save restored in this 1 x 8 process."""
+
+import jax
+import ml_dtypes
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec
+
+from mxfp8_jax._src import checkpoint as ck
+from mxfp8_jax._src import placement as pl
+from mxfp8_jax._src.dbuffer import DBuffer, logical_sharding, pack_logical
+from mxfp8_jax._src.layout import ShardLayout
+from mxfp8_jax._src.quantized import QuantizedDBuffer
+
+from ckpt_values import host_tensor
+from conftest import as_bytes
+
+PADDED, UNPADDED = ShardLayout.PADDED, ShardLayout.UNPADDED
+ROW = pl.RowAtomic()
+SHAPES = [(64, 32), (96, 32), (40, 8)]  # PADDED and UNPADDED flat buffers differ in length
+NAMES = ["blocks/0/w", "blocks/1/w", "head/b"]
+
+
+def _mesh(shape, names, cpu_devices):
+    n = int(np.prod(shape))
+    return jax.make_mesh(shape, names, devices=cpu_devices[:n])
+
+
+def _tensors(dtype=np.float32):
+    return [host_tensor(s, t, dtype) for t, s in enumerate(SHAPES)]
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory, cpu_devices):
+    """An UNPADDED 8-device f32 DBuffer and a PADDED bf16 one, saved."""
+    mesh = _mesh((8,), ("x",), cpu_devices)
+    root = tmp_path_factory.mktemp("ckpt")
+    out = {}
+    for key, dtype, layout in (("f32", np.float32, UNPADDED), ("bf16", ml_dtypes.bfloat16, PADDED)):
+        buf = DBuffer.distribute_tensors(_tensors(dtype), mesh, [ROW], shard_layout=layout)
+        buf.save(root / key, names=NAMES, metadata={"step": 3, "precision": key})
+        out[key] = (root / key, buf.layout)
+    return out
+
+
+def test_read_metadata(saved):
+    info = ck.read_metadata(saved["bf16"][0])
+    assert info.names == tuple(NAMES)
+    assert [t.shape for t in info.tensors] == SHAPES
+    assert {t.dtype for t in info.tensors} == {np.dtype(ml_dtypes.bfloat16)}
+    assert info.metadata == {"kind": "DBuffer", "user": {"step": 3, "precision": "bf16"}}
+    assert info.version == ck.VERSION
+
+
+@pytest.mark.parametrize(
+    "key, mesh_shape, placements, layout",
+    [
+        ("f32", (8,), [ROW], UNPADDED),  # 8 -> 8
+        ("f32", (8,), [ROW], PADDED),  # UNPADDED -> PADDED
+        ("f32", (4,), [ROW], UNPADDED),  # 8 -> 4 (the case that used to zero-fill)
+        ("bf16", (4,), [ROW], UNPADDED),  # PADDED -> UNPADDED, 8 -> 4
+        ("bf16", (2, 4), [pl.Replicate(), ROW], UNPADDED),  # (8,) -> (2, 4)
+        ("f32", (2, 4), [ROW, ROW], PADDED),
+        ("f32", (2, 4), [pl.Partial("sum"), ROW], PADDED),
+    ],
+)
+def test_dbuffer_round_trip(saved, cpu_devices, key, mesh_shape, placements, layout):
+    directory, saved_layout = saved[key]
+    dtype = np.float32 if key == "f32" else ml_dtypes.bfloat16
+    mesh = _mesh(mesh_shape, ("a", "b") if len(mesh_shape) == 2 else ("x",), cpu_devices)
+    got = DBuffer.restore(directory, mesh, placements, shard_layout=layout)
+    assert got.placements == tuple(placements) and got.layout.shard_layout is layout
+    if mesh_shape != (8,) or layout != saved_layout.shard_layout:
+        assert got.layout.physical_size != saved_layout.physical_size or got.layout != saved_layout
+    # every logical tensor, bit for bit (NaN payloads and subnormals included; get_tensors'
+    # differentiable slicing may canonicalize bf16 NaN payloads on CPU); under Partial
+    # the value is a sum of addends (arithmetic flushes subnormals), so only the bytes below
+    if not any(pl.is_partial(p) for p in placements):
+        for t, (g, want) in enumerate(zip(got.logical_tensors(), _tensors(dtype))):
+            assert g.dtype == want.dtype
+            np.testing.assert_array_equal(as_bytes(g), as_bytes(want), err_msg=NAMES[t])
+    # the physical buffer, padding and Partial addends included, equals host packing
+    ref = DBuffer.distribute_tensors(_tensors(dtype), mesh, placements, layout=got.layout)
+    for s_got, s_ref in zip(got.data.addressable_shards, ref.data.addressable_shards):
+        np.testing.assert_array_equal(as_bytes(s_got.data), as_bytes(s_ref.data))
+
+
+def test_restore_by_name_not_position(saved, cpu_devices):
+    """Tensors listed in another order (two of them share a shape) land by name."""
+    mesh = _mesh((8,), ("x",), cpu_devices)
+    order = [NAMES[1], NAMES[2], NAMES[0]]
+    got = DBuffer.restore(saved["f32"][0], mesh, [ROW], names=order)
+    want = dict(zip(NAMES, _tensors()))
+    assert got.layout.tensor_shapes == tuple(want[n].shape for n in order)
+    for name, g in zip(order, got.get_tensors()):
+        np.testing.assert_array_equal(as_bytes(g), as_bytes(want[name]), err_msg=name)
+
+
+def test_mismatches_name_the_path(saved, cpu_devices):
+    directory = saved["f32"][0]
+    mesh = _mesh((8,), ("x",), cpu_devices)
+    renamed = [NAMES[0], "blocks/1/weight", NAMES[2]]
+    with pytest.raises(
+        ValueError, match=r"not in the checkpoint: 'blocks/1/weight'[\s\S]*not in the targets: 'blocks/1/w'"
+    ):
+        DBuffer.restore(directory, mesh, [ROW], names=renamed)
+    with pytest.raises(ValueError, match=r"not in the targets: 'head/b'"):
+        DBuffer.restore(directory, mesh, [ROW], names=NAMES[:2])
+    # a layout whose tensor order differs (equal shapes swapped in would pass a shape-only check)
+    swapped = DBuffer.empty(mesh, [ROW], [SHAPES[2], SHAPES[1], SHAPES[0]], np.float32).layout
+    with pytest.raises(ValueError, match=r"'blocks/0/w': stored \(64, 32\), layout \(40, 8\)"):
+        DBuffer.restore(directory, mesh, [ROW], names=NAMES, layout=swapped)
+    sharding = NamedSharding(mesh, PartitionSpec())
+    targets = {n: jax.ShapeDtypeStruct(s, np.float32, sharding=sharding) for n, s in zip(NAMES, SHAPES)}
+    with pytest.raises(ValueError, match=r"'head/b': stored shape \(40, 8\), target shape \(8, 40\)"):
+        ck.restore_logical(
+            directory, {**targets, "head/b": jax.ShapeDtypeStruct((8, 40), np.float32, sharding=sharding)}
+        )
+    with pytest.raises(ValueError, match=r"'blocks/0/w': stored dtype float32, target dtype bfloat16"):
+        ck.restore_logical(
+            directory, {**targets, NAMES[0]: jax.ShapeDtypeStruct(SHAPES[0], ml_dtypes.bfloat16, sharding=sharding)}
+        )
+    with pytest.raises(TypeError, match=r"targets\['head/b'\] must be a jax.ShapeDtypeStruct with a sharding"):
+        ck.restore_logical(directory, {**targets, "head/b": jax.ShapeDtypeStruct((40, 8), np.float32)})
+    got = ck.restore_logical(directory, targets)  # the right targets still read
+    np.testing.assert_array_equal(as_bytes(got["head/b"]), as_bytes(_tensors()[2]))
+
+
+def test_save_arguments(tmp_path, cpu_devices):
+    mesh = _mesh((8,), ("x",), cpu_devices)
+    x = jax.device_put(np.ones((8, 4), np.float32), NamedSharding(mesh, PartitionSpec("x")))
+    with pytest.raises(TypeError, match="metadata must be JSON serializable"):
+        ck.save_logical(tmp_path / "a", {"w": x}, {"rule": object()})
+    with pytest.raises(TypeError, match=r"tensors\['w'\] must be a jax.Array"):
+        ck.save_logical(tmp_path / "b", {"w": np.ones(3)})
+    buf = DBuffer.empty(mesh, [ROW], [(8, 4)], np.float32)
+    with pytest.raises(ValueError, match="names has 2 entries for 1 tensors"):
+        buf.save(tmp_path / "c", names=["a", "b"])
+    with pytest.raises(ValueError, match="not an mxfp8_jax logical checkpoint"):
+        ck.read_metadata(tmp_path)
+
+
+def test_async_save(tmp_path, cpu_devices):
+    mesh = _mesh((8,), ("x",), cpu_devices)
+    buf = DBuffer.distribute_tensors(_tensors(), mesh, [ROW], shard_layout=UNPADDED)
+    handle = buf.save(tmp_path / "async", names=NAMES, async_save=True)
+    handle.wait()
+    assert handle.done
+    got = DBuffer.restore(tmp_path / "async", _mesh((4,), ("x",), cpu_devices), [ROW])
+    for g, want in zip(got.get_tensors(), _tensors()):
+        np.testing.assert_array_equal(as_bytes(g), as_bytes(want))
+
+
+def test_quantized_round_trip(tmp_path, cpu_devices):
+    """Saved by the master on 8 devices UNPADDED; restored onto 4 PADDED: master exact and the
+    planes equal quantizing the originals directly on the new layout."""
+    shapes = [(64, 64), (32, 96), (96, 32)]
+    master_np = [host_tensor(s, t, np.float32, finite=True) for t, s in enumerate(shapes)]
+    names = ["attn/q", "attn/o", "mlp/up"]
+    mesh8 = _mesh((8,), ("x",), cpu_devices)
+    q = QuantizedDBuffer.empty(mesh8, [ROW], shapes, shard_layout=UNPADDED)
+    master = DBuffer.distribute_tensors(master_np, mesh8, [ROW], layout=q.layout)
+    q = q.quantize(master, scale_rule="floor")
+    ck.save_quantized(tmp_path / "q", q, master, scale_rule="floor", names=names)
+    assert ck.read_metadata(tmp_path / "q").metadata["scale_rule"] == "floor"
+
+    mesh4 = _mesh((4,), ("x",), cpu_devices)
+    m2, q2 = QuantizedDBuffer.restore(tmp_path / "q", mesh4, [ROW], shard_layout=PADDED)
+    assert q2.layout.shard_layout is PADDED and q2.layout.rank_segment_offsets != q.layout.rank_segment_offsets
+    for g, want in zip(m2.get_tensors(), master_np):
+        np.testing.assert_array_equal(as_bytes(g), as_bytes(want))
+    ref_master = DBuffer.distribute_tensors(master_np, mesh4, [ROW], layout=q2.layout)
+    ref = QuantizedDBuffer.zeros(mesh4, [ROW], q2.layout).quantize(ref_master, scale_rule="floor")
+    for p_got, p_ref in zip(q2.planes, ref.planes):
+        np.testing.assert_array_equal(as_bytes(p_got.allgather().data), as_bytes(p_ref.allgather().data))
+    # the logical MXFP8 tensors are the ones saved (layout independent)
+    a, b = q.allgather(), q2.allgather()
+    for i in range(len(shapes)):
+        va, vb = a.get_tensor_view(i), b.get_tensor_view(i)
+        for plane in ("rowwise_data", "rowwise_scale", "columnwise_data", "columnwise_scale"):
+            np.testing.assert_array_equal(as_bytes(getattr(va, plane)), as_bytes(getattr(vb, plane)))
+
+
+def test_distribute_sharded_arrays_without_host_transfer(cpu_devices):
+    """Sharded inputs (on another mesh of the same devices) pack device to device: with host
+    transfers disallowed, and equal to the host packing of the same values."""
+    mesh24 = _mesh((2, 4), ("a", "b"), cpu_devices)
+    values = _tensors()
+    specs = [PartitionSpec("a"), PartitionSpec(("a", "b")), PartitionSpec(None, "b")]
+    arrays = [jax.device_put(v, NamedSharding(mesh24, s)) for v, s in zip(values, specs)]
+    mesh8 = _mesh((8,), ("x",), cpu_devices)
+    for layout in (PADDED, UNPADDED):
+        with jax.transfer_guard("disallow"):
+            buf = DBuffer.distribute_tensors(arrays, mesh8, [ROW], shard_layout=layout)
+            logical = buf.logical_tensors()
+        ref = DBuffer.distribute_tensors(values, mesh8, [ROW], shard_layout=layout)  # host packing
+        for s_got, s_ref in zip(buf.data.addressable_shards, ref.data.addressable_shards):
+            np.testing.assert_array_equal(as_bytes(s_got.data), as_bytes(s_ref.data))
+        for g, v in zip(logical, values):
+            np.testing.assert_array_equal(as_bytes(g), as_bytes(v))
+        assert [g.sharding.spec for g in logical] == [
+            PartitionSpec("x", None),
+            PartitionSpec("x", None),
+            PartitionSpec("x", None),
+        ]
+
+
+def test_logical_sharding_rule(cpu_devices):
+    mesh = _mesh((2, 4), ("a", "b"), cpu_devices)
+    assert logical_sharding(mesh, [ROW, ROW], (64, 3)).spec == PartitionSpec(("b", "a"), None)
+    assert logical_sharding(mesh, [pl.Replicate(), ROW], (12,)).spec == PartitionSpec("b")
+    assert logical_sharding(mesh, [ROW, ROW], (12, 3)).spec == PartitionSpec()  # 12 % 8: replicated
+    assert logical_sharding(mesh, [pl.Replicate(), pl.Replicate()], (64,)).spec == PartitionSpec()
+
+
+def test_two_processes(tmp_path, cpu_devices):
+    """2 processes x 4 CPU devices: tensors made sharded across both (non-addressable from
+    either), packed with no host transfer and saved, then restored here on 1 x 8 (and 4),
+    bytes equal; and a checkpoint saved here restored onto (2, 4) across both processes."""
+    from _ckpt_workers import NAMES as W_NAMES
+    from _ckpt_workers import SHAPES as W_SHAPES
+
+    from multiproc import run_processes
+
+    mesh8 = _mesh((8,), ("x",), cpu_devices)
+    here = DBuffer.distribute_tensors([host_tensor(s, t) for t, s in enumerate(W_SHAPES)], mesh8, [ROW])
+    here.save(tmp_path / "here", names=W_NAMES)
+    results = run_processes(
+        "tests/_ckpt_workers.py:save_then_restore", 2, args=[str(tmp_path / "there"), str(tmp_path / "here")]
+    )
+    for i, r in enumerate(results):
+        saved, restored = r.result["saved"], r.result["restored"]
+        assert saved["process"] == i and saved["devices"] == 8 and saved["local_devices"] == 4
+        assert saved["inputs_fully_addressable"] == [False, False, False]
+        assert saved["buffer_fully_addressable"] is False
+        assert restored["equal"] is True
+        # the shards a process holds: tensors split over "b" (4 ways), one process per "a" row
+        assert restored["elements_checked"] == sum(int(np.prod(s)) for s in W_SHAPES)
+    assert ck.read_metadata(tmp_path / "there").metadata["user"] == {"step": 7}
+    for n in (8, 4):
+        mesh = _mesh((n,), ("x",), cpu_devices)
+        got = DBuffer.restore(tmp_path / "there", mesh, [ROW], names=W_NAMES)
+        for t, (g, shape) in enumerate(zip(got.get_tensors(), W_SHAPES)):
+            np.testing.assert_array_equal(as_bytes(g), as_bytes(host_tensor(shape, t)), err_msg=W_NAMES[t])
+
+
+def test_conversions_move_tensor_pieces_not_the_buffer(cpu_devices):
+    """The compiled conversions move data device to device: one all-to-all per tensor (rows
+    split evenly across the 8 shards; 40 % 8 == 0 splits the (40, 8) one too), each device
+    exchanging messages of one tensor's size at most, never the whole buffer."""
+    from mxfp8_jax._src import hlo
+
+    mesh = _mesh((8,), ("x",), cpu_devices)
+    buf = DBuffer.distribute_tensors(_tensors(), mesh, [ROW], shard_layout=UNPADDED)
+    lay = buf.layout
+    to_logical = jax.jit(lambda b: b.logical_tensors()).lower(buf).compile().as_text()
+    arrays = buf.logical_tensors()
+    to_flat = jax.jit(lambda *ts: pack_logical(ts, mesh, [ROW], lay, np.float32))
+    to_flat = to_flat.lower(*arrays).compile().as_text()
+    for text in (to_logical, to_flat):
+        ops = hlo.collectives(text)
+        assert [c.op for c in ops] == ["all-to-all"] * lay.num_tensors
+        # messages padded to the largest: at most each tensor's size (4 bytes an element)
+        assert sorted(c.bytes for c in ops) == sorted(4 * lay.numel(i) for i in range(lay.num_tensors))
+        assert max(c.bytes for c in ops) < 4 * lay.physical_size
