@@ -100,12 +100,11 @@ def main(argv=None) -> int:
     sub.add_parser("demo", help="train a small Flax model with MXFP8 FSDP vs a bf16 baseline", add_help=False)
     sub.add_parser("info", help="versions, devices and the available kernel backends")
     sub.add_parser("layout", help="print or draw which device owns which rows of an MXFP8 buffer", add_help=False)
-    b = sub.add_parser(
+    sub.add_parser(
         "bench",
         help="every benchmark in one run (--quick, --json, --only), or one: bench NAME [ARGS...]",
         add_help=False,
     )
-    b.add_argument("name", nargs="?")
     args, rest = p.parse_known_args(argv)
     if args.command == "demo":
         from mxfp8_jax import demo  # parses its own flags; sets up devices before jax starts
@@ -117,16 +116,13 @@ def main(argv=None) -> int:
         return info()
     if args.command == "layout":
         return layout(rest)
-    if args.name is None or args.name.startswith("-"):
-        from mxfp8_jax.bench import _suite
+    # `bench NAME [ARGS...]` runs one module with its own flags; anything else is the suite's flags
+    rest = argv[argv.index("bench") + 1 :]
+    if rest and not rest[0].startswith("-"):
+        return bench(rest[0], rest[1:])
+    from mxfp8_jax.bench import _suite
 
-        if args.name in ("-h", "--help"):
-            print(
-                f"single benchmarks with their own flags: mxfp8-jax bench NAME [ARGS...], NAME one of "
-                f"{', '.join(bench_names())}\n"
-            )
-        return _suite.main(([args.name] if args.name else []) + rest)
-    return bench(args.name, rest)
+    return _suite.main(rest)
 
 
 if __name__ == "__main__":

@@ -271,7 +271,7 @@ def _fsdp_table(records):
             (
                 r["variant"],
                 r["depth"],
-                f"{r['model_fp32_bytes'] / 2**20:.0f}",
+                f"{r['model_fp32_bytes'] / 2**20:.2f}",
                 f"{(r['argument_bytes'] + r['temp_bytes']) / r['model_fp32_bytes']:.3f}",
                 f"{r['temp_bytes'] / r['model_fp32_bytes']:.3f}",
                 f"{r['all_gather_bytes'] / 2**20:.2f}",
