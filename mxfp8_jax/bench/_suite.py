@@ -21,6 +21,9 @@ preallocated buffers, measured in this run (``_timing.memcpy_seconds``). ``--qui
 case at small sizes (a smoke test; its numbers say little). A case whose kernel is not built
 for the platform is reported as such in its table and in the JSON, never measured on a fallback;
 the command then exits with status 1.
+
+On a GPU host the quantize, dbuffer and fsdp cases measure the GPUs (up to 8); the fused case
+measures 8 CPU devices. ``mxfp8-jax bench NAME [ARGS...]`` runs one module with its own flags.
 """
 
 from __future__ import annotations
@@ -33,6 +36,13 @@ from collections.abc import Callable
 
 CASES = ("quantize", "dbuffer", "fused", "fsdp")
 DEVICES = 8  # simulated CPU devices of the multi-device cases
+
+
+def _mesh_size() -> int:
+    """Devices of the dbuffer and fsdp meshes: 8 simulated CPU devices, or up to 8 accelerators."""
+    import jax
+
+    return DEVICES if jax.default_backend() == "cpu" else min(DEVICES, len(jax.devices()))
 
 
 @contextlib.contextmanager
@@ -119,14 +129,15 @@ def _dbuffer_points(quick: bool):
     from mxfp8_jax.bench import dbuffer
 
     hidden, mlp, iters = (256, 1024, 2) if quick else (2048, 8192, 5)
+    n = _mesh_size()
 
     def point():
-        r = dbuffer.run(hidden, mlp, DEVICES, "float32", "padded", iters)
+        r = dbuffer.run(hidden, mlp, n, "float32", "padded", iters)
         q = r["quantize_s"]
         return {
             "hidden": hidden,
             "mlp": mlp,
-            "devices": DEVICES,
+            "devices": n,
             "weights": r["numel"],
             "padding_overhead": r["padding_overhead"],
             "bytes": r["bytes_moved"],
@@ -156,7 +167,8 @@ def _dbuffer_table(records):
         for r in records
     ]
     return (
-        f"packed-buffer quantize of one transformer block (QKV, out, up, down; fp32 master), {DEVICES} devices",
+        f"packed-buffer quantize of one transformer block (QKV, out, up, down; fp32 master), "
+        f"{records[0]['devices'] if records else '?'} devices",
         [
             "block",
             "weights",
@@ -214,7 +226,7 @@ def _fused_table(records):
         for r in records
     ]
     return (
-        f"all-gather + RMSNorm + MXFP8 quantize, {DEVICES} devices: strategies vs unfused pure JAX",
+        f"all-gather + RMSNorm + MXFP8 quantize, {DEVICES} CPU devices: strategies vs unfused pure JAX",
         [
             "H",
             "rows",
@@ -238,17 +250,18 @@ def _fsdp_points(quick: bool):
     # its unsharded variant alone would hold several GiB of simulated devices on a small host.
     plan = [(2, True)] if quick else [(4, True), (16, True), (64, False)]
     width, iters = (64, 1) if quick else (1024, 3)
+    n = _mesh_size()
     points = []
     for depth, timed in plan:
         for v in fsdp.VARIANTS:
 
             def point(v=v, depth=depth, timed=timed):
-                r = fsdp.run((depth,), width, DEVICES, iters, timed, (v,), progress=False)["results"][0]
+                r = fsdp.run((depth,), width, n, iters, timed, (v,), progress=False)["results"][0]
                 return {
                     "variant": v,
                     "depth": depth,
                     "width": width,
-                    "devices": DEVICES,
+                    "devices": n,
                     "model_fp32_bytes": r["model_fp32_bytes"],
                     "argument_bytes": r["argument_bytes"],
                     "temp_bytes": r["temp_bytes"],
@@ -282,8 +295,9 @@ def _fsdp_table(records):
             )
         )
     width = records[0]["width"] if records else "?"
+    n = records[0]["devices"] if records else "?"
     return (
-        f"FSDP training step, {width}x{width} residual layers, {DEVICES} devices, adam (per device; "
+        f"FSDP training step, {width}x{width} residual layers, {n} devices, adam (per device; "
         f"gspmd = XLA's own FSDP, dp = unsharded)",
         [
             "variant",
