@@ -3,6 +3,7 @@
 import json
 import math
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -98,14 +99,61 @@ def test_bench_dispatch(capsys, monkeypatch):
     assert "quantize" in cli.bench_names()
     with pytest.raises(SystemExit, match="unknown benchmark 'nope'.*quantize"):
         cli.main(["bench", "nope"])
-    assert cli.main(["bench"]) == 2
-    assert "available:" in capsys.readouterr().out
     seen = []
     import mxfp8_jax.bench.quantize as bq
+    from mxfp8_jax.bench import _suite
 
     monkeypatch.setattr(bq, "main", lambda argv: seen.append(argv))
     assert cli.main(["bench", "quantize", "--m", "64", "--k", "64"]) == 0
     assert seen == [["--m", "64", "--k", "64"]]
+    monkeypatch.setattr(_suite, "main", lambda argv: seen.append(("suite", argv)) or 0)
+    assert cli.main(["bench", "--quick", "--json", "x.json", "--only", "fused"]) == 0
+    assert seen[-1] == ("suite", ["--quick", "--json", "x.json", "--only", "fused"])
+    assert cli.main(["bench"]) == 0 and seen[-1] == ("suite", [])
+
+
+def test_bench_suite_says_when_the_kernel_is_missing(tmp_path, monkeypatch, capsys):
+    """No fallback: a case whose kernel is not built is reported in its table and JSON, exit 1."""
+    from mxfp8_jax._src import _ffi
+    from mxfp8_jax.bench import _suite
+
+    def missing(name, platform):
+        raise _ffi.ExtensionMissingError(f"{name} needs the compiled extension (test)")
+
+    monkeypatch.setattr(_ffi, "require", missing)
+    out = tmp_path / "b.json"
+    assert _suite.main(["--quick", "--only", "quantize", "--json", str(out)]) == 1
+    case = json.loads(out.read_text())["cases"]["quantize"]
+    assert case["status"] == "kernel missing" and case["results"] == []
+    assert "mxfp8_quantize needs the compiled extension" in case["message"]
+    assert "KERNEL MISSING" in capsys.readouterr().out
+
+
+def test_bench_quick_runs_every_case(tmp_path):
+    """`mxfp8-jax bench --quick` (the smoke test; its numbers are shown, not judged)."""
+    out = tmp_path / "bench.json"
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    proc = subprocess.run(
+        [*command(), "bench", "--quick", "--json", str(out)], capture_output=True, text=True, env=env, timeout=600
+    )
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    payload = json.loads(out.read_text())
+    assert payload["quick"] and payload["environment"]["memcpy_GBps_128MiB"] > 0
+    cases = payload["cases"]
+    assert list(cases) == ["quantize", "dbuffer", "fused", "fsdp"]
+    expected_points = {"quantize": 6, "dbuffer": 1, "fused": 2, "fsdp": 4}
+    for name, case in cases.items():
+        assert case["status"] == "ok", (name, case["message"])
+        assert len(case["results"]) == expected_points[name] == len(case["rows"]), name
+        assert case["title"] in proc.stdout, name
+        for r in case["results"]:
+            timed = [k for k in r if k.endswith("_s") and r[k] is not None]
+            assert timed and all(r[k] > 0 for k in timed), (name, r)
+            if "bytes" in r:  # timed kernels: GB/s and the copy floor of the same run
+                assert r["kernel_GBps"] > 0 and r["xla_GBps"] > 0 and 0 < r["floor_s"] and r["speedup_vs_xla"] > 0
+    fsdp = {r["variant"]: r for r in cases["fsdp"]["results"]}
+    assert set(fsdp) == {"mxfp8", "bf16", "gspmd", "dp"}
+    assert fsdp["mxfp8"]["all_gather_bytes"] / fsdp["bf16"]["all_gather_bytes"] == (1 + 1 / 32) / 2
 
 
 @pytest.mark.parametrize(
@@ -237,3 +285,159 @@ def test_demo_two_processes(tmp_path):
 def test_demo_processes_arguments():
     with pytest.raises(SystemExit):
         cli.main(["demo", "--processes", "2", "--devices", "3"])
+
+
+# ------------------------------------------------------------------------------------------------
+# mxfp8-jax layout: the printed ownership against what each device really stores
+
+_DEVICE_LINE = re.compile(r"^  device (\d+): stored \[(\d+), (\d+)\) (.*); padding (\d+)$")
+_PIECE = re.compile(r"t(\d+) rows \[(\d+), (\d+)\) at (\d+)")
+_SECTIONS = {"data:": "data", "rowwise scales": "rowwise_scale", "columnwise scales": "columnwise_scale"}
+
+
+def parse_layout_output(text: str) -> dict:
+    """{plane: {device: (pieces {(tensor, row): offset of the row}, padding)}} from the printout."""
+    planes, current = {}, None
+    for line in text.splitlines():
+        for head, name in _SECTIONS.items():
+            if line.startswith(head):
+                current = planes.setdefault(name, {})
+        m = _DEVICE_LINE.match(line)
+        if m:
+            dev, lo, hi, owned, pad = m.groups()
+            rows = {}
+            for t, a, b, off in _PIECE.findall(owned):
+                rows[(int(t), int(a), int(b))] = int(off)
+            current[int(dev)] = (int(hi) - int(lo), rows, int(pad))
+    return planes
+
+
+def stored_rows(local: np.ndarray, row_len: int, decode) -> tuple[dict, int]:
+    """{(tensor, row): offset} found in one device's local plane, and its count of zero elements.
+
+    Every stored row is a run of ``row_len`` equal nonzero values that ``decode`` maps to (tensor, row)."""
+    found, zeros, at = {}, 0, 0
+    while at < len(local):
+        if local[at] == 0:
+            zeros, at = zeros + 1, at + 1
+            continue
+        key = decode(local[at])
+        n = row_len(key[0])
+        assert np.all(local[at : at + n] == local[at]), "a row is not stored contiguously"
+        assert key not in found
+        found[key], at = at, at + n
+    return found, zeros
+
+
+def as_row_runs(found: dict) -> dict:
+    """{(tensor, row): offset} -> {(tensor, first, stop): offset} of runs stored back to back."""
+    runs, by_tensor = {}, {}
+    for (t, r), off in sorted(found.items(), key=lambda kv: kv[1]):
+        by_tensor.setdefault(t, []).append((r, off))
+    for t, items in by_tensor.items():
+        start_r, start_off, prev_r = items[0][0], items[0][1], items[0][0]
+        for r, _ in items[1:]:
+            assert r == prev_r + 1, "a device's rows of one tensor are one contiguous run"
+            prev_r = r
+        runs[(t, start_r, prev_r + 1)] = start_off
+    return runs
+
+
+@pytest.mark.parametrize(
+    "shapes, devices, shard_layout",
+    [
+        ([(128, 64), (32, 128)], 4, "padded"),
+        ([(128, 64), (32, 128)], 4, "unpadded"),
+        ([(96, 64), (64, 96), (32, 32)], 4, "padded"),
+        ([(96, 64), (64, 96), (32, 32)], 8, "unpadded"),
+    ],
+)
+def test_layout_prints_what_every_device_stores(shapes, devices, shard_layout, capsys, cpu_devices):
+    """Oracle: a real QuantizedDBuffer (layout built by the buffer itself), filled with rows whose
+    values name them: row g (counting rows over all tensors) is 2^(g - 100) everywhere, so its
+    rceil scale byte is g - 100 - 8 + 127, and a column block's scale names its last row."""
+    import jax
+
+    argv = ["layout", "--shapes", ",".join(f"{m}x{k}" for m, k in shapes), "--devices", str(devices)]
+    assert cli.main([*argv, "--shard-layout", shard_layout]) == 0
+    printed = parse_layout_output(capsys.readouterr().out)
+    assert set(printed) == {"data", "rowwise_scale", "columnwise_scale"}
+
+    mesh = jax.make_mesh((devices,), ("fsdp",), devices=cpu_devices[:devices])
+    placements = (mx.BlockAtomic(32),)
+    q = mx.QuantizedDBuffer.empty(mesh, placements, shapes, shard_layout=mx.ShardLayout(shard_layout))
+    first_row = np.cumsum([0] + [m for m, _ in shapes])
+    tensors = [
+        np.repeat(np.exp2(np.arange(first_row[i], first_row[i] + m) - 100.0)[:, None], k, 1).astype(np.float32)
+        for i, (m, k) in enumerate(shapes)
+    ]
+    master = mx.DBuffer.distribute_tensors(tensors, mesh, placements, layout=q.layout)
+    q = q.quantize(master, backend="jax")
+
+    def tensor_row(g):
+        i = int(np.searchsorted(first_row, g, side="right") - 1)
+        return i, int(g - first_row[i])
+
+    decode_master = lambda v: tensor_row(int(np.log2(v)) + 100)
+    decode_row_scale = lambda b: tensor_row(int(b) - 127 + 8 + 100)
+
+    def decode_col_scale(b):
+        i, r = tensor_row(int(b) - 127 + 8 + 100)
+        assert r % 32 == 31, "a 32-row block's scale is its largest row's"
+        return i, r // 32
+
+    checks = {
+        "data": (master.data, lambda i: shapes[i][1], decode_master),
+        "rowwise_scale": (q.rowwise_scale.data, lambda i: shapes[i][1] // 32, decode_row_scale),
+        "columnwise_scale": (q.columnwise_scale.data, lambda i: shapes[i][1], decode_col_scale),
+    }
+    for plane, (array, row_len, decode) in checks.items():
+        shards = {s.device: np.asarray(s.data) for s in array.addressable_shards}
+        assert len(printed[plane]) == devices
+        for k in range(devices):
+            local = shards[mesh.devices[k]]
+            found, zeros = stored_rows(local, row_len, decode)
+            n_stored, rows, pad = printed[plane][k]
+            assert n_stored == local.size, (plane, k)
+            assert rows == as_row_runs(found), (plane, k)
+            assert pad == zeros, (plane, k)
+    # the rowwise E4M3 codes sit where the master's rows are (every row quantizes to 256's code,
+    # nonzero): their zero bytes are the padding the printout names
+    for s in q.rowwise_data.data.addressable_shards:
+        k = list(mesh.devices).index(s.device)
+        assert int(np.sum(np.asarray(s.data) == 0)) == printed["data"][k][2]
+
+
+def test_layout_worked_example_by_hand(capsys):
+    """128x64 and 32x128 on 4 devices, PADDED: chunk lcm(32*64, 32*128) = 4096 elements, t0 takes
+    two chunks, t1 one, the buffer pads to 4 * 4096, so device 3 holds only padding."""
+    assert cli.main(["layout", "--shapes", "128x64,32x128", "--devices", "4"]) == 0
+    out = capsys.readouterr().out
+    got = parse_layout_output(out)
+    assert got["data"] == {
+        0: (4096, {(0, 0, 64): 0}, 0),
+        1: (4096, {(0, 64, 128): 0}, 0),
+        2: (4096, {(1, 0, 32): 0}, 0),
+        3: (4096, {}, 4096),
+    }
+    assert got["columnwise_scale"][1] == (128, {(0, 2, 4): 0}, 0)
+    assert "padding 4096 (25.0%)" in out
+
+
+def test_layout_png_and_errors(tmp_path, capsys, monkeypatch):
+    png = tmp_path / "layout.png"
+    assert cli.main(["layout", "--shapes", "64x64", "--devices", "2", "--png", str(png)]) == 0
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 5000
+    capsys.readouterr()
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # as if the [viz] extra were missing
+    assert cli.main(["layout", "--shapes", "64x64", "--devices", "2", "--png", str(png)]) == 1
+    assert "pip install 'mxfp8-jax[viz]'" in capsys.readouterr().err
+    for argv, message in [
+        (["--shapes", "64x48", "--devices", "2"], "K=48 must both be multiples of 32"),
+        (["--shapes", "64", "--devices", "2"], "--shapes item '64' must be MxK"),
+        (["--shapes", "64x64", "--devices", "0"], "devices=0"),
+    ]:
+        with pytest.raises(SystemExit) as e:
+            cli.main(["layout", *argv])
+        assert e.value.code == 2
+        assert message in capsys.readouterr().err

@@ -8,6 +8,7 @@ import time
 from collections.abc import Callable, Sequence
 
 import jax
+import numpy as np
 
 
 def time_fn(fn: Callable, *args, warmup: int = 2, iters: int = 10, min_time: float = 0.0) -> float:
@@ -84,6 +85,39 @@ def write_json(path: str | None, payload: dict) -> None:
         with open(path, "w") as f:
             json.dump(payload, f, indent=2)
         print(f"wrote {path}")
+
+
+def memcpy_seconds(nbytes_moved: int, *, cap: int = 128 << 20, repeats: int = 5) -> float:
+    """Seconds a plain memcpy takes to move ``nbytes_moved`` bytes (read + write): ``numpy.copyto``
+    between two preallocated, already-touched host buffers of ``nbytes_moved / 2`` bytes, best
+    of ``repeats``; above ``cap`` bytes per buffer the time of ``cap`` is scaled linearly.
+
+    It is the copy floor of the benchmarks: the time the bytes a kernel must read and write
+    would take at the rate this machine copies memory, measured in the same run (one thread,
+    no XLA in between)."""
+    half = max(1, nbytes_moved // 2)
+    n = min(half, cap)
+    src = np.ones(n, np.uint8)
+    dst = np.zeros_like(src)
+    np.copyto(dst, src)  # touch both buffers first
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        np.copyto(dst, src)
+        best = min(best, time.perf_counter() - t0)
+    return best * half / n
+
+
+def cpu_model() -> str | None:
+    """The CPU's model name (Linux /proc/cpuinfo), or None where it cannot be read."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return None
 
 
 def environment() -> dict:

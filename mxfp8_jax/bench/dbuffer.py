@@ -155,6 +155,7 @@ def run(
         "numel": numel,
         "physical_size": q.layout.physical_size,
         "padding_overhead": q.layout.padding_overhead,
+        "bytes_moved": in_bytes + out_bytes,
         "quantize_s": {
             "packed_ffi": t_ffi,
             "packed_jax": t_jax,
