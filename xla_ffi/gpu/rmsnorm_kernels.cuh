@@ -39,7 +39,7 @@ struct NormFp32Source {
   float weight_offset;
   __device__ uint32_t operator()(int r, int i) const {
     const uint32_t xb = bf16_to_f32_bits(rows[r][col0 + i]);
-    return bits(norm_value(xb, inv[r], gamma_value(bf16_to_f32_bits(gamma[i]), weight_offset)));
+    return norm_bits(xb, inv[r], gamma_value(bf16_to_f32_bits(gamma[i]), weight_offset));
   }
 };
 
