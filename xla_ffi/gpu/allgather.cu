@@ -24,14 +24,20 @@ namespace {
 class ScopedDevice {
  public:
   explicit ScopedDevice(int device) {
-    if (cudaGetDevice(&previous_) != cudaSuccess) previous_ = -1;
+    if (cudaGetDevice(&previous_) != cudaSuccess) {
+      previous_ = -1;
+      (void)cudaGetLastError();  // not left pending for a later launch_error()
+    }
     if (previous_ != device) {
       error_ = cudaSetDevice(device);
       changed_ = error_ == cudaSuccess;
     }
   }
+  // A failed restore is not reported (destructors do not fail), and its error is cleared so
+  // that the caller's next launch does not report it as a launch failure.
   ~ScopedDevice() {
-    if (changed_ && previous_ >= 0) (void)cudaSetDevice(previous_);
+    if (changed_ && previous_ >= 0 && cudaSetDevice(previous_) != cudaSuccess)
+      (void)cudaGetLastError();
   }
   ScopedDevice(const ScopedDevice&) = delete;
   ScopedDevice& operator=(const ScopedDevice&) = delete;

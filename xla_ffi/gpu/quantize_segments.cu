@@ -159,15 +159,20 @@ __global__ void __launch_bounds__(kBlockThreads)
 }
 
 template <InType T>
-static void launch_segments(cudaStream_t stream, const uint8_t* x, int64_t S, const void* desc,
-                            bool desc64, int64_t P, const SegmentPlanes& p, ScaleRule rule) {
+static const char* launch_segments(cudaStream_t stream, const uint8_t* x, int64_t S,
+                                   const void* desc, bool desc64, int64_t P, const SegmentPlanes& p,
+                                   ScaleRule rule) {
   // Pieces are disjoint, so they hold at most S / (32 * V) groups.
   const int64_t groups = S / (kBlock * Elems<T>::kVec);
   const int64_t blocks = ceil_div(ceil_div(groups, kTileCols) * kGroupLanes, kBlockThreads);
+  const int64_t gap_blocks = ceil_div(S / kBlock, kBlockThreads);
+  if (!grid_fits(blocks) || !grid_fits(gap_blocks)) return kGridTooLarge;
+  clear_pending_error();
   if (blocks > 0)
     segment_pieces_kernel<T><<<blocks, kBlockThreads, 0, stream>>>(x, S, desc, desc64, P, p, rule);
-  segment_gaps_kernel<<<ceil_div(S / kBlock, kBlockThreads), kBlockThreads, 0, stream>>>(
-      S, desc, desc64, P, p);
+  if (gap_blocks > 0)
+    segment_gaps_kernel<<<gap_blocks, kBlockThreads, 0, stream>>>(S, desc, desc64, P, p);
+  return launch_error();
 }
 
 const char* launch_quantize_segments(void* stream, InType t, const uint8_t* x, int64_t S,
@@ -175,11 +180,11 @@ const char* launch_quantize_segments(void* stream, InType t, const uint8_t* x, i
                                      ScaleRule rule) {
   const auto st = static_cast<cudaStream_t>(stream);
   switch (t) {
-    case InType::kF32: launch_segments<InType::kF32>(st, x, S, desc, desc64, P, p, rule); break;
-    case InType::kBF16: launch_segments<InType::kBF16>(st, x, S, desc, desc64, P, p, rule); break;
-    case InType::kF16: launch_segments<InType::kF16>(st, x, S, desc, desc64, P, p, rule); break;
+    case InType::kF32: return launch_segments<InType::kF32>(st, x, S, desc, desc64, P, p, rule);
+    case InType::kBF16: return launch_segments<InType::kBF16>(st, x, S, desc, desc64, P, p, rule);
+    case InType::kF16: return launch_segments<InType::kF16>(st, x, S, desc, desc64, P, p, rule);
   }
-  return launch_error();
+  return "unknown input type";
 }
 
 }  // namespace mxfp8::gpu

@@ -218,7 +218,11 @@ template <typename Rows>
 const char* enqueue_rmsnorm_quantize(void* stream, const Rows& rows, const uint16_t* gamma,
                                      int64_t R, const NormParams& prm, const NormOut& o,
                                      bool columnwise, bool quantize_from_fp32) {
+  const int64_t blocks = columnwise ? R / kBlock : ceil_div(R * kNormLanes, kBlockThreads);
+  if (blocks == 0) return nullptr;
+  if (!grid_fits(blocks)) return kGridTooLarge;
   const auto st = static_cast<cudaStream_t>(stream);
+  clear_pending_error();
   if (quantize_from_fp32) enqueue_rmsnorm<true>(st, rows, gamma, R, prm, o, columnwise);
   else enqueue_rmsnorm<false>(st, rows, gamma, R, prm, o, columnwise);
   return launch_error();
