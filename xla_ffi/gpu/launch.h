@@ -95,4 +95,17 @@ const char* gpu_stream_sync(void* stream, int device);
 // Releases an event; waits already enqueued on it stay valid.
 void gpu_destroy_event(int device, void* event);
 
+// ---------------------------------------------------------------------------------------------
+// The build and the runtime (runtime.cu), for the checks made when the module is imported.
+
+// The architectures the kernels were compiled for, as the build lists them (CMake syntax:
+// "90-real;100f-real;90-virtual", or "gfx942;gfx950").
+const char* gpu_architectures();
+// The runtime the module was built with: CUDART_VERSION (13000 for 13.0), or ROCm
+// major * 100 + minor.
+int gpu_runtime_version();
+// nullptr when this machine's driver / runtime can run the module (or there is none at all),
+// else why not, as a sentence for the ImportError.
+const char* gpu_runtime_problem();
+
 }  // namespace mxfp8::gpu
