@@ -86,6 +86,11 @@ const char* gpu_copy_to_host(void* stream, int device, void* dst, const void* sr
 const char* gpu_can_access_peer(int device, int peer, bool* can);
 // Lets kernels on `device` read the memory of `peer` (once per pair; already enabled is fine).
 const char* gpu_enable_peer_access(int device, int peer);
+// Makes the memory at p (a peer's input) readable by kernels on `device`, where peer access
+// alone does not: a stream-ordered pool (cudaMallocAsync) is granted access for `device` (once
+// per pool). When the memory cannot be made readable (a virtual-memory mapping without access
+// for `device`), *refusal says why and nothing is changed.
+const char* gpu_grant_peer_read(int device, const void* p, const char** refusal);
 // A new event (no timing) recorded on `stream` now.
 const char* gpu_record_event(void* stream, int device, void** event);
 // Work enqueued on `stream` from now on waits for `event` (of any device).
