@@ -81,12 +81,18 @@ __global__ void __launch_bounds__(kBlockThreads)
       if (!piece_ok(q, S)) q = Piece{0, 0, 0};
     }
     chunk[tid] = q;
-    block_sync();
-    if (tid == 0) {
-      first[0] = base;
-      for (int k = 0; k < kChunk; ++k)
-        first[k + 1] = first[k] + chunk[k].rows / kBlock * (chunk[k].row_len / V);
+    // first[k + 1] = base + the group counts of pieces 0..k: an inclusive scan over the block
+    // (log2(kChunk) steps of every thread, where one thread once summed kChunk entries).
+    int64_t sum = q.rows / kBlock * (q.row_len / V);
+#pragma unroll
+    for (int s = 1; s < kChunk; s <<= 1) {
+      first[tid + 1] = sum;
+      block_sync();
+      if (tid >= s) sum += first[tid + 1 - s];
+      block_sync();
     }
+    first[tid + 1] = base + sum;
+    if (tid == 0) first[0] = base;
     block_sync();
     if (g >= first[0] && g < first[kChunk]) {  // binary search: last k with first[k] <= g
       int lo = 0, hi = kChunk - 1;
