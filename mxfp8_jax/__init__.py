@@ -4,7 +4,7 @@ Exact MXFP8 numerics (one rule set for the pure-JAX reference and the CPU/CUDA/R
 sharded FSDP buffers of MXFP8 planes, and a fused all-gather + RMSNorm + MXFP8 quantize.
 """
 
-from mxfp8_jax._src._ffi import ExtensionMissingError, available_backends
+from mxfp8_jax._src._ffi import ExtensionMissingError, GpuFallbackWarning, available_backends
 from mxfp8_jax._src.cpu_isa import cpu_isa, cpu_isas, set_cpu_isa, use_cpu_isa
 from mxfp8_jax._src.dbuffer import DBuffer
 from mxfp8_jax._src.format import BLOCK, ScaleRule, e8m0_to_float32, e8m0_view
@@ -44,6 +44,7 @@ __all__ = [
     "ExperimentalGpuP2PWarning",
     "ExtensionMissingError",
     "GlobalLayout",
+    "GpuFallbackWarning",
     "MXFP8Tensor",
     "PaddedMXFP8Tensor",
     "Partial",

@@ -10,6 +10,18 @@ import numpy as np
 
 E4M3 = ml_dtypes.float8_e4m3fn
 INV448 = np.float32(1) / np.float32(448)
+# docs/design.md §2: a NaN that arithmetic produces is written as this one pattern (positive,
+# quiet bit only); its bf16 is 0x7FC0 and its E4M3 code 0x7F.
+CANONICAL_NAN_F32 = 0x7FC00000
+CANONICAL_NAN_BF16 = 0x7FC0
+CANONICAL_NAN_E4M3 = 0x7F
+
+
+def canonical_nan(y) -> np.ndarray:
+    """fp32 array with every NaN (any sign, any payload) replaced by the canonical NaN."""
+    b = np.ascontiguousarray(y, np.float32).view(np.uint32).copy()
+    b[(b & 0x7FFFFFFF) > 0x7F800000] = CANONICAL_NAN_F32
+    return b.view(np.float32)
 
 
 def _amax(blocks64: np.ndarray) -> np.ndarray:

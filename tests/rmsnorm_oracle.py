@@ -2,12 +2,15 @@
 
 ``canonical``: the evaluation order pinned in numerics.h, in numpy float32 (IEEE, subnormals
 kept): 32 partial sums, partial j taking x[256 i + 8 j + v]^2 in increasing i then v, a pairwise
-tree, inv = 1 / sqrt(sumsq / H + eps), y = (x * inv) * (gamma + offset), bf16 round to nearest
-even on the bits. ``float64``: the same math in float64, for the 1-ulp check.
+tree, inv = 1 / sqrt(sumsq / H + eps), y = (x * inv) * (gamma + offset) with a NaN made the
+canonical NaN (docs/design.md §2), bf16 round to nearest even on the bits. ``float64``: the same
+math in float64, for the 1-ulp check.
 """
 
 import ml_dtypes
 import numpy as np
+
+from numpy_oracle import canonical_nan
 
 BF16 = ml_dtypes.bfloat16
 
@@ -25,17 +28,17 @@ def canonical(x, gamma, *, eps: float, offset: float = 0.0):
     xf = np.asarray(x).astype(np.float32)
     r, h = xf.shape
     part = np.zeros((r, 32), np.float32)
-    for base in range(0, h, 256):
-        lanes = min(32, (h - base) // 8)
-        for v in range(8):
-            cols = base + 8 * np.arange(lanes) + v
-            part[:, :lanes] = part[:, :lanes] + xf[:, cols] * xf[:, cols]
-    for s in (16, 8, 4, 2, 1):
-        part[:, :s] = part[:, :s] + part[:, s : 2 * s]
-    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):  # Inf/NaN rows on purpose
+        for base in range(0, h, 256):
+            lanes = min(32, (h - base) // 8)
+            for v in range(8):
+                cols = base + 8 * np.arange(lanes) + v
+                part[:, :lanes] = part[:, :lanes] + xf[:, cols] * xf[:, cols]
+        for s in (16, 8, 4, 2, 1):
+            part[:, :s] = part[:, :s] + part[:, s : 2 * s]
         inv = np.float32(1.0) / np.sqrt(part[:, 0] / np.float32(h) + np.float32(eps))
         g = np.asarray(gamma).astype(np.float32) + np.float32(offset)
-        y = (xf * inv[:, None]) * g
+        y = canonical_nan((xf * inv[:, None]) * g)
     return bf16_bits_rne(y).view(BF16).reshape(r, h), y
 
 

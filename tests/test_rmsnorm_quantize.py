@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 import mxfp8_jax as mx
 
 from conftest import as_bytes
+from numpy_oracle import CANONICAL_NAN_BF16, CANONICAL_NAN_E4M3
 from rmsnorm_oracle import BF16, canonical, float64, within_one_bf16_ulp
 
 pytestmark = pytest.mark.skipif("cpu" not in mx.available_backends(), reason="needs the compiled CPU extension")
@@ -124,6 +125,56 @@ def test_special_values():
     want, _ = canonical(x, gamma, eps=1e-6)
     np.testing.assert_array_equal(as_bytes(normed), as_bytes(want))
     _check_planes(normed, q, s, want)
+
+
+def _nan_rows():
+    """Rows that make NaN every way the product can: an input NaN (either sign, a payload), an
+    Inf (Inf * 0 in x * inv), squares that overflow (x * 0 = 0, then 0 * Inf gamma), a zero times
+    an infinite gamma, a NaN gamma (negative, with a payload). The sum of squares adds
+    non-negative terms and gamma + offset has a finite offset, so Inf - Inf cannot arise in the
+    forward. Returns (x, gamma, where NaN is expected, derived by hand)."""
+    r, h = 32, 64
+    bits = np.full((r, h), 0x3F80, np.uint16)  # 1.0
+    bits[:, 1::2] = 0xBFC0  # -1.5
+    bits[0, 3] = 0x7FC0  # +NaN
+    bits[1, 5] = 0xFFA5  # -NaN, signalling payload
+    bits[2, 7] = 0x7F80  # +Inf: inv = 0, Inf * 0
+    bits[3, :] = 0x7F61  # ~3e38: squares overflow, inv = 0
+    bits[4, 20] = 0x0000  # 0 * (+Inf gamma)
+    g = np.full(h, 0x3F80, np.uint16)
+    g[10] = 0xFF81  # -NaN gamma, signalling payload
+    g[20], g[21] = 0x7F80, 0xFF80  # +-Inf gamma: only 0 * Inf is NaN
+    nan = np.zeros((r, h), bool)
+    nan[:, 10] = True
+    nan[0:2, :] = True
+    nan[2, [7, 20, 21]] = True
+    nan[3, [20, 21]] = True
+    nan[4, 20] = True
+    return bits.view(BF16), g.view(BF16), nan
+
+
+@pytest.mark.parametrize("quantize_from", ["normed", "fp32"])
+def test_nan_is_canonical(quantize_from):
+    """Every NaN of normed is the canonical 0x7FC0 and its E4M3 code 0x7F, in both quantize
+    sources and both directions, whatever NaN the hardware made (docs/design.md §2)."""
+    x, gamma, nan = _nan_rows()
+    out = _fused_columnwise(jnp.asarray(x), jnp.asarray(gamma), quantize_from, "ffi")
+    normed, q, cq = (as_bytes(a) for a in (out[0], out[1], out[3]))
+    normed = normed.view(np.uint16).reshape(nan.shape)
+    assert (normed[nan] == CANONICAL_NAN_BF16).all()
+    assert not np.isnan(normed[~nan].view(BF16).astype(np.float32)).any()
+    assert (normed[5:, 20:22] == 0x7F80).all()  # 1 * Inf and -1.5 * -Inf stay +Inf
+    # a block holding a NaN codes it 0x7F (its amax ignores NaN); all-NaN rows: scale byte 0
+    assert (q.reshape(nan.shape)[nan] == CANONICAL_NAN_E4M3).all()
+    assert (cq.reshape(nan.shape)[nan] == CANONICAL_NAN_E4M3).all()
+    want, y = canonical(x, gamma, eps=1e-6)
+    np.testing.assert_array_equal(normed, as_bytes(want).view(np.uint16).reshape(nan.shape))
+    _check_planes(
+        out[0], out[1], out[2], want if quantize_from == "normed" else y, columnwise=True, cq=out[3], cs=out[4]
+    )
+    ref = _fused_columnwise(jnp.asarray(x), jnp.asarray(gamma), quantize_from, "jax")
+    for a, b in zip(out, ref):
+        np.testing.assert_array_equal(as_bytes(a), as_bytes(b))
 
 
 @settings(max_examples=12)  # each new shape compiles; the values vary freely

@@ -210,6 +210,21 @@ def scaled_to_bits(q: jax.Array, byte: jax.Array) -> jax.Array:
     return sign | out
 
 
+CANONICAL_NAN_BITS = 0x7FC00000  # the one NaN of computed fp32 values (docs/design.md §2)
+
+
+def canonical_nan(y: jax.Array) -> jax.Array:
+    """fp32 ``y`` with every NaN replaced by the canonical NaN 0x7FC00000 (other bits kept).
+
+    Hardware writes its own NaN for an invalid operation (x86 0xFFC00000, CUDA 0x7FFFFFFF, AMD
+    0x7FC00000) or passes an input NaN through, so a computed value is made canonical before it
+    is rounded or quantized; the select is on the bits, which no compiler may rewrite.
+    """
+    b = lax.bitcast_convert_type(y, jnp.uint32)
+    nan = (b & 0x7FFFFFFF) > 0x7F800000
+    return lax.bitcast_convert_type(_select(nan, np.uint32(CANONICAL_NAN_BITS), b), jnp.float32)
+
+
 def f32_bits_to(bits: jax.Array, dtype) -> jax.Array:
     """fp32 bits -> dtype, rounding to nearest even in integers for bf16 (keeps subnormals)."""
     dtype = jnp.dtype(dtype)

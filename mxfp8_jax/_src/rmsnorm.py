@@ -4,6 +4,7 @@ Per row ``x`` (bf16, hidden size ``H``)::
 
     inv      = 1 / sqrt(sum(f32(x)^2) / H + eps)
     normed   = bf16_rne((f32(x) * inv) * (f32(gamma) + weight_offset))      [R, H] bf16
+               (a NaN product becomes the canonical NaN 0x7FC00000 first: bf16 0x7FC0)
     quant    = E4M3 codes of normed, blocks of 32 along H                   [R, H] float8_e4m3fn
     scales   = E8M0 bytes                                                   [R, H/32] uint8
 
@@ -114,7 +115,7 @@ def reference(x, gamma, cfg: NormConfig):
     root = jax.lax.optimization_barrier(jnp.sqrt(part[:, 0] / h_f32 + f32(cfg.eps)))
     inv = f32(1.0) / root
     g = gamma.astype(f32) + f32(cfg.weight_offset)
-    y = (xf * inv[:, None]) * g
+    y = fmt.canonical_nan((xf * inv[:, None]) * g)
     normed = fmt.f32_bits_to(jax.lax.bitcast_convert_type(y, jnp.uint32), jnp.bfloat16)
     src = y if cfg.quantize_from_fp32 else normed
     q, s = fmt.quantize_rowwise(src, cfg.rule)

@@ -1,6 +1,9 @@
 # ROCm handlers: the same sources as the CUDA ones (gpu/*.cu, through gpu/hip_compat.h) compiled
 # as HIP, the _mxfp8_rocm module, registered for jax platform "ROCM"; code for gfx942 (MI300) and
-# gfx950 (MI350).
+# gfx950 (MI350). A code object runs on its own gfx target only: other AMD GPUs get one warning
+# and the pure-JAX reference (_ffi.py). The module links libamdhip64 of the ROCm it is built
+# with and refuses, at import, a HIP runtime of another major version or an older minor one
+# (gpu/runtime.cu).
 #
 # MXFP8_ROCM: AUTO builds it when a HIP-capable clang (one that knows gfx942 and gfx950), the
 # HIP headers and libamdhip64 are found, ON requires them, OFF skips it. The compiler is
@@ -68,12 +71,17 @@ set(_hip_flags -x hip -std=c++17 -O3 ${_hip_arch_flags} -nogpulib -mcode-object-
     -I${CMAKE_CURRENT_SOURCE_DIR}/include -I${CMAKE_CURRENT_SOURCE_DIR}
     -idirafter ${MXFP8_HIP_INCLUDE_DIR})
 set(_hip_objects)
-foreach(_src quantize quantize_segments rmsnorm_quantize allgather)
+string(REPLACE ";" "," _mxfp8_hip_archs_csv "${MXFP8_HIP_ARCHS}")
+foreach(_src quantize quantize_segments rmsnorm_quantize allgather runtime)
   set(_obj ${CMAKE_CURRENT_BINARY_DIR}/hip/${_src}.o)
+  set(_defs)
+  if(_src STREQUAL "runtime")  # the module reports what it was built for
+    set(_defs "-DMXFP8_GPU_ARCHS=\"${_mxfp8_hip_archs_csv}\"")
+  endif()
   add_custom_command(
     OUTPUT ${_obj}
     COMMAND ${CMAKE_COMMAND} -E make_directory ${CMAKE_CURRENT_BINARY_DIR}/hip
-    COMMAND ${MXFP8_HIP_CLANG} ${_hip_flags} -MD -MF ${_obj}.d -c
+    COMMAND ${MXFP8_HIP_CLANG} ${_hip_flags} ${_defs} -MD -MF ${_obj}.d -c
             ${CMAKE_CURRENT_SOURCE_DIR}/gpu/${_src}.cu -o ${_obj}
     DEPENDS ${CMAKE_CURRENT_SOURCE_DIR}/gpu/${_src}.cu
     DEPFILE ${_obj}.d

@@ -130,13 +130,13 @@ MXFP8_ROW_LOOP float row_sum_of_squares(const uint16_t* x, int64_t H) {
   return norm_tree(part);
 }
 
-// normed = bf16_rne((x * inv) * g) for one row; fp32 (optional) receives the unrounded bits.
-// Straight-line per element, so the compiler vectorises it (no FMA: -ffp-contract=off).
+// normed = bf16_rne((x * inv) * g) for one row, NaN canonical; fp32 (optional) receives the
+// unrounded bits. Straight-line per element, so the compiler vectorises it (no FMA:
+// -ffp-contract=off).
 MXFP8_ROW_LOOP void normalize_row(const uint16_t* x, const float* g, float inv, int64_t H,
                                   uint16_t* normed, uint32_t* fp32) {
   for (int64_t e = 0; e < H; ++e) {
-    const uint32_t y =
-        f32_to_bits(mul_rn(mul_rn(f32_from_bits(bf16_to_f32_bits(x[e])), inv), g[e]));
+    const uint32_t y = norm_product_bits(f32_from_bits(bf16_to_f32_bits(x[e])), inv, g[e]);
     normed[e] = f32_bits_to_bf16_rne(y);
     if (fp32) fp32[e] = y;
   }

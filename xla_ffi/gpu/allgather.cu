@@ -10,10 +10,15 @@
 #include <map>
 #include <mutex>
 #include <set>
+#include <string>
 #include <utility>
 
 #include "gpu/gpu.cuh"
 #include "gpu/launch.h"
+
+#if !defined(__HIPCC__)
+#include <cuda.h>  // driver API types only: its entry points come through the runtime (no -lcuda)
+#endif
 
 namespace mxfp8::gpu {
 namespace {
@@ -24,14 +29,20 @@ namespace {
 class ScopedDevice {
  public:
   explicit ScopedDevice(int device) {
-    if (cudaGetDevice(&previous_) != cudaSuccess) previous_ = -1;
+    if (cudaGetDevice(&previous_) != cudaSuccess) {
+      previous_ = -1;
+      (void)cudaGetLastError();  // not left pending for a later launch_error()
+    }
     if (previous_ != device) {
       error_ = cudaSetDevice(device);
       changed_ = error_ == cudaSuccess;
     }
   }
+  // A failed restore is not reported (destructors do not fail), and its error is cleared so
+  // that the caller's next launch does not report it as a launch failure.
   ~ScopedDevice() {
-    if (changed_ && previous_ >= 0) (void)cudaSetDevice(previous_);
+    if (changed_ && previous_ >= 0 && cudaSetDevice(previous_) != cudaSuccess)
+      (void)cudaGetLastError();
   }
   ScopedDevice(const ScopedDevice&) = delete;
   ScopedDevice& operator=(const ScopedDevice&) = delete;
@@ -52,7 +63,7 @@ const char* message(cudaError_t e) {
 
 std::mutex peer_mu;
 std::map<std::pair<int, int>, bool> can_access;  // (device, peer) -> cudaDeviceCanAccessPeer
-std::set<std::pair<int, int>> enabled;           // pairs already enabled in this process
+std::set<std::pair<int, int>> enabled;  // pairs already enabled in this process
 
 }  // namespace
 
@@ -97,6 +108,105 @@ const char* gpu_enable_peer_access(int device, int peer) {
   const bool ok = e == cudaSuccess || e == cudaErrorPeerAccessAlreadyEnabled;
   if (ok) enabled.insert(key);
   return message(ok ? cudaSuccess : e);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Peer reads of memory that peer access does not cover.
+//
+// cudaDeviceEnablePeerAccess maps the peer's cudaMalloc memory only. Memory of a stream-ordered
+// pool (cudaMallocAsync: XLA_PYTHON_CLIENT_ALLOCATOR=cuda_async) is readable from another GPU
+// once the pool grants it access (cudaMemPoolSetAccess, for every allocation of that pool), and
+// memory mapped through the virtual memory API (cuMemCreate/cuMemMap) only where its mapping
+// grants access; a read of either without access faults and poisons the context.
+
+namespace {
+
+std::set<std::pair<void*, int>> granted;  // (pool, device) pairs given read access
+
+#if !defined(__HIPCC__)
+// Driver entry points, looked up once through the runtime; nullptr when the driver lacks them.
+template <typename Fn>
+Fn driver_entry(const char* name) {
+  void* fn = nullptr;
+  cudaDriverEntryPointQueryResult found{};
+  if (cudaGetDriverEntryPointByVersion(name, &fn, 12000, cudaEnableDefault, &found) !=
+          cudaSuccess ||
+      found != cudaDriverEntryPointSuccess) {
+    (void)cudaGetLastError();
+    return nullptr;
+  }
+  return reinterpret_cast<Fn>(fn);
+}
+
+using PointerGetAttributeFn = CUresult (*)(void*, CUpointer_attribute, CUdeviceptr);
+using RetainAllocationFn = CUresult (*)(CUmemGenericAllocationHandle*, void*);
+using ReleaseFn = CUresult (*)(CUmemGenericAllocationHandle);
+using MemGetAccessFn = CUresult (*)(unsigned long long*, const CUmemLocation*, CUdeviceptr);
+
+// The pool p was allocated from, or nullptr (not a pool allocation, or no way to tell).
+cudaMemPool_t pool_of(const void* p) {
+  static const auto get = driver_entry<PointerGetAttributeFn>("cuPointerGetAttribute");
+  CUmemoryPool pool = nullptr;
+  if (get == nullptr || get(&pool, CU_POINTER_ATTRIBUTE_MEMPOOL_HANDLE,
+                            reinterpret_cast<CUdeviceptr>(p)) != CUDA_SUCCESS)
+    return nullptr;
+  return reinterpret_cast<cudaMemPool_t>(pool);
+}
+
+// Whether p lies in a virtual-memory mapping that does not let `device` read it (false when it
+// is no such mapping, or the driver cannot tell).
+bool vmm_without_access(const void* p, int device) {
+  static const auto retain = driver_entry<RetainAllocationFn>("cuMemRetainAllocationHandle");
+  static const auto release = driver_entry<ReleaseFn>("cuMemRelease");
+  static const auto access = driver_entry<MemGetAccessFn>("cuMemGetAccess");
+  if (retain == nullptr || release == nullptr || access == nullptr) return false;
+  CUmemGenericAllocationHandle handle{};
+  if (retain(&handle, const_cast<void*>(p)) != CUDA_SUCCESS) return false;  // not cuMemMap'ped
+  (void)release(handle);
+  CUmemLocation where{};
+  where.type = CU_MEM_LOCATION_TYPE_DEVICE;
+  where.id = device;
+  unsigned long long flags = 0;
+  if (access(&flags, &where, reinterpret_cast<CUdeviceptr>(p)) != CUDA_SUCCESS) return false;
+  return (flags & CU_MEM_ACCESS_FLAGS_PROT_READ) == 0;
+}
+#else
+cudaMemPool_t pool_of(const void* p) {
+  hipMemPool_t pool = nullptr;
+  if (hipPointerGetAttribute(&pool, HIP_POINTER_ATTRIBUTE_MEMPOOL_HANDLE,
+                             reinterpret_cast<hipDeviceptr_t>(const_cast<void*>(p))) !=
+      hipSuccess) {
+    (void)hipGetLastError();
+    return nullptr;
+  }
+  return pool;
+}
+// The HIP headers the module builds against (ROCm 5.2+) have no allocation-handle query.
+bool vmm_without_access(const void*, int) { return false; }
+#endif
+
+}  // namespace
+
+const char* gpu_grant_peer_read(int device, const void* p, const char** refusal) {
+  *refusal = nullptr;
+  std::lock_guard<std::mutex> lock(peer_mu);
+  if (cudaMemPool_t pool = pool_of(p)) {
+    const auto key = std::make_pair(static_cast<void*>(pool), device);
+    if (granted.count(key)) return nullptr;
+    cudaMemAccessDesc desc{};
+    desc.location.type = cudaMemLocationTypeDevice;
+    desc.location.id = device;
+    desc.flags = cudaMemAccessFlagsProtReadWrite;  // read-only access is not offered for pools
+    if (const cudaError_t e = cudaMemPoolSetAccess(pool, &desc, 1); e != cudaSuccess)
+      return message(e);
+    granted.insert(key);
+    return nullptr;
+  }
+  if (vmm_without_access(p, device))
+    *refusal =
+        "it is virtual-memory (cuMem) mapped memory whose mapping gives this GPU no access, "
+        "which peer access does not change";
+  return nullptr;
 }
 
 const char* gpu_record_event(void* stream, int device, void** event) {

@@ -63,6 +63,12 @@ __device__ __forceinline__ uint32_t bits(float f) { return __float_as_uint(f); }
 // ---------------------------------------------------------------------------------------------
 // Host side.
 
+// The launch status is the runtime's per-thread "last error", which every failed runtime call
+// also sets and only a read clears. XLA's thread may carry one from a harmless earlier call
+// (hipErrorNotReady from a query, peer access already enabled; from ROCm 7 HIP keeps them
+// pending), so each launcher clears it before its first launch and reads it after the last.
+inline void clear_pending_error() { (void)cudaGetLastError(); }
+
 // nullptr when the kernels just enqueued launched, else the runtime's message.
 inline const char* launch_error() {
   const cudaError_t e = cudaGetLastError();
@@ -72,5 +78,20 @@ inline const char* launch_error() {
 inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 constexpr int kBlockThreads = 128;
+
+// Most blocks a 1-D grid of kBlockThreads may have: CUDA's gridDim.x limit (2^31 - 1); HIP counts
+// the grid in work-items, at most 2^32 - 1 of them. <<<>>> takes unsigned int, so a larger
+// int64 count would be truncated silently: launchers check it first.
+#if defined(__HIPCC__)
+constexpr int64_t kMaxGridBlocks = ((int64_t{1} << 32) - 1) / kBlockThreads;
+#else
+constexpr int64_t kMaxGridBlocks = (int64_t{1} << 31) - 1;
+#endif
+
+inline bool grid_fits(int64_t blocks) { return blocks <= kMaxGridBlocks; }
+
+constexpr const char* kGridTooLarge =
+    "the input needs more thread blocks than one 1-D grid launch allows; split it into "
+    "smaller calls";
 
 }  // namespace mxfp8::gpu

@@ -215,6 +215,23 @@ ffi::Error meet_inputs_ready(const GatherCall& c, std::vector<Ready>* peers) {
   return ffi::Error::Success();
 }
 
+// Step 3, for one peer: its input may live where peer access does not reach (a cudaMallocAsync
+// pool, a cuMem mapping): the pool is granted access, a mapping without access is refused.
+void grant_peer_read(const GatherCall& c, int k, const Ready& peer, Done* done) {
+  const char* refusal = nullptr;
+  if (const char* e = gpu_grant_peer_read(c.device, peer.x, &refusal)) {
+    note(done, ffi::ErrorCode::kInternal,
+         "granting GPU " + std::to_string(c.device) + " access to the input of " +
+             rank_on_gpu(k, peer.device) + " failed: " + e);
+  } else if (refusal != nullptr) {
+    note(done, ffi::ErrorCode::kFailedPrecondition,
+         rank_on_gpu(c.rank, c.device) + " cannot read the input of " +
+             rank_on_gpu(k, peer.device) + ": " + refusal +
+             ". strategy='p2p' reads the peers' inputs directly; use strategy='xla' with this "
+             "allocator");
+  }
+}
+
 // Step 3: lets this GPU read the peers' inputs. Peer access to every GPU whose rows it reads
 // (once per pair), then its stream waits for every peer's ready event. Stops at the first
 // failure, noted in `done`.
@@ -236,6 +253,8 @@ void open_peer_reads(const GatherCall& c, const std::vector<Ready>& peers, Done*
       note(done, ffi::ErrorCode::kInternal,
            "enabling peer access from GPU " + std::to_string(c.device) + " to GPU " +
                std::to_string(peer) + " failed: " + e);
+    } else {
+      grant_peer_read(c, k, peers[k], done);
     }
   }
   for (int k = 0; k < c.n && done->error.empty(); ++k)

@@ -34,6 +34,11 @@ using cudaPointerAttributes = hipPointerAttribute_t;
 #define cudaEventRecord hipEventRecord
 #define cudaEventDestroy hipEventDestroy
 #define cudaStreamWaitEvent hipStreamWaitEvent
+using cudaMemPool_t = hipMemPool_t;
+using cudaMemAccessDesc = hipMemAccessDesc;
+#define cudaMemLocationTypeDevice hipMemLocationTypeDevice
+#define cudaMemAccessFlagsProtReadWrite hipMemAccessFlagsProtReadWrite
+#define cudaMemPoolSetAccess hipMemPoolSetAccess
 
 // Exact arithmetic. numerics.h asks for IEEE-correct sqrt through __fsqrt_rn; older HIP headers
 // define that as the native (approximate) square root, so it is redirected to the correctly

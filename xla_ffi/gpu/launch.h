@@ -86,6 +86,11 @@ const char* gpu_copy_to_host(void* stream, int device, void* dst, const void* sr
 const char* gpu_can_access_peer(int device, int peer, bool* can);
 // Lets kernels on `device` read the memory of `peer` (once per pair; already enabled is fine).
 const char* gpu_enable_peer_access(int device, int peer);
+// Makes the memory at p (a peer's input) readable by kernels on `device`, where peer access
+// alone does not: a stream-ordered pool (cudaMallocAsync) is granted access for `device` (once
+// per pool). When the memory cannot be made readable (a virtual-memory mapping without access
+// for `device`), *refusal says why and nothing is changed.
+const char* gpu_grant_peer_read(int device, const void* p, const char** refusal);
 // A new event (no timing) recorded on `stream` now.
 const char* gpu_record_event(void* stream, int device, void** event);
 // Work enqueued on `stream` from now on waits for `event` (of any device).
@@ -94,5 +99,18 @@ const char* gpu_stream_wait(void* stream, int device, void* event);
 const char* gpu_stream_sync(void* stream, int device);
 // Releases an event; waits already enqueued on it stay valid.
 void gpu_destroy_event(int device, void* event);
+
+// ---------------------------------------------------------------------------------------------
+// The build and the runtime (runtime.cu), for the checks made when the module is imported.
+
+// The architectures the kernels were compiled for, as the build lists them (CMake syntax:
+// "90-real;100f-real;90-virtual", or "gfx942;gfx950").
+const char* gpu_architectures();
+// The runtime the module was built with: CUDART_VERSION (13000 for 13.0), or ROCm
+// major * 100 + minor.
+int gpu_runtime_version();
+// nullptr when this machine's driver / runtime can run the module (or there is none at all),
+// else why not, as a sentence for the ImportError.
+const char* gpu_runtime_problem();
 
 }  // namespace mxfp8::gpu

@@ -3,6 +3,7 @@
 // compiler; the handlers live in handlers.cc, the kernels in the .cu files.
 #include <nanobind/nanobind.h>
 
+#include "gpu/launch.h"
 #include "xla/ffi/api/c_api.h"
 
 #ifndef MXFP8_GPU_MODULE
@@ -25,6 +26,10 @@ static nb::capsule capsule(T* fn) {
 
 NB_MODULE(MXFP8_GPU_MODULE, m) {
   m.doc() = "MXFP8 XLA FFI handlers for GPUs (CUDA or ROCm, per the module name)";
+  // A driver or runtime too old for this build fails the import, with the reason.
+  if (const char* why = mxfp8::gpu::gpu_runtime_problem()) throw nb::import_error(why);
+  m.attr("architectures") = mxfp8::gpu::gpu_architectures();
+  m.attr("runtime_version") = mxfp8::gpu::gpu_runtime_version();
   m.def("registrations", []() {
     nb::dict d;
     d["mxfp8_quantize"] = capsule(mxfp8::gpu::QuantizeHandler);

@@ -45,22 +45,26 @@ __global__ void __launch_bounds__(kBlockThreads)
 }
 
 template <InType T>
-static void launch_typed(cudaStream_t stream, const uint8_t* x, int64_t M, int64_t K,
-                         const Planes& p, ScaleRule rule) {
+static const char* launch_typed(cudaStream_t stream, const uint8_t* x, int64_t M, int64_t K,
+                                const Planes& p, ScaleRule rule) {
   const int64_t groups = ceil_div(M, kBlock) * (K / Elems<T>::kVec);
   const int64_t blocks = ceil_div(ceil_div(groups, kTileCols) * kGroupLanes, kBlockThreads);
+  if (blocks == 0) return nullptr;
+  if (!grid_fits(blocks)) return kGridTooLarge;
+  clear_pending_error();
   quantize_kernel<T><<<blocks, kBlockThreads, 0, stream>>>(x, M, K, p, rule);
+  return launch_error();
 }
 
 const char* launch_quantize(void* stream, InType t, const uint8_t* x, int64_t M, int64_t K,
                             const Planes& p, ScaleRule rule) {
   const auto st = static_cast<cudaStream_t>(stream);
   switch (t) {
-    case InType::kF32: launch_typed<InType::kF32>(st, x, M, K, p, rule); break;
-    case InType::kBF16: launch_typed<InType::kBF16>(st, x, M, K, p, rule); break;
-    case InType::kF16: launch_typed<InType::kF16>(st, x, M, K, p, rule); break;
+    case InType::kF32: return launch_typed<InType::kF32>(st, x, M, K, p, rule);
+    case InType::kBF16: return launch_typed<InType::kBF16>(st, x, M, K, p, rule);
+    case InType::kF16: return launch_typed<InType::kF16>(st, x, M, K, p, rule);
   }
-  return launch_error();
+  return "unknown input type";
 }
 
 }  // namespace mxfp8::gpu

@@ -81,12 +81,18 @@ __global__ void __launch_bounds__(kBlockThreads)
       if (!piece_ok(q, S)) q = Piece{0, 0, 0};
     }
     chunk[tid] = q;
-    block_sync();
-    if (tid == 0) {
-      first[0] = base;
-      for (int k = 0; k < kChunk; ++k)
-        first[k + 1] = first[k] + chunk[k].rows / kBlock * (chunk[k].row_len / V);
+    // first[k + 1] = base + the group counts of pieces 0..k: an inclusive scan over the block
+    // (log2(kChunk) steps of every thread, where one thread once summed kChunk entries).
+    int64_t sum = q.rows / kBlock * (q.row_len / V);
+#pragma unroll
+    for (int s = 1; s < kChunk; s <<= 1) {
+      first[tid + 1] = sum;
+      block_sync();
+      if (tid >= s) sum += first[tid + 1 - s];
+      block_sync();
     }
+    first[tid + 1] = base + sum;
+    if (tid == 0) first[0] = base;
     block_sync();
     if (g >= first[0] && g < first[kChunk]) {  // binary search: last k with first[k] <= g
       int lo = 0, hi = kChunk - 1;
@@ -159,15 +165,20 @@ __global__ void __launch_bounds__(kBlockThreads)
 }
 
 template <InType T>
-static void launch_segments(cudaStream_t stream, const uint8_t* x, int64_t S, const void* desc,
-                            bool desc64, int64_t P, const SegmentPlanes& p, ScaleRule rule) {
+static const char* launch_segments(cudaStream_t stream, const uint8_t* x, int64_t S,
+                                   const void* desc, bool desc64, int64_t P, const SegmentPlanes& p,
+                                   ScaleRule rule) {
   // Pieces are disjoint, so they hold at most S / (32 * V) groups.
   const int64_t groups = S / (kBlock * Elems<T>::kVec);
   const int64_t blocks = ceil_div(ceil_div(groups, kTileCols) * kGroupLanes, kBlockThreads);
+  const int64_t gap_blocks = ceil_div(S / kBlock, kBlockThreads);
+  if (!grid_fits(blocks) || !grid_fits(gap_blocks)) return kGridTooLarge;
+  clear_pending_error();
   if (blocks > 0)
     segment_pieces_kernel<T><<<blocks, kBlockThreads, 0, stream>>>(x, S, desc, desc64, P, p, rule);
-  segment_gaps_kernel<<<ceil_div(S / kBlock, kBlockThreads), kBlockThreads, 0, stream>>>(
-      S, desc, desc64, P, p);
+  if (gap_blocks > 0)
+    segment_gaps_kernel<<<gap_blocks, kBlockThreads, 0, stream>>>(S, desc, desc64, P, p);
+  return launch_error();
 }
 
 const char* launch_quantize_segments(void* stream, InType t, const uint8_t* x, int64_t S,
@@ -175,11 +186,11 @@ const char* launch_quantize_segments(void* stream, InType t, const uint8_t* x, i
                                      ScaleRule rule) {
   const auto st = static_cast<cudaStream_t>(stream);
   switch (t) {
-    case InType::kF32: launch_segments<InType::kF32>(st, x, S, desc, desc64, P, p, rule); break;
-    case InType::kBF16: launch_segments<InType::kBF16>(st, x, S, desc, desc64, P, p, rule); break;
-    case InType::kF16: launch_segments<InType::kF16>(st, x, S, desc, desc64, P, p, rule); break;
+    case InType::kF32: return launch_segments<InType::kF32>(st, x, S, desc, desc64, P, p, rule);
+    case InType::kBF16: return launch_segments<InType::kBF16>(st, x, S, desc, desc64, P, p, rule);
+    case InType::kF16: return launch_segments<InType::kF16>(st, x, S, desc, desc64, P, p, rule);
   }
-  return launch_error();
+  return "unknown input type";
 }
 
 }  // namespace mxfp8::gpu

@@ -44,9 +44,10 @@ __device__ __forceinline__ float row_sum_of_squares(const uint16_t* row, int64_t
   return lane_tree(p);
 }
 
-// (x * inv) * (gamma + weight_offset), each product and the sum correctly rounded.
-__device__ __forceinline__ float norm_value(uint32_t x_bits, float inv, float g) {
-  return mul_rn(mul_rn(f32(x_bits), inv), g);
+// Bits of (x * inv) * (gamma + weight_offset), each product and the sum correctly rounded, a
+// NaN made canonical (the GPUs' own NaNs differ: numerics.h).
+__device__ __forceinline__ uint32_t norm_bits(uint32_t x_bits, float inv, float g) {
+  return norm_product_bits(f32(x_bits), inv, g);
 }
 
 // gamma + weight_offset from gamma's fp32 bits.
@@ -63,7 +64,7 @@ __device__ __forceinline__ void normalize(const uint32_t (&x)[N], const uint32_t
                                           uint32_t (&src)[N]) {
 #pragma unroll
   for (int k = 0; k < N; ++k) {
-    const uint32_t y = bits(norm_value(x[k], inv, gamma_value(g[k], weight_offset)));
+    const uint32_t y = norm_bits(x[k], inv, gamma_value(g[k], weight_offset));
     const uint32_t n = f32_bits_to_bf16_rne(y);
     if (k % 2 == 0) normed[k / 2] = n;
     else normed[k / 2] |= n << 16;

@@ -6,8 +6,9 @@
 //
 // Two kernels:
 //   - rows (rowwise planes only): 32 lanes per row; rows up to 8192 wide stay in registers
-//     between the sum of squares and the output pass, so x is read once (wider rows are read
-//     again, from cache).
+//     between the sum of squares and the output pass (a cache of 4, 8, 16 or 32 steps of 256
+//     elements, the smallest that holds the row; AMD GPUs cache up to 2048), so x is read once
+//     (wider rows are read again, from cache).
 //   - bands (columnwise planes too): one thread block per 32-row band; its 32-lane groups first
 //     compute the band's 32 inverse RMS values, then every thread quantizes a 32 x V tile of
 //     the normed band in both directions (tile.cuh).
@@ -39,11 +40,41 @@ struct NormFp32Source {
   float weight_offset;
   __device__ uint32_t operator()(int r, int i) const {
     const uint32_t xb = bf16_to_f32_bits(rows[r][col0 + i]);
-    return bits(norm_value(xb, inv[r], gamma_value(bf16_to_f32_bits(gamma[i]), weight_offset)));
+    return norm_bits(xb, inv[r], gamma_value(bf16_to_f32_bits(gamma[i]), weight_offset));
   }
 };
 
+// One output step of a row (elements i * 256 + 8 * lane ..): normed, codes and scale of the
+// lane's 8 values v (x's bits; zeros when not valid).
+template <bool kFromFp32>
+__device__ __forceinline__ void rows_output_step(const uint4& v, const uint16_t* gamma, int64_t e,
+                                                 bool valid, int64_t row, int lane, float inv,
+                                                 const NormParams& prm, const NormOut& o) {
+  uint4 gv = make_uint4(0, 0, 0, 0);
+  if (valid) gv = *reinterpret_cast<const uint4*>(gamma + e);
+  uint32_t xb[kNormVec], gb[kNormVec], normed[kNormVec / 2], src[kNormVec];
+#pragma unroll
+  for (int k = 0; k < kNormVec; ++k)
+    xb[k] = Elems<InType::kBF16>::at(v, k), gb[k] = Elems<InType::kBF16>::at(gv, k);
+  normalize<kFromFp32>(xb, gb, inv, prm.weight_offset, normed, src);
+  if (!valid)
+#pragma unroll
+    for (int k = 0; k < kNormVec; ++k) src[k] = 0;
+  uint32_t c[kNormVec / 4];
+  const uint8_t scale = encode_block<kNormVec>(src, c, prm.rule);
+  if (valid) {
+    const int64_t at = row * prm.H + e;
+    *reinterpret_cast<uint4*>(o.normed + at) =
+        make_uint4(normed[0], normed[1], normed[2], normed[3]);
+    store_codes<kNormVec>(o.row_q + at, c);
+    if (lane % (kBlock / kNormVec) == 0) o.row_s[at / kBlock] = scale;
+    if (o.residual) *reinterpret_cast<uint4*>(o.residual + at) = v;
+  }
+}
+
 // kSteps > 0: rows of up to kSteps * 256 elements, held in registers; 0: any length, re-read.
+// The cached loops run exactly kSteps times with the steps past the row predicated off (an
+// early exit would keep the loop rolled and the cache in scratch memory on AMD GPUs).
 template <int kSteps, bool kFromFp32, typename Rows>
 __global__ void __launch_bounds__(kBlockThreads)
     rmsnorm_rows_kernel(Rows rows, const uint16_t* gamma, int64_t R, NormParams prm, NormOut o) {
@@ -54,9 +85,8 @@ __global__ void __launch_bounds__(kBlockThreads)
   const int64_t H = prm.H;
   const uint16_t* xr = rows(active ? row : 0);
 
-  uint4 cached[kSteps > 0 ? kSteps : 1];
-  float inv;
   if constexpr (kSteps > 0) {
+    uint4 cached[kSteps];
     float p = 0.f;
 #pragma unroll
     for (int i = 0; i < kSteps; ++i) {
@@ -67,38 +97,22 @@ __global__ void __launch_bounds__(kBlockThreads)
 #pragma unroll
     for (int i = 0; i < kSteps; ++i)
       if (active && i * kNormStep + lane * kNormVec < H) p = add_squares(p, cached[i]);
-    inv = rms_inverse(lane_tree(p), H, prm.eps);
+    const float inv = rms_inverse(lane_tree(p), H, prm.eps);
+#pragma unroll
+    for (int i = 0; i < kSteps; ++i) {
+      const int64_t e = i * kNormStep + lane * kNormVec;
+      if (i * kNormStep < H)  // uniform across the warp
+        rows_output_step<kFromFp32>(cached[i], gamma, e, active && e < H, row, lane, inv, prm, o);
+    }
   } else {
-    inv = rms_inverse(row_sum_of_squares(xr, H, lane, active), H, prm.eps);
-  }
-
-  const int64_t steps = (H + kNormStep - 1) / kNormStep;
-#pragma unroll
-  for (int64_t i = 0; i < (kSteps > 0 ? kSteps : steps); ++i) {
-    if (i >= steps) break;  // uniform across the warp
-    const int64_t e = i * kNormStep + lane * kNormVec;
-    const bool valid = active && e < H;
-    uint4 v = make_uint4(0, 0, 0, 0), gv = make_uint4(0, 0, 0, 0);
-    if constexpr (kSteps > 0) v = cached[i];
-    else if (valid) v = *reinterpret_cast<const uint4*>(xr + e);
-    if (valid) gv = *reinterpret_cast<const uint4*>(gamma + e);
-    uint32_t xb[kNormVec], gb[kNormVec], normed[kNormVec / 2], src[kNormVec];
-#pragma unroll
-    for (int k = 0; k < kNormVec; ++k)
-      xb[k] = Elems<InType::kBF16>::at(v, k), gb[k] = Elems<InType::kBF16>::at(gv, k);
-    normalize<kFromFp32>(xb, gb, inv, prm.weight_offset, normed, src);
-    if (!valid)
-#pragma unroll
-      for (int k = 0; k < kNormVec; ++k) src[k] = 0;
-    uint32_t c[kNormVec / 4];
-    const uint8_t scale = encode_block<kNormVec>(src, c, prm.rule);
-    if (valid) {
-      const int64_t at = row * H + e;
-      *reinterpret_cast<uint4*>(o.normed + at) =
-          make_uint4(normed[0], normed[1], normed[2], normed[3]);
-      store_codes<kNormVec>(o.row_q + at, c);
-      if (lane % (kBlock / kNormVec) == 0) o.row_s[at / kBlock] = scale;
-      if (o.residual) *reinterpret_cast<uint4*>(o.residual + at) = v;
+    const float inv = rms_inverse(row_sum_of_squares(xr, H, lane, active), H, prm.eps);
+    const int64_t steps = (H + kNormStep - 1) / kNormStep;
+    for (int64_t i = 0; i < steps; ++i) {
+      const int64_t e = i * kNormStep + lane * kNormVec;
+      const bool valid = active && e < H;
+      uint4 v = make_uint4(0, 0, 0, 0);
+      if (valid) v = *reinterpret_cast<const uint4*>(xr + e);
+      rows_output_step<kFromFp32>(v, gamma, e, valid, row, lane, inv, prm, o);
     }
   }
 }
@@ -197,6 +211,29 @@ __global__ void __launch_bounds__(kBlockThreads)
   }
 }
 
+// The largest row cache of the rows kernel, in steps of 256 elements. On AMD GPUs a cache of 16
+// or 32 steps does not fit the registers (gfx942: 16 steps take 255 VGPRs + 43 AGPRs, one wave
+// per SIMD; 32 steps spill 528 bytes per lane to scratch), so rows past 8 steps (H > 2048) are
+// read twice, the second time from cache. On NVIDIA GPUs 32 steps take 168 registers (sm_90).
+#if defined(__HIPCC__)
+constexpr int kMaxCachedSteps = 8;
+#else
+constexpr int kMaxCachedSteps = 32;
+#endif
+
+// The rows kernel with the smallest cache (4, 8, 16, 32 steps) that holds a row of `steps`
+// steps: registers grow with it, and most rows are far narrower than 8192.
+template <int kSteps, bool kFromFp32, typename Rows>
+void enqueue_rows(cudaStream_t stream, int64_t blocks, int64_t steps, const Rows& rows,
+                  const uint16_t* gamma, int64_t R, const NormParams& prm, const NormOut& o) {
+  if constexpr (kSteps > kMaxCachedSteps)
+    rmsnorm_rows_kernel<0, kFromFp32><<<blocks, kBlockThreads, 0, stream>>>(rows, gamma, R, prm, o);
+  else if (steps <= kSteps)
+    rmsnorm_rows_kernel<kSteps, kFromFp32>
+        <<<blocks, kBlockThreads, 0, stream>>>(rows, gamma, R, prm, o);
+  else enqueue_rows<kSteps * 2, kFromFp32>(stream, blocks, steps, rows, gamma, R, prm, o);
+}
+
 template <bool kFromFp32, typename Rows>
 void enqueue_rmsnorm(cudaStream_t stream, const Rows& rows, const uint16_t* gamma, int64_t R,
                      const NormParams& prm, const NormOut& o, bool columnwise) {
@@ -205,12 +242,7 @@ void enqueue_rmsnorm(cudaStream_t stream, const Rows& rows, const uint16_t* gamm
     return;
   }
   const int64_t blocks = ceil_div(R * kNormLanes, kBlockThreads);
-  const int64_t steps = ceil_div(prm.H, kNormStep);
-  if (steps <= 32)
-    rmsnorm_rows_kernel<32, kFromFp32>
-        <<<blocks, kBlockThreads, 0, stream>>>(rows, gamma, R, prm, o);
-  else
-    rmsnorm_rows_kernel<0, kFromFp32><<<blocks, kBlockThreads, 0, stream>>>(rows, gamma, R, prm, o);
+  enqueue_rows<4, kFromFp32>(stream, blocks, ceil_div(prm.H, kNormStep), rows, gamma, R, prm, o);
 }
 
 // Enqueues RMSNorm + MXFP8 of the R rows of `rows` on `stream`; nullptr, or the launch error.
@@ -218,7 +250,11 @@ template <typename Rows>
 const char* enqueue_rmsnorm_quantize(void* stream, const Rows& rows, const uint16_t* gamma,
                                      int64_t R, const NormParams& prm, const NormOut& o,
                                      bool columnwise, bool quantize_from_fp32) {
+  const int64_t blocks = columnwise ? R / kBlock : ceil_div(R * kNormLanes, kBlockThreads);
+  if (blocks == 0) return nullptr;
+  if (!grid_fits(blocks)) return kGridTooLarge;
   const auto st = static_cast<cudaStream_t>(stream);
+  clear_pending_error();
   if (quantize_from_fp32) enqueue_rmsnorm<true>(st, rows, gamma, R, prm, o, columnwise);
   else enqueue_rmsnorm<false>(st, rows, gamma, R, prm, o, columnwise);
   return launch_error();

@@ -28,6 +28,8 @@ constexpr uint32_t kE4M3MaxBits = 0x43E00000u;  // 448.0f
 constexpr uint32_t kInvE4M3MaxBits = 0x3B124925u;  // fp32(1/448), round to nearest
 constexpr uint8_t kE4M3MaxCode = 0x7E;  // 448
 constexpr uint8_t kE4M3NaNCode = 0x7F;
+// The one NaN of every computed fp32 value (docs/design.md §2): positive, quiet bit only.
+constexpr uint32_t kCanonicalNaNBits = 0x7FC00000u;
 
 enum class ScaleRule : int32_t { kRceil = 0, kFloor = 1 };
 
@@ -235,8 +237,10 @@ MXFP8_HD uint32_t e8m0_to_f32_bits(uint8_t byte) {
 //            p[j] += p[j + s] for s = 16, 8, 4, 2, 1 (j < s); sumsq = p[0]
 //            (a warp whose lane j loads 8 contiguous bf16 per step, reduced with xor-shuffles)
 //   inv    = 1 / sqrt(sumsq / H + eps)            (each op correctly rounded)
-//   normed = bf16_rne((x * inv) * (gamma + weight_offset))
-// No fused multiply-add anywhere: mul_rn/add_rn are never contracted.
+//   normed = bf16_rne(canonical_nan((x * inv) * (gamma + weight_offset)))
+// No fused multiply-add anywhere: mul_rn/add_rn are never contracted. Hardware writes its own
+// NaN for an invalid operation (CUDA 0x7FFFFFFF, x86 0xFFC00000 or the input NaN, AMD
+// 0x7FC00000), so the product goes through canonical_nan before anything rounds or quantizes it.
 
 constexpr int kNormLanes = 32;
 constexpr int kNormVec = 8;
@@ -257,6 +261,20 @@ MXFP8_HD float rms_inverse(float sumsq, int64_t H, float eps) {
 #else
   return 1.0f / std::sqrt(sumsq / static_cast<float>(H) + eps);
 #endif
+}
+
+// Any NaN -> kCanonicalNaNBits; other values unchanged. Branch-free, so loops vectorise.
+MXFP8_HD uint32_t canonical_nan(uint32_t b) {
+  const uint32_t nan = mask_if((b & 0x7FFFFFFFu) > 0x7F800000u);
+  return (b & ~nan) | (kCanonicalNaNBits & nan);
+}
+
+// The normed value's fp32 bits: (x * inv) * g, each product correctly rounded, NaN canonical.
+MXFP8_HD uint32_t norm_product_bits(float x, float inv, float g) {
+  const float y = mul_rn(mul_rn(x, inv), g);
+  uint32_t b;
+  __builtin_memcpy(&b, &y, sizeof b);
+  return canonical_nan(b);
 }
 
 // fp32 bits -> bf16 bits, round to nearest even (NaN kept quiet).
