@@ -84,22 +84,30 @@ def collectives(hlo_text: str) -> list[Collective]:
     is one computation that runs once.
     """
     found = []
-    computation = ""
-    module = _Module.parse(hlo_text)
-    for line in hlo_text.splitlines():
-        head = _HEAD.match(line)
-        if head:
-            computation = head["name"]
-            continue
+    for line, computation, depth, count in _placed_lines(hlo_text):
         m = _OP.search(_INDEX_COMMENT.sub("", line))  # long tuples carry /*index=N*/ marks
         if m is None:
             continue
         shapes = [(d, tuple(int(x) for x in s.split(",") if x)) for d, s in _SHAPE.findall(m["result"])]
         if m["start"]:
             shapes = shapes[len(shapes) // 2 :]
-        depth, count = module.placement(computation)
         found.append(Collective(m["op"], tuple(shapes), computation, depth, count))
     return found
+
+
+def _placed_lines(hlo_text: str):
+    """``(line, computation, loop depth, runs per execution)`` for every instruction line."""
+    computation = ""
+    module = _Module.parse(hlo_text)
+    placed: dict[str, tuple[int, int | None]] = {}
+    for line in hlo_text.splitlines():
+        head = _HEAD.match(line)
+        if head:
+            computation = head["name"]
+            continue
+        if computation not in placed:
+            placed[computation] = module.placement(computation)
+        yield (line, computation, *placed[computation])
 
 
 _CUSTOM_CALL = re.compile(r'\bcustom-call\(.*custom_call_target="(?P<target>[^"]+)"')
@@ -118,16 +126,9 @@ class CustomCall:
 def custom_calls(hlo_text: str) -> list[CustomCall]:
     """Every custom call in ``hlo_text``, in text order, placed like ``collectives``."""
     found = []
-    computation = ""
-    module = _Module.parse(hlo_text)
-    for line in hlo_text.splitlines():
-        head = _HEAD.match(line)
-        if head:
-            computation = head["name"]
-            continue
+    for line, computation, depth, count in _placed_lines(hlo_text):
         m = _CUSTOM_CALL.search(line)
         if m is not None:
-            depth, count = module.placement(computation)
             found.append(CustomCall(m["target"], computation, depth, count))
     return found
 
