@@ -342,11 +342,11 @@ class FSDP:
         under ``jax.jit`` with ``out_shardings``, across several processes): they are placed by
         one jitted program, device to device, with no host gather."""
         values = self._values_of(model)
-        master, frozen = self._place_fn(
+        master, frozen, step = self._place_fn(
             {p.name: values[j] for j, p in enumerate(self.params) if p.kind != "frozen"},
             {self.params[j].name: values[j] for j in self.frozen_params},
         )
-        return self._with_optimizer(master, frozen, tx, jnp.zeros((), jnp.int32))
+        return self._with_optimizer(master, frozen, tx, step)
 
     def _with_optimizer(self, master, frozen, tx, step) -> TrainState:
         quantized = self._quantize_fn(master) if self.precision == "mxfp8" else None
@@ -794,11 +794,11 @@ class FSDP:
         rep = NamedSharding(self.mesh, PartitionSpec())
         frozen_shardings = {self.params[j].name: rep for j in self.frozen_params}
 
-        def place(values, frozen):
+        def place(values, frozen):  # the step counter too: made on the devices, not sent
             master = {p.name: self.from_logical(p, values[p.name]) for p in trained}
-            return master, {k: jnp.asarray(v) for k, v in frozen.items()}
+            return master, {k: jnp.asarray(v) for k, v in frozen.items()}, jnp.zeros((), jnp.int32)
 
-        return jax.jit(place, out_shardings=(shardings, frozen_shardings))
+        return jax.jit(place, out_shardings=(shardings, frozen_shardings, rep))
 
     @functools.cached_property
     def _logical_fn(self):
