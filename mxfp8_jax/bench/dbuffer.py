@@ -135,7 +135,8 @@ def run(
     table, measured = [], {}
     for name, (fn, arg) in gathers.items():
         nbytes, types = gathered_bytes(fn.lower(arg).compile().as_text())
-        measured[name] = {"bytes": nbytes, "types": sorted(types), "s": time_fn(fn, arg, iters=iters) if others else nan}
+        seconds = time_fn(fn, arg, iters=iters) if others else nan
+        measured[name] = {"bytes": nbytes, "types": sorted(types), "s": seconds}
     base = measured["bf16 buffer (same layout)"]["bytes"]
     for name, m in measured.items():
         table.append(
