@@ -111,11 +111,12 @@ class Memcpy:
         self._src = np.ones(self.nbytes, np.uint8)  # touched: no page faults while timing
         self._dst = np.zeros(self.nbytes, np.uint8)
 
-    def seconds(self, iters: int = 10) -> float:
+    def seconds(self, iters: int = 10, warm: bool = True) -> float:
         """Median seconds of one copy."""
         import numpy as np
 
-        np.copyto(self._dst, self._src)  # warm
+        if warm:
+            np.copyto(self._dst, self._src)
         times = []
         for _ in range(iters):
             t0 = time.perf_counter()
@@ -129,15 +130,23 @@ class Memcpy:
 
 
 def interleaved_ratios(fn: Callable, args: Sequence, moved_bytes: int, memcpy: Memcpy, repeats: int, iters: int):
-    """Times ``fn(*args)`` and the memcpy alternately, ``repeats`` rounds of ``iters`` calls each
-    (a shared, noisy machine drifts: a ratio within one round compares like with like).
+    """Times ``fn(*args)`` and the memcpy call by call in turn, ``repeats`` rounds of ``iters``
+    pairs (a shared, noisy machine drifts: a ratio within one round compares like with like).
 
     Returns (median kernel seconds, median memcpy rate, the per-round ratios of the kernel's
     bytes-moved rate to the memcpy rate, sorted)."""
+    for _ in range(2):
+        jax.block_until_ready(fn(*args))
+    memcpy.seconds(1)
     ts, rates, ratios = [], [], []
     for _ in range(max(1, repeats)):
-        rate = memcpy.rate(iters)
-        t = time_fn(fn, *args, iters=iters)
+        tk, tm = [], []
+        for _ in range(iters):
+            tm.append(memcpy.seconds(1, warm=False))
+            t0 = time.perf_counter()
+            jax.block_until_ready(fn(*args))
+            tk.append(time.perf_counter() - t0)
+        t, rate = statistics.median(tk), 2 * memcpy.nbytes / statistics.median(tm)
         ts.append(t)
         rates.append(rate)
         ratios.append(moved_bytes / t / rate)
