@@ -127,3 +127,61 @@ def environment() -> dict:
         "devices": [str(d) for d in jax.devices()],
         "reuse_freed_memory": _ALLOCATOR["reuse_freed_memory"],
     }
+
+
+class Memcpy:
+    """A plain memcpy between two preallocated host buffers of ``nbytes`` (numpy ``copyto`` of
+    contiguous bytes, one thread): the memory-speed floor the CPU benchmarks compare against,
+    measured in the same process as the path it is compared with.
+
+    A jitted XLA copy is not such a floor: XLA:CPU's elementwise loops run below memory speed.
+    ``rate()`` counts read + written bytes (2 * nbytes) per second.
+    """
+
+    def __init__(self, nbytes: int = 64 << 20):
+        import numpy as np
+
+        self.nbytes = int(nbytes)
+        self._src = np.ones(self.nbytes, np.uint8)  # touched: no page faults while timing
+        self._dst = np.zeros(self.nbytes, np.uint8)
+
+    def seconds(self, iters: int = 10, warm: bool = True) -> float:
+        """Median seconds of one copy."""
+        import numpy as np
+
+        if warm:
+            np.copyto(self._dst, self._src)
+        times = []
+        for _ in range(iters):
+            t0 = time.perf_counter()
+            np.copyto(self._dst, self._src)
+            times.append(time.perf_counter() - t0)
+        return statistics.median(times)
+
+    def rate(self, iters: int = 10) -> float:
+        """Read + write bytes per second."""
+        return 2 * self.nbytes / self.seconds(iters)
+
+
+def interleaved_ratios(fn: Callable, args: Sequence, moved_bytes: int, memcpy: Memcpy, repeats: int, iters: int):
+    """Times ``fn(*args)`` and the memcpy call by call in turn, ``repeats`` rounds of ``iters``
+    pairs (a shared, noisy machine drifts: a ratio within one round compares like with like).
+
+    Returns (median kernel seconds, median memcpy rate, the per-round ratios of the kernel's
+    bytes-moved rate to the memcpy rate, sorted)."""
+    for _ in range(2):
+        jax.block_until_ready(fn(*args))
+    memcpy.seconds(1)
+    ts, rates, ratios = [], [], []
+    for _ in range(max(1, repeats)):
+        tk, tm = [], []
+        for _ in range(iters):
+            tm.append(memcpy.seconds(1, warm=False))
+            t0 = time.perf_counter()
+            jax.block_until_ready(fn(*args))
+            tk.append(time.perf_counter() - t0)
+        t, rate = statistics.median(tk), 2 * memcpy.nbytes / statistics.median(tm)
+        ts.append(t)
+        rates.append(rate)
+        ratios.append(moved_bytes / t / rate)
+    return statistics.median(ts), statistics.median(rates), sorted(ratios)

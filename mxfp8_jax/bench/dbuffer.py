@@ -1,6 +1,7 @@
 """QuantizedDBuffer: local quantize of one transformer block's weights, and bytes gathered per step.
 
-    python -m mxfp8_jax.bench.dbuffer [--hidden 2048 --mlp 8192 --devices 8 --json out.json]
+    python -m mxfp8_jax.bench.dbuffer [--hidden 2048 --mlp 8192 --devices 8 --isa avx2 --repeats 3
+                                       --json out.json]
 
 Weights of one block (QKV [3h, h], output [h, h], up [mlp, h], down [h, mlp]) live as fp32 master
 shards in one flat buffer over a 1-D mesh (BlockAtomic(32)). Quantize paths, same run, same input:
@@ -10,8 +11,10 @@ shards in one flat buffer over a 1-D mesh (BlockAtomic(32)). Quantize paths, sam
 - packed-segment pure JAX: the same descriptor logic in jnp (``backend="jax"``);
 - per-tensor pure JAX: each weight as its own row-sharded array, ``mx.quantize(backend="jax")``
   under jit (XLA partitions it; no packing);
-- floor: the bytes the kernel must move (master read + planes written) at the bandwidth of a
-  sharded copy of the master buffer, measured here.
+- floor: the bytes the kernel must move (master read + planes written) at the rate of a real
+  memcpy between two preallocated host buffers (at least 64 MiB), measured in the same process
+  and timed alternately with the FFI path (``--repeats`` rounds; the ratio is given per round).
+  A jitted XLA copy is no floor: XLA:CPU's elementwise loops run below memory speed.
 
 All paths must produce the same bytes before any is timed. The gather table counts the bytes
 of every all-gather in the compiled HLO of each gather, against a bf16 buffer of the same tensors
@@ -43,6 +46,9 @@ def run(
     shard_layout: str = "padded",
     iters: int = 5,
     json_path: str | None = None,
+    isa: str | None = None,
+    repeats: int = 3,
+    others: bool = True,
 ) -> dict:
     import jax
     import jax.numpy as jnp
@@ -50,11 +56,16 @@ def run(
     from jax.sharding import PartitionSpec as P
 
     import mxfp8_jax as mx
-    from mxfp8_jax._src import _ffi
-    from mxfp8_jax.bench._timing import environment, print_table, time_fn, write_json
+    from mxfp8_jax._src import _ffi, cpu_isa
+    from mxfp8_jax.bench._timing import Memcpy, environment, interleaved_ratios, print_table, time_fn, write_json
 
     platform = jax.default_backend()
     _ffi.require("mxfp8_quantize_segments", platform)  # never silently benchmark a fallback
+    if isa is not None:
+        if platform != "cpu":
+            raise ValueError(f"isa={isa!r} selects a CPU instruction set; the default backend is {platform!r}")
+        cpu_isa.set_cpu_isa(isa)
+    isa = cpu_isa.cpu_isa() if platform == "cpu" else None
     devs = jax.devices()
     if len(devs) < devices:
         raise SystemExit(f"--devices {devices}: only {len(devs)} {platform} devices are visible")
@@ -74,7 +85,6 @@ def run(
     row_sharded = NamedSharding(mesh, P("fsdp", None))
     sharded_tensors = [jax.device_put(t, row_sharded) for t in tensors]
     per_tensor = jax.jit(lambda ts: [mx.quantize(t, backend="jax") for t in ts])
-    copy = jax.jit(lambda x: x + jnp.zeros((), x.dtype))  # a sharded read + write of the master
 
     a = packed_ffi(q, master)
     b = packed_jax(q, master)
@@ -89,25 +99,28 @@ def run(
             ):
                 raise AssertionError("packed buffer and per-tensor quantize disagree; refusing to benchmark")
 
-    t_ffi = time_fn(packed_ffi, q, master, iters=iters)
-    t_jax = time_fn(packed_jax, q, master, iters=max(2, iters // 2))
-    t_tensor = time_fn(per_tensor, sharded_tensors, iters=max(2, iters // 2))
-    t_copy = time_fn(copy, master.data, iters=iters)
     in_bytes = q.layout.physical_size * jnp.dtype(dtype).itemsize
     out_bytes = 2 * (q.layout.physical_size + q.layout.physical_size // 32)
-    copy_bw = 2 * in_bytes / t_copy
-    floor = (in_bytes + out_bytes) / copy_bw
+    moved = in_bytes + out_bytes
+    memcpy = Memcpy(max(64 << 20, in_bytes // devices))
+    t_ffi, copy_bw, ratios = interleaved_ratios(packed_ffi, (q, master), moved, memcpy, repeats, iters)
+    nan = float("nan")
+    t_jax = time_fn(packed_jax, q, master, iters=max(2, iters // 2)) if others else nan
+    t_tensor = time_fn(per_tensor, sharded_tensors, iters=max(2, iters // 2)) if others else nan
+    floor = moved / copy_bw
+    ratio = ratios[len(ratios) // 2]
     rows = [
         ("packed-segment FFI (1 call/device)", t_ffi),
         ("packed-segment pure JAX", t_jax),
         ("per-tensor pure JAX (sharded, jit)", t_tensor),
-        ("bandwidth floor (copy-rate)", floor),
+        (f"floor: memcpy rate ({memcpy.nbytes >> 20} MiB buffers)", floor),
     ]
     print_table(
         f"Quantize one block (h={hidden}, mlp={mlp}; {numel / 1e6:.1f} M weights, {dtype} master), "
-        f"{devices} {platform} devices, {layout_kind.value}",
+        f"{devices} {platform} devices, {layout_kind.value}{', ' + isa if isa else ''}; "
+        f"FFI rate / memcpy rate {ratio:.2f} ({ratios[0]:.2f}-{ratios[-1]:.2f}, {len(ratios)} rounds)",
         ["path", "ms", "GB/s moved", "time / FFI"],
-        [(n, f"{t * 1e3:.2f}", f"{(in_bytes + out_bytes) / t / 1e9:.2f}", f"{t / t_ffi:.2f}") for n, t in rows],
+        [(n, f"{t * 1e3:.2f}", f"{moved / t / 1e9:.2f}", f"{t / t_ffi:.2f}") for n, t in rows],
     )
 
     # -- bytes gathered per step ----------------------------------------------------------------
@@ -122,7 +135,8 @@ def run(
     table, measured = [], {}
     for name, (fn, arg) in gathers.items():
         nbytes, types = gathered_bytes(fn.lower(arg).compile().as_text())
-        measured[name] = {"bytes": nbytes, "types": sorted(types), "s": time_fn(fn, arg, iters=iters)}
+        seconds = time_fn(fn, arg, iters=iters) if others else nan
+        measured[name] = {"bytes": nbytes, "types": sorted(types), "s": seconds}
     base = measured["bf16 buffer (same layout)"]["bytes"]
     for name, m in measured.items():
         table.append(
@@ -161,9 +175,11 @@ def run(
             "packed_jax": t_jax,
             "per_tensor_jax": t_tensor,
             "bandwidth_floor": floor,
-            "copy": t_copy,
         },
-        "copy_GBps": copy_bw / 1e9,
+        "isa": isa,
+        "memcpy_GBps": copy_bw / 1e9,
+        "ffi_fraction_of_memcpy": ratio,
+        "ffi_fraction_of_memcpy_rounds": ratios,
         "gathers": measured,
         "rowwise_vs_bf16": ratio,
         "env": environment(),
@@ -182,6 +198,17 @@ def main(argv=None) -> None:
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="master weights")
     p.add_argument("--shard-layout", default="padded", choices=["padded", "unpadded"])
     p.add_argument("--iters", type=int, default=5)
+    p.add_argument("--repeats", type=int, default=3, help="rounds of memcpy / FFI timing, alternating")
+    p.add_argument(
+        "--isa",
+        choices=["baseline", "avx2", "avx512"],
+        help="CPU instruction set of the kernel (default: the best this CPU has)",
+    )
+    p.add_argument(
+        "--ffi-only",
+        action="store_true",
+        help="time only the FFI quantize (and the memcpy floor); gathers are counted, not timed",
+    )
     p.add_argument("--json", dest="json_path")
     from mxfp8_jax.bench._timing import add_fresh_pages_flag, reuse_freed_memory
 
@@ -191,7 +218,7 @@ def main(argv=None) -> None:
     import jax
 
     jax.config.update("jax_num_cpu_devices", a.devices)  # before the CPU backend starts
-    run(a.hidden, a.mlp, a.devices, a.dtype, a.shard_layout, a.iters, a.json_path)
+    run(a.hidden, a.mlp, a.devices, a.dtype, a.shard_layout, a.iters, a.json_path, a.isa, a.repeats, not a.ffi_only)
 
 
 if __name__ == "__main__":

@@ -3,6 +3,11 @@
 // The calling thread takes work too, and waits only for the items to be done, not for the
 // scheduled tasks to exit: a task that starts after all work is claimed touches nothing but
 // the shared counter block. So the handler never deadlocks on a busy pool.
+//
+// A call asks the pool for one helper per thread that no other call of these kernels is using:
+// one device's large segment gets every core while the other devices idle, and eight simulated
+// devices whose kernels run at once each stay on their own thread rather than queueing helpers
+// on a pool already kept busy by the others.
 #pragma once
 
 #include <algorithm>
@@ -16,11 +21,21 @@
 
 namespace mxfp8::cpu {
 
+// Calls of parallel_for running now, in this process.
+inline std::atomic<int64_t>& calls_in_flight() {
+  static std::atomic<int64_t> n{0};
+  return n;
+}
+
 template <typename Fn>
 void parallel_for(xla::ffi::ThreadPool& pool, int64_t n_items, int64_t min_items_per_task,
                   const Fn& fn) {
   if (n_items <= 0) return;
-  const int64_t threads = std::max<int64_t>(1, pool.num_threads());
+  struct InFlight {
+    int64_t others = calls_in_flight().fetch_add(1);
+    ~InFlight() { calls_in_flight().fetch_sub(1); }
+  } in_flight;
+  const int64_t threads = std::max<int64_t>(1, pool.num_threads() - in_flight.others);
   const int64_t tasks = std::min<int64_t>(
       threads, std::max<int64_t>(1, n_items / std::max<int64_t>(1, min_items_per_task)));
   if (tasks <= 1) {

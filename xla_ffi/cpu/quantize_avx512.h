@@ -181,6 +181,25 @@ MXFP8_TARGET_AVX512 inline bool bf16_columns32(const uint16_t* x, int64_t xs, ui
   return true;
 }
 
+// fp32 elements (bits) at x as sticky bf16 at h (see quantize_cpu.h: (x >> 16) | (x & 0xFFFF !=
+// 0)), 32 per step: vpackusdw packs per 128-bit lane (a0-3 b0-3 a4-7 b4-7 ...), and vpermq puts
+// the 64-bit pieces back in element order, as in store64. Values are at most 0xFFFF: no
+// saturation.
+MXFP8_TARGET_AVX512 inline void stage_f32(const uint32_t* x, int64_t n, uint16_t* h) {
+  const __m512i low = _mm512_set1_epi32(0xFFFF), one = _mm512_set1_epi32(1);
+  int64_t i = 0;
+  for (; i + 32 <= n; i += 32) {
+    const __m512i a = _mm512_loadu_si512(x + i), b = _mm512_loadu_si512(x + i + 16);
+    const __m512i ha =
+        _mm512_or_si512(_mm512_srli_epi32(a, 16), _mm512_min_epu32(_mm512_and_si512(a, low), one));
+    const __m512i hb =
+        _mm512_or_si512(_mm512_srli_epi32(b, 16), _mm512_min_epu32(_mm512_and_si512(b, low), one));
+    _mm512_storeu_si512(h + i, _mm512_permutexvar_epi64(_mm512_setr_epi64(0, 2, 4, 6, 1, 3, 5, 7),
+                                                        _mm512_packus_epi32(ha, hb)));
+  }
+  for (; i < n; ++i) h[i] = static_cast<uint16_t>((x[i] >> 16) | ((x[i] & 0xFFFFu) != 0 ? 1u : 0u));
+}
+
 }  // namespace mxfp8::cpu::avx512
 
 #endif
