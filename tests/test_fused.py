@@ -178,6 +178,8 @@ def test_hlo_collectives(cpu_devices):
     xla = _hlo(case, "xla", cpu_devices)
     assert "all-gather" in xla and "mxfp8_rmsnorm_quantize" in xla
     assert "replica_groups={{0,1,2,3},{4,5,6,7}}" in xla
+    # the bf16 rows travel as 16-bit words (XLA:CPU would widen a bf16 gather to f32)
+    assert [c.dtypes for c in hlo.collectives(xla) if c.op == "all-gather"] == [("u16",)]
     p2p = _hlo(case, "p2p", cpu_devices)
     assert "mxfp8_allgather_rmsnorm_quantize" in p2p
     assert hlo.collectives(p2p) == []

@@ -237,8 +237,9 @@ def _resolve_strategy(strategy: str, platform: str, devices_here: bool, axis) ->
 
 
 def _gather_rows(x, cfg: _GatherConfig):
-    """The group's valid rows ``[R, H]`` via ``lax.all_gather`` (linear in x)."""
-    xg = jax.lax.all_gather(x, cfg.axis_name, axis_index_groups=cfg.axis_index_groups, tiled=True)
+    """The group's valid rows ``[R, H]`` via ``lax.all_gather`` (linear in x; bf16 rows move as
+    their bits, fp32 ones, the VJP's, as floats)."""
+    xg = spmd.all_gather_bits(x, cfg.axis_name, axis=0, axis_index_groups=cfg.axis_index_groups)
     if cfg.rows == cfg.group_size * cfg.rows_max:
         return xg
     index = cfg.group_row_index()

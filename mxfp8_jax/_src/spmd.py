@@ -32,13 +32,16 @@ def axis_group(names: Sequence[str]):
     return names[0] if len(names) == 1 else names
 
 
-def all_gather_bits(x: jax.Array, axis_name, *, axis: int) -> jax.Array:
-    """``lax.all_gather(x, axis_name, axis=axis, tiled=True)``, narrow floats moved as their bits."""
+def all_gather_bits(x: jax.Array, axis_name, *, axis: int, axis_index_groups=None) -> jax.Array:
+    """``lax.all_gather(x, axis_name, axis=axis, tiled=True)``, narrow floats moved as their bits
+    (XLA:CPU would otherwise widen a bf16 gather to f32: twice the bytes). Not differentiable
+    for narrow floats (a bitcast has no gradient); fp32 and wider take the plain gather."""
     dtype = jnp.dtype(x.dtype)
+    gather = lambda a: lax.all_gather(a, axis_name, axis=axis, tiled=True, axis_index_groups=axis_index_groups)
     if not (jnp.issubdtype(dtype, jnp.floating) and dtype.itemsize < 4):
-        return lax.all_gather(x, axis_name, axis=axis, tiled=True)
+        return gather(x)
     bits = lax.bitcast_convert_type(x, jnp.dtype(f"uint{8 * dtype.itemsize}"))
-    return lax.bitcast_convert_type(lax.all_gather(bits, axis_name, axis=axis, tiled=True), dtype)
+    return lax.bitcast_convert_type(gather(bits), dtype)
 
 
 def shard_position(mesh: Mesh, axes: Sequence[str]) -> jax.Array:
