@@ -600,6 +600,23 @@ MXFP8_CPU_LOOP void quantize_rowwise(const typename Input<T>::Elem* x, int64_t r
     }
 }
 
+// The codes of 32 columns of a 32-row bf16 tile (x rows xs elements apart, q rows qs bytes
+// apart) through cast16, with the columns' scale bytes sc in load32's lane order. A template on
+// Isa like every loop here, so that each ISA's build keeps its own copy.
+template <class Isa>
+MXFP8_CPU_LOOP void cast_columns32(const uint16_t* x, int64_t xs, const vec::u32x8 sc[4],
+                                   uint8_t* q, int64_t qs, const vec::Cast16K& c16) {
+  using namespace vec;
+  // k << 7 per column, back in column order: even columns in the low halves.
+  i16x16 kk16[2];
+  for (int h = 0; h < 2; ++h)
+    kk16[h] = reinterpret_cast<i16x16>((((127u - sc[2 * h]) << 7) & 0xFFFFu) |
+                                       ((127u - sc[2 * h + 1]) << 23));
+  for (int r = 0; r < kBlock; ++r)
+    store16x2(cast16(load16(x + r * xs), kk16[0], c16),
+              cast16(load16(x + r * xs + 16), kk16[1], c16), q + r * qs);
+}
+
 // 32 columns of a 32-row tile in the general way: x rows xs elements apart, q rows qs bytes
 // apart, s [32]. Each lane of the four vectors is one column.
 template <InType T, class Isa>
@@ -639,14 +656,7 @@ MXFP8_CPU_LOOP void columns32_general(const typename Input<T>::Elem* x, int64_t 
     i32x8 ok = normal_only(mn[0], 127 - reinterpret_cast<i32x8>(sc[0]));
     for (int j = 1; j < 4; ++j) ok &= normal_only(mn[j], 127 - reinterpret_cast<i32x8>(sc[j]));
     if (hmax(ok) < 0) {  // every lane -1
-      // k << 7 per column, back in column order: even columns in the low halves.
-      i16x16 kk16[2];
-      for (int h = 0; h < 2; ++h)
-        kk16[h] = reinterpret_cast<i16x16>((((127u - sc[2 * h]) << 7) & 0xFFFFu) |
-                                           ((127u - sc[2 * h + 1]) << 23));
-      for (int r = 0; r < kBlock; ++r)
-        store16x2(cast16(load16(x + r * xs), kk16[0], c16),
-                  cast16(load16(x + r * xs + 16), kk16[1], c16), q + r * qs);
+      cast_columns32<Isa>(x, xs, sc, q, qs, c16);
       return;
     }
   }
@@ -704,14 +714,7 @@ MXFP8_CPU_LOOP bool columns32_16bit(const uint16_t* x, int64_t xs, uint8_t* q, i
     if (nredo > kMaxFixupColumns) return false;
   }
   store32<InType::kBF16>(sc, s);
-  // k << 7 per column, back in column order: even columns in the low halves.
-  i16x16 kk16[2];
-  for (int h = 0; h < 2; ++h)
-    kk16[h] = reinterpret_cast<i16x16>((((127u - sc[2 * h]) << 7) & 0xFFFFu) |
-                                       ((127u - sc[2 * h + 1]) << 23));
-  for (int r = 0; r < kBlock; ++r)
-    store16x2(cast16(load16(x + r * xs), kk16[0], c16),
-              cast16(load16(x + r * xs + 16), kk16[1], c16), q + r * qs);
+  cast_columns32<Isa>(x, xs, sc, q, qs, c16);
   if (nredo)
     for (int c = 0; c < kBlock; ++c)
       if (redo[c]) quantize_columns_scalar<Src>(src + c, ss, 1, q + c, qs, s + c, rule);
