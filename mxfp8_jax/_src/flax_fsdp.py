@@ -243,7 +243,7 @@ class FSDP:
                     k_in, k_out = self._tp_slice(path, role, k_in, k_out)
                     unit = UnitGeometry.build(k_in, k_out, n_fsdp, self._fsdp_axes, precision)
             elif jnp.issubdtype(dtype, jnp.floating):
-                shard_axis = next((a for a, d in enumerate(shape) if d % n == 0 and d > 0), None)
+                shard_axis = _split_axis(shape, n)
             tp_size = self.tp_size if role is not None else 1
             infos.append(ParamInfo(path, shape, dtype, unit, stack, shard_axis, role, tp_size))
         self.params = tuple(infos)
@@ -510,16 +510,23 @@ class FSDP:
         """The parameter an optimizer leaf belongs to: its key path ends with the parameter's
         path and it has the parameter's stored shape (adam's moments, masked or labelled)."""
         names = _path_names(key_path)
-        by_path = {p.path: p for p in self.trained}
-        for k in range(min(max(len(p.path) for p in self.trained), len(names)), 0, -1):
+        by_path = self._by_path
+        for k in range(min(max(map(len, by_path)), len(names)), 0, -1):
             p = by_path.get(tuple(names[-k:]))
             if p is not None and tuple(np.shape(leaf)) == p.stored_shape:
                 return p
         return None
 
+    @functools.cached_property
+    def _by_path(self) -> dict[tuple, ParamInfo]:
+        return {p.path: p for p in self.trained}
+
     def _logical_sharding(self, info: ParamInfo) -> NamedSharding:
-        """A parameter in its own shape: split along the first axis the device count divides."""
-        axis = next((a for a, d in enumerate(info.shape) if d > 0 and d % self.mesh.size == 0), None)
+        """A parameter in its own shape: split along the first axis the device count divides
+        (a plain parameter's own sharding; a unit's kernel by the same rule)."""
+        if info.unit is None:
+            return self.master_sharding(info)
+        axis = _split_axis(info.shape, self.mesh.size)
         if axis is None:
             return NamedSharding(self.mesh, PartitionSpec())
         return NamedSharding(self.mesh, PartitionSpec(*(None,) * axis, self._axes))
@@ -881,6 +888,11 @@ class FSDP:
 
     def _merge(self, values) -> nnx.Module:
         return nnx.merge(self._graphdef, jax.tree.unflatten(self._treedef, values), self._rest)
+
+
+def _split_axis(shape: tuple[int, ...], n: int) -> int | None:
+    """The first axis of ``shape`` that ``n`` devices split evenly (None: none does)."""
+    return next((a for a, d in enumerate(shape) if d > 0 and d % n == 0), None)
 
 
 def _split_loss(out, has_aux: bool):
