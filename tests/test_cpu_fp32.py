@@ -5,7 +5,7 @@ quantize most blocks from that; blocks it cannot decide exactly go back to the f
 inputs here are built to reach every branch of that split: all 2^16 top halves with low halves
 that sit on, just off and far from rounding ties; specials, subnormals and tiny maxima (scale
 bytes below 16, which rceil leaves to the fp32 path); columns of a 32-column chunk that need the
-fp32 path, below, at and above the count the fast path patches up column by column; ragged
+fp32 path, below, at and above the counts the fast paths patch up column by column; ragged
 widths (tiles of 256 columns, groups of 8 blocks) and packed segments. Every plane is compared
 byte for byte with the numpy oracle.
 """
@@ -95,7 +95,7 @@ def _inputs():
     t = np.ldexp(rng.uniform(1, 2, size=(64, 256)), rng.integers(-126, -100, size=(64, 256)))
     t[:, 128:] = np.ldexp(rng.uniform(1, 2, size=(64, 128)), rng.integers(-149, -120, size=(64, 128)))
     yield "tiny", t.astype(np.float32)
-    for n in (1, 4, 5, 32):
+    for n in (1, 4, 5, 8, 9, 32):
         yield f"{n} columns of a chunk off the 16-bit cast", _mixed_columns(rng, n)
 
 

@@ -4,6 +4,7 @@ CPU can run is selected in turn and must give the oracle's bytes too: the paths 
 code (AVX-512 has its own bf16 paths), so each is tested on its own.
 """
 
+import functools
 import os
 import platform
 
@@ -14,6 +15,7 @@ import numpy as np
 import pytest
 
 import mxfp8_jax as mx
+from mxfp8_jax._src import ffi_calls
 
 import numpy_oracle as oracle
 import rmsnorm_oracle
@@ -47,6 +49,19 @@ def _check(x, rule):
         )
 
 
+def _off_cast(rng, n):
+    """[64, 512] normal data where, in the first 32x32 chunk of each band, n elements in distinct
+    rows and columns sit 2^-20 below the others: E4M3 subnormals, which the 16-bit cast leaves
+    to the general path, so n row blocks and n column blocks of the chunk go there (the AVX2
+    kernel redoes up to 8 columns one by one and more together)."""
+    x = rng.standard_normal((64, 512)) * 3
+    x[:, :32] = np.abs(x[:, :32]) + 1
+    for band in (0, 32):
+        rows, cols = rng.permutation(32)[:n], rng.permutation(32)[:n]
+        x[band + rows, cols] = 2.0**-20
+    return x
+
+
 def _inputs():
     """bf16 in every regime the vector paths choose between, and fp32 / fp16 for the rest."""
     rng = np.random.default_rng(11)
@@ -70,6 +85,8 @@ def _inputs():
     # tiny maxima (scale bytes below 16) and bf16 subnormals
     t = np.ldexp(rng.uniform(1, 2, size=(64, 256)), rng.integers(-133, -100, size=(64, 256)))
     yield "tiny bf16", t.astype(ml_dtypes.bfloat16)
+    for n in (1, 8, 9, 32):
+        yield f"{n} blocks of a chunk off the 16-bit cast", _off_cast(rng, n).astype(ml_dtypes.bfloat16)
     yield "normal fp32", (rng.standard_normal((64, 288)) * 7).astype(np.float32)
     yield "normal fp16", (rng.standard_normal((64, 288)) * 7).astype(np.float16)
 
@@ -84,6 +101,63 @@ def test_every_isa_gives_the_oracle_bytes(isa, rule):
         assert mx.cpu_isa() == isa
         for _, x in INPUTS:
             _check(x, rule)
+
+
+@functools.cache
+def _planes(rowwise, columnwise, rule):
+    return jax.jit(lambda x: mx.quantize(x, rowwise=rowwise, columnwise=columnwise, scale_rule=rule, backend="ffi"))
+
+
+def _large(rng, shape, dtype):
+    x = rng.standard_normal(shape) * np.exp2(rng.integers(-20, 20, size=(shape[0], 1)))
+    special = np.array([np.nan, np.inf, -np.inf, 1e-40, 0.0, -0.0, 448.0], np.float32)
+    x.reshape(-1)[rng.integers(0, x.size, 300)] = rng.choice(special, 300)
+    return x.astype(dtype)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("dtype", [ml_dtypes.bfloat16, np.float32], ids=["bf16", "fp32"])
+def test_every_isa_on_large_outputs(isa, dtype):
+    """Calls with 4 MiB of codes or more write them with streaming stores, and rows longer than
+    16384 columns are staged in slabs: [128, 16928] (two slabs, the last tile ragged) with both
+    planes and with the columnwise plane alone, and a columnwise-only [256, 16416] whose second
+    slab is one 32-column chunk."""
+    rng = np.random.default_rng(23)
+    cases = [((128, 16928), True), ((128, 16928), False), ((256, 16416), False)]
+    with mx.use_cpu_isa(isa):
+        for shape, rowwise in cases:
+            x = _large(rng, shape, dtype)
+            for rule in ("rceil", "floor"):
+                want = oracle.quantize(x, rule)
+                got = _planes(rowwise, True, rule)(jnp.asarray(x))
+                for plane in PLANES if rowwise else PLANES[2:]:
+                    np.testing.assert_array_equal(
+                        as_bytes(getattr(got, plane)),
+                        want[plane].reshape(-1),
+                        err_msg=f"isa={isa} {shape} rowwise={rowwise} {rule} {plane}",
+                    )
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_every_isa_on_a_large_segment(isa):
+    """A packed segment of 2.3 M elements (its codes are streamed): pieces with rows of 16928
+    (two slabs) and 4096 columns at odd multiples of 32, and a gap."""
+    rng = np.random.default_rng(29)
+    pieces = [(32, 64, 16928), (32 + 64 * 16928 + 96, 320, 4096)]
+    size = pieces[-1][0] + 320 * 4096 + 64
+    x = _large(rng, (size // 32, 32), np.float32).reshape(-1)
+    desc = np.array(pieces + [(0, 0, 0)], np.int32)
+    fn = jax.jit(lambda x, d: ffi_calls.quantize_segments(x, d, scale_rule=0, rowwise=True, columnwise=True))
+    with mx.use_cpu_isa(isa):
+        (rq, rs), (cq, cs) = fn(jnp.asarray(x), jnp.asarray(desc))
+    out = dict(zip(PLANES, (rq, rs, cq, cs)))
+    for off, rows, k in pieces:
+        ref = oracle.quantize(x[off : off + rows * k].reshape(rows, k), "rceil")
+        for name in PLANES:
+            want = ref[name].reshape(-1)
+            start = off if name.endswith("data") else off // 32
+            got = as_bytes(out[name])[start : start + want.size]
+            np.testing.assert_array_equal(got, want, err_msg=f"isa={isa} {name} piece at {off}")
 
 
 @pytest.mark.parametrize("isa", ISAS)

@@ -22,7 +22,8 @@ static ffi::Error Quantize(ffi::ThreadPool pool, ffi::AnyBuffer x,
   if (e.failure()) return e;
   const InType t = a.t;
   const int64_t M = a.M, K = a.K;
-  const Planes p = requested_planes<Planes>(rowwise, columnwise, row_q, row_s, col_q, col_s);
+  Planes p = requested_planes<Planes>(rowwise, columnwise, row_q, row_s, col_q, col_s);
+  p.stream = (int64_t{rowwise} + int64_t{columnwise}) * M * K >= kStreamBytes;
   const ScaleRule rule = static_cast<ScaleRule>(scale_rule);
   const int64_t bands = (M + kBlock - 1) / kBlock;
   // About 64 KiB of input per item keeps scheduling overhead small.

@@ -6,8 +6,10 @@
 #include <algorithm>
 #include <climits>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 
+#include "cpu/quantize_avx2.h"
 #include "cpu/quantize_avx512.h"
 #include "mxfp8/numerics.h"
 
@@ -405,6 +407,7 @@ MXFP8_CPU_LOOP void stage_f32_generic(const uint32_t* x, int64_t n, uint16_t* h)
 // same under every tag.
 struct IsaBaseline {
   static constexpr bool kWideBf16 = false;
+  static constexpr bool kBand = false;
   template <InType T>
   __attribute__((noinline)) static void block(const typename Input<T>::Elem* x, uint8_t* q,
                                               uint8_t* s, ScaleRule rule) {
@@ -418,6 +421,11 @@ struct IsaBaseline {
 #if MXFP8_X86_BUILDS
 struct IsaAvx2 {
   static constexpr bool kWideBf16 = false;
+  // bf16 and fp32 bands with columnwise output go through avx2_band (quantize_avx2.h)
+  static constexpr bool kBand = true;
+  template <InType Src>
+  static void band(const typename Input<Src>::Elem* x, int64_t K, uint8_t* row_q, uint8_t* row_s,
+                   uint8_t* col_q, uint8_t* col_s, ScaleRule rule, bool stream);
   template <InType T>
   __attribute__((noinline, target("avx2"))) static void block(const typename Input<T>::Elem* x,
                                                               uint8_t* q, uint8_t* s,
@@ -446,6 +454,7 @@ struct IsaAvx2 {
 
 struct IsaAvx512 {
   static constexpr bool kWideBf16 = true;
+  static constexpr bool kBand = false;
   template <InType T>
   __attribute__((noinline)) MXFP8_TARGET_AVX512 static void block(const typename Input<T>::Elem* x,
                                                                   uint8_t* q, uint8_t* s,
@@ -753,7 +762,13 @@ struct Planes {
   uint8_t* row_s = nullptr;
   uint8_t* col_q = nullptr;
   uint8_t* col_s = nullptr;
+  // The codes are written with non-temporal stores where a band loop can: for outputs too large
+  // to be read back from cache, whose lines are then not read before they are written.
+  bool stream = false;
 };
+
+// Outputs (bytes of codes) from which a call streams its codes.
+constexpr int64_t kStreamBytes = int64_t{4} << 20;
 
 // Columns per tile of the band loop below: 32 rows of 256 columns are 16 KiB of 16-bit input
 // (fp32 is staged as 16-bit), and the tile's columnwise codes 8 KiB, all held in L1.
@@ -834,11 +849,127 @@ MXFP8_CPU_LOOP void quantize_columnwise_band(const typename Input<T>::Elem* x, i
   quantize_band<T, Isa>(x, K, nullptr, nullptr, q, s, rule);
 }
 
+#if MXFP8_X86_BUILDS
+// A 64-byte aligned buffer of at least n 16-bit words, one per thread, kept between calls.
+inline uint16_t* band_scratch(int64_t n) {
+  struct Buf {
+    uint16_t* p = nullptr;
+    int64_t n = 0;
+    ~Buf() { std::free(p); }
+  };
+  static thread_local Buf b;
+  if (b.n < n) {
+    std::free(b.p);
+    b.p = static_cast<uint16_t*>(std::aligned_alloc(64, (n * 2 + 63) / 64 * 64));
+    b.n = b.p ? n : 0;
+  }
+  return b.p;
+}
+
+// Columns of a chunk, out of 32, up to which avx2_band redoes them one by one (gathered into a
+// block); more go through columns32_general together.
+constexpr int kMaxGatheredColumns = 8;
+// Columns of a band avx2_band stages at once: 32 rows of them are 1 MiB of 16-bit values.
+constexpr int64_t kSlabCols = 16384;
+
+// The AVX2 band loop. A 32-row band of a row-major matrix is one contiguous run of memory, and
+// it is read as such: row after row, slab by slab (kSlabCols columns), into a scratch copy in
+// lane order (fp32 as sticky bf16) whose rows are an odd number of cache lines apart, so that
+// the 32 rows of a chunk fall in different cache sets. (Reading it tile by tile instead, 32 short
+// pieces of rows far apart, leaves the hardware prefetchers nothing to follow.) Each 32x32 chunk
+// then gives its blocks of both planes through avx2::chunk32; the blocks chunk32 leaves are
+// redone from the source with the general code; the codes of a tile of kTileCols columns are
+// collected and go out row by row (streamed when asked and the rows are 32-byte aligned).
+template <InType Src, bool Row, bool Floor>
+MXFP8_TARGET_AVX2 void avx2_band(const typename Input<Src>::Elem* x, int64_t K, uint8_t* row_q,
+                                 uint8_t* row_s, uint8_t* col_q, uint8_t* col_s, bool stream) {
+  constexpr ScaleRule rule = Floor ? ScaleRule::kFloor : ScaleRule::kRceil;
+  constexpr int64_t kChunks = kTileCols / kBlock;
+  alignas(64) uint8_t cq[kBlock * kTileCols];
+  alignas(64) uint8_t rq[Row ? kBlock * kTileCols : 64];
+  alignas(64) uint8_t rs[Row ? kBlock * kChunks : 64];  // [chunk][row]
+  const int64_t nb = K / kBlock;
+  stream = stream && K % 32 == 0 &&
+           ((reinterpret_cast<uintptr_t>(col_q) | reinterpret_cast<uintptr_t>(row_q)) & 31) == 0;
+  const vec::Cast16K c16 = vec::Cast16K::make();
+  for (int64_t s0 = 0; s0 < K; s0 += kSlabCols) {
+    const int64_t sw = std::min(kSlabCols, K - s0), swf = sw / kBlock * kBlock;
+    const int64_t ls = (swf / 32) % 2 ? swf : swf + 32;  // scratch row stride, odd in lines
+    uint16_t* const in = band_scratch(kBlock * ls);
+    if (!in) {  // no memory for the scratch copy: the general band loop
+      quantize_band<Src, IsaAvx2>(x + s0, K, row_q ? row_q + s0 : nullptr,
+                                  row_q ? row_s + s0 / kBlock : nullptr, col_q + s0, col_s + s0,
+                                  rule);
+      continue;
+    }
+    for (int r = 0; r < kBlock; ++r) avx2::stage_row(x + r * K + s0, swf, in + r * ls);
+    for (int64_t c0 = s0; c0 < s0 + sw; c0 += kTileCols) {
+      const int64_t w = std::min(kTileCols, s0 + sw - c0), wf = w / kBlock * kBlock;
+      for (int64_t j = 0; j < wf / kBlock; ++j) {
+        const int64_t cj = j * kBlock;
+        uint8_t* cs = col_s + c0 + cj;
+        const avx2::Redo redo = avx2::chunk32<Row, true, Floor>(
+            in + (c0 - s0) + cj, ls, rq + cj, kTileCols, rs + cj, cq + cj, kTileCols, cs);
+        if (redo.rows)
+          for (int r = 0; r < kBlock; ++r)
+            if (redo.rows >> r & 1)
+              IsaAvx2::block<Src>(x + r * K + c0 + cj, rq + r * kTileCols + cj, rs + cj + r, rule);
+        if (__builtin_popcount(redo.cols) > kMaxGatheredColumns) {
+          columns32_general<Src, IsaAvx2>(x + c0 + cj, K, cq + cj, kTileCols, cs, rule, c16);
+        } else if (redo.cols) {  // each column gathered into a block of its own
+          for (int c = 0; c < kBlock; ++c) {
+            if (!(redo.cols >> c & 1)) continue;
+            typename Input<Src>::Elem col[kBlock];
+            alignas(32) uint8_t q[kBlock];
+            for (int r = 0; r < kBlock; ++r) col[r] = x[r * K + c0 + cj + c];
+            IsaAvx2::block<Src>(col, q, cs + c, rule);
+            for (int r = 0; r < kBlock; ++r) cq[r * kTileCols + cj + c] = q[r];
+          }
+        }
+      }
+      avx2::copy_out(cq, kTileCols, kBlock, wf, col_q + c0, K, stream);
+      if (wf < w)  // a columnwise tail narrower than 32 columns (K % 32 != 0: no rowwise plane)
+        quantize_columns_scalar<Src>(x + c0 + wf, K, w - wf, col_q + c0 + wf, K, col_s + c0 + wf,
+                                     rule);
+      if constexpr (Row) {
+        avx2::copy_out(rq, kTileCols, kBlock, wf, row_q + c0, K, stream);
+        for (int r = 0; r < kBlock; ++r)
+          for (int64_t j = 0; j < wf / kBlock; ++j)
+            row_s[r * nb + c0 / kBlock + j] = rs[j * kBlock + r];
+      }
+    }
+  }
+  if (stream) _mm_sfence();  // the streamed lines are visible before the call returns
+}
+
+template <InType Src>
+void IsaAvx2::band(const typename Input<Src>::Elem* x, int64_t K, uint8_t* row_q, uint8_t* row_s,
+                   uint8_t* col_q, uint8_t* col_s, ScaleRule rule, bool stream) {
+  if (row_q)
+    rule == ScaleRule::kFloor
+        ? avx2_band<Src, true, true>(x, K, row_q, row_s, col_q, col_s, stream)
+        : avx2_band<Src, true, false>(x, K, row_q, row_s, col_q, col_s, stream);
+  else
+    rule == ScaleRule::kFloor
+        ? avx2_band<Src, false, true>(x, K, row_q, row_s, col_q, col_s, stream)
+        : avx2_band<Src, false, false>(x, K, row_q, row_s, col_q, col_s, stream);
+}
+#endif
+
 // Rows [r0, r1) of an [M, K] matrix. For columnwise output r0 and r1 must be multiples of 32:
 // each 32-row band gives both planes from one read (quantize_band).
 template <InType T, class Isa>
 MXFP8_CPU_LOOP void quantize_rows(const typename Input<T>::Elem* x, int64_t r0, int64_t r1,
                                   int64_t K, const Planes& p, ScaleRule rule) {
+  if constexpr (Isa::kBand && (T == InType::kBF16 || T == InType::kF32)) {
+    if (p.col_q) {
+      for (int64_t r = r0; r < r1; r += kBlock)
+        Isa::template band<T>(x + r * K, K, p.row_q ? p.row_q + r * K : nullptr,
+                              p.row_q ? p.row_s + r * (K / kBlock) : nullptr, p.col_q + r * K,
+                              p.col_s + (r / kBlock) * K, rule, p.stream);
+      return;
+    }
+  }
   if (!p.col_q) {
     if (p.row_q)
       quantize_rowwise<T, Isa>(x + r0 * K, r1 - r0, K, p.row_q + r0 * K,

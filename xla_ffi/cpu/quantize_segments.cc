@@ -115,6 +115,7 @@ static ffi::Error QuantizeSegments(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::
       return;
     }
     Planes p;
+    p.stream = (int64_t{rowwise} + int64_t{columnwise}) * S >= kStreamBytes;
     const int64_t o = k.offset, os = k.offset / kBlock;
     if (rq) p.row_q = rq + o, p.row_s = rs + os;
     if (cq) p.col_q = cq + o, p.col_s = cs + os;
