@@ -869,6 +869,10 @@ inline uint16_t* band_scratch(int64_t n) {
 // Columns of a chunk, out of 32, up to which avx2_band redoes them one by one (gathered into a
 // block); more go through columns32_general together.
 constexpr int kMaxGatheredColumns = 8;
+// Columns of the output tiles of avx2_band: the codes of 32 rows x 512 columns (16 KiB per plane)
+// are collected before they go out, so that each row of a plane is written 512 bytes at a time
+// (measured against 256 and 1024 on an AVX2 machine: 3-6% faster than either).
+constexpr int64_t kOutCols = 512;
 // Columns of a band avx2_band stages at once: 32 rows of them are 1 MiB of 16-bit values.
 constexpr int64_t kSlabCols = 16384;
 
@@ -878,15 +882,15 @@ constexpr int64_t kSlabCols = 16384;
 // the 32 rows of a chunk fall in different cache sets. (Reading it tile by tile instead, 32 short
 // pieces of rows far apart, leaves the hardware prefetchers nothing to follow.) Each 32x32 chunk
 // then gives its blocks of both planes through avx2::chunk32; the blocks chunk32 leaves are
-// redone from the source with the general code; the codes of a tile of kTileCols columns are
+// redone from the source with the general code; the codes of a tile of kOutCols columns are
 // collected and go out row by row (streamed when asked and the rows are 32-byte aligned).
 template <InType Src, bool Row, bool Floor>
 MXFP8_TARGET_AVX2 void avx2_band(const typename Input<Src>::Elem* x, int64_t K, uint8_t* row_q,
                                  uint8_t* row_s, uint8_t* col_q, uint8_t* col_s, bool stream) {
   constexpr ScaleRule rule = Floor ? ScaleRule::kFloor : ScaleRule::kRceil;
-  constexpr int64_t kChunks = kTileCols / kBlock;
-  alignas(64) uint8_t cq[kBlock * kTileCols];
-  alignas(64) uint8_t rq[Row ? kBlock * kTileCols : 64];
+  constexpr int64_t kChunks = kOutCols / kBlock;
+  alignas(64) uint8_t cq[kBlock * kOutCols];
+  alignas(64) uint8_t rq[Row ? kBlock * kOutCols : 64];
   alignas(64) uint8_t rs[Row ? kBlock * kChunks : 64];  // [chunk][row]
   const int64_t nb = K / kBlock;
   stream = stream && K % 32 == 0 &&
@@ -903,19 +907,19 @@ MXFP8_TARGET_AVX2 void avx2_band(const typename Input<Src>::Elem* x, int64_t K, 
       continue;
     }
     for (int r = 0; r < kBlock; ++r) avx2::stage_row(x + r * K + s0, swf, in + r * ls);
-    for (int64_t c0 = s0; c0 < s0 + sw; c0 += kTileCols) {
-      const int64_t w = std::min(kTileCols, s0 + sw - c0), wf = w / kBlock * kBlock;
+    for (int64_t c0 = s0; c0 < s0 + sw; c0 += kOutCols) {
+      const int64_t w = std::min(kOutCols, s0 + sw - c0), wf = w / kBlock * kBlock;
       for (int64_t j = 0; j < wf / kBlock; ++j) {
         const int64_t cj = j * kBlock;
         uint8_t* cs = col_s + c0 + cj;
         const avx2::Redo redo = avx2::chunk32<Row, true, Floor>(
-            in + (c0 - s0) + cj, ls, rq + cj, kTileCols, rs + cj, cq + cj, kTileCols, cs);
+            in + (c0 - s0) + cj, ls, rq + cj, kOutCols, rs + cj, cq + cj, kOutCols, cs);
         if (redo.rows)
           for (int r = 0; r < kBlock; ++r)
             if (redo.rows >> r & 1)
-              IsaAvx2::block<Src>(x + r * K + c0 + cj, rq + r * kTileCols + cj, rs + cj + r, rule);
+              IsaAvx2::block<Src>(x + r * K + c0 + cj, rq + r * kOutCols + cj, rs + cj + r, rule);
         if (__builtin_popcount(redo.cols) > kMaxGatheredColumns) {
-          columns32_general<Src, IsaAvx2>(x + c0 + cj, K, cq + cj, kTileCols, cs, rule, c16);
+          columns32_general<Src, IsaAvx2>(x + c0 + cj, K, cq + cj, kOutCols, cs, rule, c16);
         } else if (redo.cols) {  // each column gathered into a block of its own
           for (int c = 0; c < kBlock; ++c) {
             if (!(redo.cols >> c & 1)) continue;
@@ -923,16 +927,16 @@ MXFP8_TARGET_AVX2 void avx2_band(const typename Input<Src>::Elem* x, int64_t K, 
             alignas(32) uint8_t q[kBlock];
             for (int r = 0; r < kBlock; ++r) col[r] = x[r * K + c0 + cj + c];
             IsaAvx2::block<Src>(col, q, cs + c, rule);
-            for (int r = 0; r < kBlock; ++r) cq[r * kTileCols + cj + c] = q[r];
+            for (int r = 0; r < kBlock; ++r) cq[r * kOutCols + cj + c] = q[r];
           }
         }
       }
-      avx2::copy_out(cq, kTileCols, kBlock, wf, col_q + c0, K, stream);
+      avx2::copy_out(cq, kOutCols, kBlock, wf, col_q + c0, K, stream);
       if (wf < w)  // a columnwise tail narrower than 32 columns (K % 32 != 0: no rowwise plane)
         quantize_columns_scalar<Src>(x + c0 + wf, K, w - wf, col_q + c0 + wf, K, col_s + c0 + wf,
                                      rule);
       if constexpr (Row) {
-        avx2::copy_out(rq, kTileCols, kBlock, wf, row_q + c0, K, stream);
+        avx2::copy_out(rq, kOutCols, kBlock, wf, row_q + c0, K, stream);
         for (int r = 0; r < kBlock; ++r)
           for (int64_t j = 0; j < wf / kBlock; ++j)
             row_s[r * nb + c0 / kBlock + j] = rs[j * kBlock + r];
