@@ -454,7 +454,15 @@ struct IsaAvx2 {
 
 struct IsaAvx512 {
   static constexpr bool kWideBf16 = true;
-  static constexpr bool kBand = false;
+  // The both-plane band kernel has no 512-bit form yet: AVX-512 CPUs run the AVX2 one, which
+  // reads and writes memory the way that measured fastest (the 512-bit paths below serve the
+  // rowwise-only loops and the fused RMSNorm kernel's columnwise bands).
+  static constexpr bool kBand = true;
+  template <InType Src>
+  static void band(const typename Input<Src>::Elem* x, int64_t K, uint8_t* row_q, uint8_t* row_s,
+                   uint8_t* col_q, uint8_t* col_s, ScaleRule rule, bool stream) {
+    IsaAvx2::band<Src>(x, K, row_q, row_s, col_q, col_s, rule, stream);
+  }
   template <InType T>
   __attribute__((noinline)) MXFP8_TARGET_AVX512 static void block(const typename Input<T>::Elem* x,
                                                                   uint8_t* q, uint8_t* s,
