@@ -421,7 +421,8 @@ struct IsaBaseline {
 #if MXFP8_X86_BUILDS
 struct IsaAvx2 {
   static constexpr bool kWideBf16 = false;
-  // bf16 and fp32 bands with columnwise output go through avx2_band (quantize_avx2.h)
+  // bf16 and fp32 bands with columnwise output go through avx2_band (below; its 32x32 chunks
+  // are in quantize_avx2.h)
   static constexpr bool kBand = true;
   template <InType Src>
   static void band(const typename Input<Src>::Elem* x, int64_t K, uint8_t* row_q, uint8_t* row_s,
@@ -904,16 +905,16 @@ MXFP8_TARGET_AVX2 void avx2_band(const typename Input<Src>::Elem* x, int64_t K, 
   stream = stream && K % 32 == 0 &&
            ((reinterpret_cast<uintptr_t>(col_q) | reinterpret_cast<uintptr_t>(row_q)) & 31) == 0;
   const vec::Cast16K c16 = vec::Cast16K::make();
+  // scratch row stride: the widest slab's whole chunks, plus one line if that is even in lines
+  const int64_t wmax = std::min(kSlabCols, K) / kBlock * kBlock;
+  const int64_t ls = (wmax / 32) % 2 ? wmax : wmax + 32;
+  uint16_t* const in = band_scratch(kBlock * ls);
+  if (!in) {  // no memory for the scratch copy: the general band loop
+    quantize_band<Src, IsaAvx2>(x, K, row_q, row_s, col_q, col_s, rule);
+    return;
+  }
   for (int64_t s0 = 0; s0 < K; s0 += kSlabCols) {
     const int64_t sw = std::min(kSlabCols, K - s0), swf = sw / kBlock * kBlock;
-    const int64_t ls = (swf / 32) % 2 ? swf : swf + 32;  // scratch row stride, odd in lines
-    uint16_t* const in = band_scratch(kBlock * ls);
-    if (!in) {  // no memory for the scratch copy: the general band loop
-      quantize_band<Src, IsaAvx2>(x + s0, K, row_q ? row_q + s0 : nullptr,
-                                  row_q ? row_s + s0 / kBlock : nullptr, col_q + s0, col_s + s0,
-                                  rule);
-      continue;
-    }
     for (int r = 0; r < kBlock; ++r) avx2::stage_row(x + r * K + s0, swf, in + r * ls);
     for (int64_t c0 = s0; c0 < s0 + sw; c0 += kOutCols) {
       const int64_t w = std::min(kOutCols, s0 + sw - c0), wf = w / kBlock * kBlock;
