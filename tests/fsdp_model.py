@@ -55,3 +55,37 @@ def batch(i):
 
 
 TX = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-2, weight_decay=0.1))
+
+
+def logical_content(fsdp, state):
+    """Every logical tensor of ``state`` by name (parameters and optimizer leaves in the
+    parameters' own shapes, the step), as numpy arrays: gathered from every process."""
+    from jax.experimental import multihost_utils
+
+    out = {f"params/{p.name}": fsdp.to_logical(p, state.master[p.name]) for p in fsdp.trained}
+    for key_path, leaf in jax.tree_util.tree_flatten_with_path(state.opt_state)[0]:
+        owner = fsdp._owner_of(key_path, leaf)
+        name = "/".join(str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in key_path)
+        out[f"opt/{name}"] = leaf if owner is None else fsdp.to_logical(owner, leaf)
+    out["step"] = state.step
+    host = lambda a: np.asarray(a) if a.is_fully_addressable else multihost_utils.process_allgather(a, tiled=True)
+    return {k: host(v) for k, v in out.items()}
+
+
+def logical_grads(fsdp, grads):
+    """A step's gradients by parameter name, in the parameters' own shapes (numpy)."""
+    return {p.name: np.asarray(fsdp.to_logical(p, grads[p.name])) for p in fsdp.trained}
+
+
+def per_example_terms(fsdp, state, data):
+    """What each example of ``data`` adds to the loss and to every gradient of the step: one
+    example at a time on ``fsdp``'s mesh (one device), scaled by ``1 / len(examples)`` (exact)."""
+    x, y = data
+    loss_and_grads = fsdp.loss_and_grads(loss_fn)
+    losses, grads = [], []
+    for i in range(len(x)):
+        loss, g = loss_and_grads(state, (x[i : i + 1], y[i : i + 1]))
+        losses.append(float(loss))
+        grads.append(logical_grads(fsdp, g))
+    m = float(len(x))
+    return np.array(losses) / m, {k: np.stack([g[k] for g in grads]) / m for k in grads[0]}
