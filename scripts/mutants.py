@@ -191,8 +191,9 @@ MUTANTS = (
         (
             (
                 "_src/fsdp_unit.py",
-                "    w = _gathered_weight(cfg, keep, columnwise=True)\n",
-                '    w = _gathered_weight(cfg, keep, columnwise=True)\n    w = w if g.precision == "mxfp8" else -w\n',
+                "    v = op.value(gathered(op.geometry, local, columnwise=not op.transposed))\n",
+                "    v = op.value(gathered(op.geometry, local, columnwise=not op.transposed))\n"
+                '    v = v if op.geometry.precision == "mxfp8" else -v\n',
             ),
         ),
         ("tests/test_fsdp_scale.py::test_bf16_gradients_match_single_device_reference",),
@@ -203,26 +204,25 @@ MUTANTS = (
         (
             (
                 "_src/fsdp_unit.py",
-                'keep = columnwise if cfg.geometry.precision == "mxfp8" else master',
-                'keep = rowwise if cfg.geometry.precision == "mxfp8" else master',
+                "return y, (act, _local(op, master, planes, backward=True))",
+                "return y, (act, _local(op, master, planes, backward=False))",
             ),
-            ("_src/fsdp_unit.py", "def _matmul_fwd(cfg: _Config, x, master, rowwise, columnwise):", None),
             (
                 "_src/fsdp_unit.py",
-                "w = _gathered_weight(cfg, keep, columnwise=True)",
-                "w = _gathered_weight(cfg, keep, columnwise=False)",
+                "v = op.value(gathered(op.geometry, local, columnwise=not op.transposed))",
+                "v = op.value(gathered(op.geometry, local, columnwise=op.transposed))",
             ),
         ),
         ("tests/test_fsdp_scale.py::test_gradients_match_single_device_reference",),
     ),
     Mutant(
         "fsdp-padding-rows-get-gradient",
-        "the wgrad's padding rows (below out_features) receive ones instead of zeros",
+        "the wgrad's padding rows (below N) receive ones instead of zeros",
         (
             (
                 "_src/fsdp_unit.py",
-                "dw = jnp.pad(dw, ((0, g.out_padded - g.out_features), (0, 0)))",
-                "dw = jnp.pad(dw, ((0, g.out_padded - g.out_features), (0, 0)), constant_values=1.0)",
+                "    dw = g.to_master(d_param, g.level)\n",
+                "    dw = g.to_master(d_param, g.level)\n    dw = dw.at[..., g.out_features :, :].set(1.0)\n",
             ),
         ),
         ("tests/test_flax.py::test_sharded_gradients_match_single_device_reference",),

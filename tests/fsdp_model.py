@@ -64,7 +64,7 @@ def logical_content(fsdp, state):
 
     out = {f"params/{p.name}": fsdp.to_logical(p, state.master[p.name]) for p in fsdp.trained}
     for key_path, leaf in jax.tree_util.tree_flatten_with_path(state.opt_state)[0]:
-        owner = fsdp._owner_of(key_path, leaf)
+        owner = fsdp.owner_of(key_path, leaf)
         name = "/".join(str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in key_path)
         out[f"opt/{name}"] = leaf if owner is None else fsdp.to_logical(owner, leaf)
     out["step"] = state.step

@@ -160,7 +160,7 @@ def test_plan_eligibility(f32_setup):
     assert (g2.out_features, g2.in_features, g2.out_padded, g2.rows) == (HIDDEN, HIDDEN, 256, 32)
     assert fsdp.weight_elements == IN * HIDDEN + HIDDEN * HIDDEN
     assert fsdp.stored_elements == 256 * (IN + HIDDEN)
-    plain = {fsdp.params[j].name for j in fsdp.others}
+    plain = {p.name for p in fsdp.plain}
     assert plain == {"l1/bias", "l2/bias", "norm/scale", "norm/bias", "head/kernel", "head/bias"}
 
 
@@ -235,22 +235,24 @@ def bf16_training(mesh):
 def test_step_hlo_moves_weights_as_8_bit(bf16_training):
     fsdp, _, _, compiled = bf16_training
     found = [(c.op, c.dtypes[0], c.outputs[0][1]) for c in hlo.collectives(compiled.as_text())]
-    # the plain parameters the device count divides travel together, as one fp32 gather
+    # the plain parameters the device count divides travel one layer's together, as fp32, when
+    # the layer runs (without a trace the head's [64, 10] kernel is plain)
     split = [p for p in fsdp.plain if p.shard_axis is not None]
     assert {p.name for p in split} == {"l1/bias", "l2/bias", "norm/scale", "norm/bias", "head/kernel"}
-    plain = sum(int(np.prod(p.shape)) for p in split)
+    layers = {"l1": HIDDEN, "l2": HIDDEN, "norm": 2 * HIDDEN, "head": HIDDEN * CLASSES}
     gathers = sorted((d, s) for op, d, s in found if op == "all-gather")
-    want = [("f32", (plain,))]
+    want = [("f32", (size,)) for size in layers.values()]
     for p in fsdp.units:
         g = p.unit
         want += [("u8", (g.out_padded, g.in_features)), ("u8", (g.out_padded, g.in_features // 32))]  # forward
         if p.name != "l1/kernel":  # l1's input is the data: it needs no dgrad, XLA drops its gather
             want += [("u8", (g.out_padded, g.in_features)), ("u8", (g.out_padded // 32, g.in_features))]
     assert gathers == sorted(want)
-    # Gradients: one reduce-scatter per unit into its rows, one for the plain buffer.
+    # Gradients: one reduce-scatter per unit into its rows, one per layer of plain parameters.
     scatters = sorted((d, s) for op, d, s in found if op == "reduce-scatter")
     assert scatters == sorted(
-        [("f32", (plain // 8,))] + [("f32", (p.unit.rows, p.unit.in_features)) for p in fsdp.units]
+        [("f32", (size // 8,)) for size in layers.values()]
+        + [("f32", (p.unit.rows, p.unit.in_features)) for p in fsdp.units]
     )
     # Nothing else but the scalar loss mean and the gradient of the one parameter kept whole on
     # every device (head/bias, 10 elements: 8 devices do not divide it); no weight reshuffles.
@@ -301,14 +303,10 @@ def test_errors_name_the_rule(mesh):
         FSDP(net, mesh, precision="fp8")
     with pytest.raises(TypeError, match="mesh must be a jax.sharding.Mesh"):
         FSDP(net, "data")
-
-    class WithDropout(nnx.Module):
-        def __init__(self, rngs):
-            self.l = Linear(32, 32, rngs=rngs)
-            self.drop = nnx.Dropout(0.1, rngs=rngs)
-
-    with pytest.raises(ValueError, match="other than nnx.Param"):
-        FSDP(abstract(WithDropout), mesh)
+    with pytest.raises(ValueError, match="loss_fn and example_batch go together"):
+        FSDP(net, mesh, loss_fn=loss_fn)
+    with pytest.raises(ValueError, match=r"precision_by_path\['head'\]='fp8' must be one of"):
+        FSDP(net, mesh, precision_by_path={"head": "fp8"})
 
 
 def test_batch_must_split_over_devices(f32_setup):
@@ -332,7 +330,7 @@ def test_which_layers_are_units(mesh):
 
     fsdp = FSDP(nnx.eval_shape(lambda: M(nnx.Rngs(0))), mesh)
     assert [(p.name, p.stack) for p in fsdp.units] == [("a/kernel", ()), ("d/kernel", (3,))]
-    assert {fsdp.params[j].name for j in fsdp.others} == {
+    assert {p.name for p in fsdp.plain} == {
         "a/bias",
         "b/kernel",
         "b/bias",
@@ -343,30 +341,32 @@ def test_which_layers_are_units(mesh):
 
 
 def test_misused_units_raise_clear_errors(mesh):
-    class Tied(nnx.Module):  # reads its Linear's kernel outside the layer's GEMM
-        def __init__(self, rngs):
-            self.l = nnx.Linear(32, 32, rngs=rngs)
-
-        def __call__(self, x):
-            return self.l(x) @ self.l.kernel[...].T
-
-    class Unscanned(nnx.Module):  # a stacked layer called without nnx.scan / nnx.vmap
+    class Ensemble(nnx.Module):  # a stacked layer applied by nnx.vmap over its stack, not scanned
         def __init__(self, rngs):
             self.l = nnx.split_rngs(splits=2)(nnx.vmap(lambda r: nnx.Linear(32, 32, rngs=r), in_axes=(0,)))(rngs)
 
         def __call__(self, x):
-            return self.l(x)
+            return nnx.vmap(lambda layer, x: layer(x), in_axes=(0, None))(self.l, x)
 
     x = np.ones((8, 32), np.float32)
     loss = lambda m, x: m(x).mean()
-    for cls, error, match in (
-        (Tied, TypeError, "exists only as this device's shards"),
-        (Unscanned, ValueError, r"still has stack axes \(2,\).*nnx.scan"),
+    # without a trace, the plan takes the stacked kernel for one layer per scan iteration
+    model = Ensemble(nnx.Rngs(0))
+    fsdp = FSDP(model, mesh)
+    with pytest.raises(
+        ValueError,
+        match=r"l/kernel \[2, 32, 32\]: the FSDP plan keeps it as a mxfp8 unit.*"
+        r"read with 0 layer axes sliced off by scans, where the plan has 1.*example_batch",
     ):
-        model = cls(nnx.Rngs(0))
-        fsdp = FSDP(model, mesh)
-        with pytest.raises(error, match=match):
-            fsdp.loss_and_grads(loss)(fsdp.init(model, optax.sgd(0.1)), x)
+        fsdp.loss_and_grads(loss)(fsdp.init(model, optax.sgd(0.1)), x)
+    # traced, the plan follows the loss: vmap of x @ kernel over the kernels alone is one GEMM
+    # whose N spans the stack and the outputs (2 x 32)
+    fsdp = FSDP(model, mesh, loss_fn=loss, example_batch=x)
+    (unit,) = fsdp.units
+    g = unit.unit
+    assert (g.level, g.batch_axes, g.n_axes, g.k_axes, g.out_features, g.in_features) == (0, (), (0, 2), (1,), 64, 32)
+    loss_value, _ = fsdp.loss_and_grads(loss)(fsdp.init(model, optax.sgd(0.1)), x)
+    assert np.isfinite(float(loss_value))
 
     class VectorLoss(nnx.Module):
         def __init__(self, rngs):

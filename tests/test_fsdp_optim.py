@@ -121,7 +121,7 @@ def test_param_tree_has_the_models_paths(mesh):
     del trained["perm"]  # integer: frozen, not the optimizer's
     assert jax.tree.structure(fsdp.param_tree(state.master)) == jax.tree.structure(trained)
     kinds = {p.name: p.kind for p in fsdp.params}
-    assert kinds["l1/kernel"] == kinds["l2/kernel"] == "unit"
+    assert kinds["l1/kernel"] == kinds["l2/kernel"] == "mxfp8"
     assert kinds["temperature"] == "plain" and kinds["perm"] == "frozen"
     # every optimizer moment is sharded like its parameter
     state = fsdp.init(model, optax.adam(1e-3))
@@ -226,7 +226,9 @@ def test_state_of_another_plan_and_consumed_state(mesh, cpu_devices):
         ValueError, match=r"not a state of this FSDP plan.*l1/kernel: \(256, 32\) float32, the plan stores \(128, 32\)"
     ):
         other.gather(state)
-    with pytest.raises(ValueError, match="precision is 'bf16'"):
+    with pytest.raises(
+        ValueError, match=r"MXFP8 planes for \['l1/kernel', 'l2/kernel'\].*are \[\] \(precision='bf16'\)"
+    ):
         FSDP(model, mesh, precision="bf16").gather(state)
     with pytest.raises(TypeError, match="state must be a TrainState"):
         fsdp.gather(state.master)

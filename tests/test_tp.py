@@ -112,12 +112,16 @@ def test_hlo_fused_call_in_the_loop_and_no_activation_gather(model, cpu_devices)
     assert list(per_loop.values()) == [2, 2] and len(fused) == 4
     gathers = [c for c in hlo.collectives(text) if c.op == "all-gather"]
     # no bf16 activation gather (p2p reads the peers' rows itself); fp32: the plain parameters
-    # once, and in the backward loop the cotangents of the row-parallel reduce-scatters (its
-    # transpose), [tp, batch, seq/tp, hidden] per device: never a master weight
+    # where they are read (the embedding and the final norm outside the loops, a layer's two
+    # norm scales together in the forward loop and again in the recompute), and in the backward
+    # loop the cotangents of the row-parallel reduce-scatters (its transpose),
+    # [tp, batch, seq/tp, hidden] per device: never a master weight
     assert not [c for c in gathers if "bf16" in c.dtypes]
     f32 = sorted((c.loop_depth, c.outputs) for c in gathers if "f32" in c.dtypes)
     local = (2, BATCH // 4, SEQ // 2, CFG.hidden)
-    assert f32 == [(0, (("f32", (fsdp.plain_elements,)),))] + [(1, (("f32", local),))] * 2
+    outside = [(0, (("f32", (CFG.hidden,)),)), (0, (("f32", (CFG.vocab * CFG.hidden,)),))]
+    norms = [(1, (("f32", (2 * CFG.hidden,)),))] * 2
+    assert f32 == sorted(outside + norms + [(1, (("f32", local),))] * 2)
     # the row-parallel outputs: one reduce-scatter over tp per o and down, forward (and remat)
     scatters = [c for c in hlo.collectives(text) if c.op == "reduce-scatter" and c.loop_depth == 1]
     assert len(scatters) >= 2 * 2

@@ -1,50 +1,48 @@
-"""Flax NNX training with MXFP8 FSDP weights: per-unit gathers that compose with scan and remat.
+"""Flax NNX training with MXFP8 FSDP weights: per-unit gathers, just in time, for any model.
 
 One training step, with every mesh axis in the FSDP group and the batch split over it::
 
-    master     per unit, fp32 rows of W = kernel.T [*stack, out_padded, in], sharded by 32-row blocks
+    master     per unit, fp32 rows of W [*stack, N_padded, K], sharded over the mesh
       |  quantize after every optimizer update: each device its own rows, no communication
-    planes     per unit, E4M3 codes + E8M0 scales, rowwise and columnwise, sharded like the master
-      |  each GEMM of the model, when it runs (``fsdp_unit.unit_matmul``):
-      |    forward:  all-gather this unit's rowwise planes (8-bit), y = x @ W.T, drop them
-      |    backward: all-gather its columnwise planes (8-bit), dx = dy @ W; dW = dy.T @ x (fp32)
-      |              leaves through one reduce-scatter into the unit's master rows
+    planes     per MXFP8 unit, E4M3 codes + E8M0 scales, rowwise and columnwise, sharded like it
+      |  the loss, evaluated op by op (``fsdp_eval``): each op that reads a unit, when it runs,
+      |    forward:  all-gathers the unit's planes blocked along its contraction (8-bit),
+      |              runs on the dequantized weight, drops it
+      |    backward: all-gathers the other planes for the dgrad; dW (fp32) leaves through one
+      |              reduce-scatter into the unit's master rows
+      |  each plain parameter is gathered by the first op that reads it (its gradient
+      |  reduce-scattered back)
     optax update on the parameters' shards (elementwise: no communication)
 
-A *unit* is the kernel of one ``flax.nnx.Linear`` or ``mxfp8_jax.flax.Linear`` whose two
-dimensions are multiples of 32 (``flax_layers``). Kernels stacked with ``nnx.vmap``
-(``[*stack, in, out]``, run with ``nnx.scan``) are units too: each scan iteration gathers one
-layer's planes inside the loop, so the compiled step keeps the loop and holds one layer's
-gathered weights at a time. Every unit is its own GEMM-level ``custom_vjp`` on local shards,
-which is why scan, ``nnx.remat``/``jax.checkpoint`` (the recompute gathers again) and plain
-Python loops all work: per-device memory is the shards, the unit being computed, and the
-activations the model saves, flat in depth.
-
-Every other floating parameter (biases, norms, embeddings, kernels with other sizes) is
-*plain*: fp32, its own array with its logical shape, split over the mesh along its first axis
-that the device count divides (replicated when none does, e.g. 0-D scalars). The step
-all-gathers the split ones together as one fp32 gather at its start; autodiff turns that gather
-into one reduce-scatter. Non-floating parameters are *frozen*: replicated, passed to the model,
-never trained.
+What each parameter becomes is the plan's (``fsdp_plan``): with ``loss_fn`` and an
+``example_batch``, the loss is traced and every parameter that a GEMM contracts or a lookup
+reads is a unit, whatever layer holds it (``nnx.Linear``, ``nnx.LinearGeneral`` and so
+``nnx.MultiHeadAttention``, ``nnx.Einsum``, ``nnx.Embed``, an ``nnx.Param`` under
+``jnp.einsum`` / ``lax.dot_general`` / ``@``); without one, units are ``nnx.Linear`` and
+``mxfp8_jax.flax.Linear`` kernels, found by class. Kernels stacked with ``nnx.vmap`` and run
+by ``nnx.scan`` are gathered one layer per iteration inside the loop; a Python loop over an
+``nnx.List`` gathers each layer's units when the layer runs (each gather waits for the layer's
+input), so per-device memory is the shards, a unit or two being computed and the activations
+the model saves, flat in depth either way. ``nnx.remat`` recomputes the gathers in the
+backward.
 
 The optimizer sees the model's parameters: ``tx`` is initialised and applied on nested dicts
 with the paths of ``nnx.state(model, nnx.Param).to_pure_dict()``, whose leaves are the
-sharded fp32 arrays (a unit's leaf is its master ``W = kernel.T``, rows padded; a plain one has
-the parameter's own shape). Masks and labels by path (``optax.adamw(mask=...)``,
+sharded fp32 arrays (a unit's leaf is its master ``W``, rows padded; a plain one has the
+parameter's own shape). Masks and labels by path (``optax.adamw(mask=...)``,
 ``optax.multi_transform``, ``optax.masked``), elementwise transforms and global norms therefore
 behave as on the unsharded model; the padding rows of a master hold zeros and receive zero
 gradients. Elementwise updates run on each device's shard with no communication.
 
-``precision="bf16"`` is the baseline with the same structure: each unit's master rows are cast
-to bf16 and gathered as 16-bit words, once for the forward and once for the backward.
+The model's other state (the RNG streams of ``nnx.Dropout`` and the like) travels in the
+state: each device draws from its stream folded with its index (its own examples, its own
+dropout masks); the counts advance as in the unsharded model.
 
-Overlap: a unit's gather depends only on its own shards, so XLA may issue it ahead of the GEMM
-that needs it. On GPUs, ``--xla_gpu_enable_latency_hiding_scheduler=true`` overlaps the gathers
-of one step with compute, and ``--xla_gpu_enable_pipelined_all_gather=true`` with
+Overlap: on GPUs, ``--xla_gpu_enable_latency_hiding_scheduler=true`` overlaps the gathers of
+one step with compute, and ``--xla_gpu_enable_pipelined_all_gather=true`` with
 ``--xla_gpu_enable_pipelined_reduce_scatter=true`` (XLA's collective pipeliner) moves the next
-scan iteration's gather (and the previous one's reduce-scatter) into the current iteration;
-``--xla_gpu_all_gather_combine_threshold_bytes`` / ``--xla_gpu_reduce_scatter_combine_threshold_bytes``
-let XLA merge the units of one iteration into one collective (set them through ``XLA_FLAGS``).
+scan iteration's gather (and the previous one's reduce-scatter) into the current iteration
+(set them through ``XLA_FLAGS``).
 """
 
 from __future__ import annotations
@@ -62,11 +60,21 @@ from flax import nnx
 from jax import lax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from mxfp8_jax._src import placement as pl
-from mxfp8_jax._src import spmd
-from mxfp8_jax._src.flax_layers import intercept, unit_kernel_shape
+from mxfp8_jax._src import fsdp_checkpoint, spmd
+from mxfp8_jax._src.flax_layers import unit_kernel_shape
 from mxfp8_jax._src.format import BLOCK, ScaleRule
-from mxfp8_jax._src.fsdp_unit import PRECISIONS, ShardedKernel, UnitGeometry
+from mxfp8_jax._src.fsdp_eval import PlainValue, UnitValue, evaluate
+from mxfp8_jax._src.fsdp_plan import (
+    Mesh1D,
+    ParamInfo,
+    check_rule,
+    describe,
+    plan_from_uses,
+    split_axis,
+    uses_from_layers,
+)
+from mxfp8_jax._src.fsdp_trace import View, analyse, trace_uses
+from mxfp8_jax._src.fsdp_unit import PRECISIONS
 from mxfp8_jax._src.quantize import quantize
 
 # ------------------------------------------------------------------------------------------------
@@ -76,13 +84,13 @@ from mxfp8_jax._src.quantize import quantize
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class UnitPlanes:
-    """The MXFP8 planes of one unit's master ``[*stack, out_padded, in]``, sharded like it.
+    """The MXFP8 planes of one unit's master ``[*stack, N_padded, K]``, sharded like it.
 
-    ``rowwise_data``/``columnwise_data``: E4M3 bit patterns as uint8 ``[*stack, out_padded, in]``
+    ``rowwise_data``/``columnwise_data``: E4M3 bit patterns as uint8 ``[*stack, N_padded, K]``
     (XLA:CPU widens float8 arrays that cross a loop to f16, twice the bytes; codes are bitcast
     to ``float8_e4m3fn`` where they are dequantized);
-    ``rowwise_scale``: uint8 ``[*stack, out_padded, in/32]``; ``columnwise_scale``: uint8
-    ``[*stack, out_padded/32, in]``. Every device's rows are whole 32-row blocks of each layer.
+    ``rowwise_scale``: uint8 ``[*stack, N_padded, K/32]``; ``columnwise_scale``: uint8
+    ``[*stack, N_padded/32, K]``. Every device's rows are whole 32-row blocks of each layer.
     """
 
     rowwise_data: jax.Array
@@ -94,73 +102,25 @@ class UnitPlanes:
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class TrainState:
-    """Everything a step updates. Invariant: ``quantized`` is the quantization of the units'
-    masters.
+    """Everything a step updates. Invariant: ``quantized`` is the quantization of the MXFP8
+    units' masters.
 
     ``master``: parameter name (its path joined by ``/``) -> fp32 array, for every trained
-    parameter: a unit's ``W = kernel.T`` with its rows padded to ``out_padded``,
-    ``[*stack, out_padded, in]``, rows sharded over the mesh; a plain parameter in its own shape,
-    split along ``ParamInfo.shard_axis`` (or replicated).
-    ``quantized``: unit name -> its ``UnitPlanes``, or None under ``precision="bf16"``.
+    parameter: a unit's ``W`` with its rows padded, ``[*stack, N_padded, K]``, rows sharded
+    over the mesh; a plain parameter in its own shape, split along ``ParamInfo.shard_axis`` (or
+    replicated).
+    ``quantized``: MXFP8 unit name -> its ``UnitPlanes`` (empty without MXFP8 units).
     ``frozen``: name -> value of each non-floating parameter, replicated, never trained.
+    ``rest``: the values of the model's other state (RNG keys and counts), replicated.
     ``opt_state``: the optax state of ``FSDP.param_tree(master)``, sharded like the parameters.
     """
 
     master: dict[str, jax.Array]
-    quantized: dict[str, UnitPlanes] | None
+    quantized: dict[str, UnitPlanes]
     frozen: dict[str, jax.Array]
+    rest: tuple
     opt_state: Any
     step: jax.Array
-
-
-@dataclasses.dataclass(frozen=True)
-class ParamInfo:
-    """One model parameter as the plan sees it; ``path`` as in ``nnx.to_flat_state``.
-
-    ``unit`` is the geometry of an MXFP8 unit (None otherwise) and ``stack`` the leading stack
-    axes of its kernel ``[*stack, in, out]``. A plain parameter is split over the mesh along
-    ``shard_axis`` (None: replicated). ``kind`` is ``"unit"``, ``"plain"`` or ``"frozen"``
-    (non-floating: kept, not trained). Under tensor parallelism a unit's ``tp`` is
-    ``"column"`` (``out`` split over the ``tp_size`` devices of the tp axis) or ``"row"``
-    (``in`` split); its ``unit`` geometry is then that of one tp slice, FSDP-sharded over the
-    other mesh axes.
-    """
-
-    path: tuple[str | int, ...]
-    shape: tuple[int, ...]
-    dtype: Any
-    unit: UnitGeometry | None = None
-    stack: tuple[int, ...] = ()
-    shard_axis: int | None = None
-    tp: str | None = None
-    tp_size: int = 1
-
-    @property
-    def name(self) -> str:
-        return "/".join(map(str, self.path))
-
-    @property
-    def eligible(self) -> bool:
-        return self.unit is not None
-
-    @property
-    def kind(self) -> str:
-        if self.unit is not None:
-            return "unit"
-        return "plain" if jnp.issubdtype(self.dtype, jnp.floating) else "frozen"
-
-    @property
-    def stored_shape(self) -> tuple[int, ...]:
-        """The shape of its array in ``TrainState`` (a unit's padded, transposed master; the tp
-        slices side by side along rows for ``"column"``, along columns for ``"row"``)."""
-        return self.shape if self.unit is None else self.tp_global(self.unit.padded_shape(self.stack))
-
-    def tp_global(self, local: tuple[int, ...]) -> tuple[int, ...]:
-        """A unit array's shape for one tp slice -> for all of them."""
-        if self.tp is None:
-            return tuple(local)
-        axis = len(local) - (2 if self.tp == "column" else 1)
-        return tuple(d * self.tp_size if a == axis else d for a, d in enumerate(local))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -170,19 +130,36 @@ class ParamInfo:
 class FSDP:
     """MXFP8 FSDP training of an NNX model over every axis of ``mesh``.
 
-    ``FSDP(model, mesh)`` reads the model's structure (not its values): which kernels are units,
-    their geometry, how the other parameters are split. Then::
+    ``FSDP(model, mesh, loss_fn=..., example_batch=...)`` traces the loss on the example to
+    find how each parameter is read (its values are not used), and plans what each becomes
+    (``print(fsdp)`` shows it). Then::
 
         state = fsdp.init(model, tx)           # shard, quantize, optimizer state
         step = fsdp.train_step(loss_fn, tx)    # jitted; donates the state
         state, loss = step(state, batch)
         model = fsdp.gather(state)             # an ordinary nnx module again
 
+    Args:
+      model: the ``nnx.Module`` (concrete or from ``nnx.eval_shape``).
+      mesh: every axis is an FSDP axis (but ``tp_axis``); the batch is split over all of them.
+      precision: ``"mxfp8"`` or ``"bf16"``: the units' default precision (projections;
+        embeddings and output heads are bf16 by default).
+      scale_rule: the MXFP8 scale rule (``"rceil"``, ``"floor"``).
+      tp_axis: a mesh axis for tensor parallelism of the layers marked by ``tensor_parallel``.
+      loss_fn: ``loss_fn(model, batch)``, traced on ``example_batch`` to find the units by
+        operation (with ``example_batch``; the same loss the steps run).
+      example_batch: a batch as the steps take it (arrays or ``jax.ShapeDtypeStruct``s; only
+        shapes and dtypes are read), every leaf's leading axis split over the mesh.
+      precision_by_path: per-parameter precision, overriding the defaults: a mapping of
+        regular expressions on the parameter name (``"blocks/attn/q/kernel"``) to
+        ``"mxfp8"``, ``"bf16"`` or ``"plain"`` (the first that matches wins), or a callable
+        ``(name, role) -> precision | None`` (role: ``"projection"``, ``"embedding"``,
+        ``"head"``).
+
     ``loss_fn(model, batch) -> scalar`` is the mean loss over the batch it is given (with
-    ``has_aux=True``: ``-> (scalar, aux)``). Each device runs it on its slice of the batch (every
-    leaf's leading axis is split over the mesh) and the step returns the mean over devices. The
-    model may hold only ``nnx.Param`` state; it may use ``nnx.scan``, ``nnx.vmap``, ``nnx.remat``
-    and Python loops freely. ``tx`` sees the parameters by path (``param_tree``).
+    ``has_aux=True``: ``-> (scalar, aux)``). Each device runs it on its slice of the batch and
+    the step returns the mean over devices. The model may use ``nnx.scan``, ``nnx.vmap``,
+    ``nnx.remat`` and Python loops freely. ``tx`` sees the parameters by path (``param_tree``).
     """
 
     def __init__(
@@ -193,6 +170,9 @@ class FSDP:
         precision: str = "mxfp8",
         scale_rule: str = "rceil",
         tp_axis: str | None = None,
+        loss_fn: Callable | None = None,
+        example_batch: Any = None,
+        precision_by_path=None,
     ) -> None:
         if not isinstance(model, nnx.Module):
             raise TypeError(f"model must be a flax.nnx.Module, got {type(model).__name__}")
@@ -200,90 +180,100 @@ class FSDP:
             raise TypeError(f"mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}")
         if precision not in PRECISIONS:
             raise ValueError(f"precision={precision!r} must be one of {PRECISIONS}")
+        if (loss_fn is None) != (example_batch is None):
+            raise ValueError(
+                "loss_fn and example_batch go together: the plan traces loss_fn(model, example_batch) "
+                "to find the parameters GEMMs and lookups read (give both, or neither for units by layer class)"
+            )
+        check_rule(precision_by_path)
         self.mesh = Mesh(mesh.devices, mesh.axis_names)  # Auto axes: shard_map does the placing
         self.precision = precision
         self.scale_rule = ScaleRule.parse(scale_rule).value
+        self.precision_by_path = precision_by_path
         graphdef, params, rest = nnx.split(model, nnx.Param, ...)
-        if jax.tree.leaves(rest):
-            raise ValueError(
-                "model holds state other than nnx.Param (e.g. batch statistics or RNG streams); "
-                "FSDP trains Param-only models"
-            )
-        self._graphdef, self._rest = graphdef, rest
+        self._graphdef = graphdef
         self._treedef = jax.tree.structure(params)  # one leaf per Variable: its value
-        ndim = len(mesh.axis_names)
-        self.master_placements = (pl.BlockAtomic(BLOCK),) * ndim
-        self._axes = pl.partition_spec(self.mesh, self.master_placements)[0]  # collective axes
+        self._rest_treedef = jax.tree.structure(rest)
+        rest_flat = jax.tree_util.tree_flatten_with_path(rest)[0]
+        self.rest_names = tuple("/".join(map(str, fsdp_checkpoint.path_names(k))) for k, _ in rest_flat)
+        self._rest_avals = tuple(jax.ShapeDtypeStruct(np.shape(v), v.dtype) for _, v in rest_flat)
+        self._axes = spmd.axis_group(self.mesh.axis_names)  # all axes, innermost first
         n = self.mesh.size
-        self.tp_axis = tp_axis
-        self.tp_size = 1
+        self.tp_axis, self.tp_size = tp_axis, 1
         self._fsdp_axes, n_fsdp = self._axes, n
         if tp_axis is not None:
-            if tp_axis not in mesh.axis_names or ndim < 2:
+            if tp_axis not in mesh.axis_names or len(mesh.axis_names) < 2:
                 raise ValueError(
                     f"tp_axis={tp_axis!r} must be one axis of a mesh with at least one other (FSDP) "
                     f"axis; the mesh has {tuple(mesh.axis_names)}"
                 )
             self.tp_size = int(mesh.shape[tp_axis])
-            fsdp = tuple(reversed([a for a in mesh.axis_names if a != tp_axis]))  # innermost first
-            self._fsdp_axes = fsdp[0] if len(fsdp) == 1 else fsdp
+            self._fsdp_axes = spmd.axis_group([a for a in mesh.axis_names if a != tp_axis])
             n_fsdp = n // self.tp_size
-        owners = _unit_kernels(model)
-        infos = []
-        for path, v in jax.tree_util.tree_flatten_with_path(params, is_leaf=_is_variable)[0]:
-            path = _path_names(path)
-            shape, dtype = tuple(v.get_value().shape), jnp.dtype(v.get_value().dtype)
-            unit, stack, shard_axis, role = None, (), None, None
-            if path in owners and jnp.issubdtype(dtype, jnp.floating):
-                stack, k_in, k_out, role = owners[path]
-                role = role if tp_axis is not None else None
-                if role is None:
-                    unit = UnitGeometry.build(k_in, k_out, n, self._axes, precision)
-                else:
-                    k_in, k_out = self._tp_slice(path, role, k_in, k_out)
-                    unit = UnitGeometry.build(k_in, k_out, n_fsdp, self._fsdp_axes, precision)
-            elif jnp.issubdtype(dtype, jnp.floating):
-                shard_axis = _split_axis(shape, n)
-            tp_size = self.tp_size if role is not None else 1
-            infos.append(ParamInfo(path, shape, dtype, unit, stack, shard_axis, role, tp_size))
-        self.params = tuple(infos)
-        self.eligible = tuple(j for j, p in enumerate(self.params) if p.eligible)
-        self.others = tuple(j for j, p in enumerate(self.params) if p.kind == "plain")
-        self.frozen_params = tuple(j for j, p in enumerate(self.params) if p.kind == "frozen")
-        if not self.eligible:
+        flat = jax.tree_util.tree_flatten_with_path(params, is_leaf=_is_variable)[0]
+        found = [
+            (fsdp_checkpoint.path_names(k), tuple(np.shape(v.get_value())), jnp.dtype(v.get_value().dtype))
+            for k, v in flat
+        ]
+        self.traced = loss_fn is not None
+        if self.traced:
+            avals = [jax.ShapeDtypeStruct(shape, dtype) for _, shape, dtype in found]
+            batch = self._local_batch(example_batch)
+            uses, _ = trace_uses(self._traceable(loss_fn), avals, list(self._rest_avals), batch)
+        else:
+            uses = uses_from_layers(found, _unit_kernels(model))
+        tp = (tp_axis, self.tp_size, Mesh1D(n_fsdp, self._fsdp_axes)) if tp_axis is not None else None
+        self.params = plan_from_uses(
+            found,
+            uses,
+            Mesh1D(n, self._axes),
+            precision=precision,
+            rule=precision_by_path,
+            tp_roles=_tp_roles(model),
+            tp=tp,
+        )
+        if not self.units:
             raise ValueError(
-                f"model has no eligible weight: FSDP keeps as MXFP8 the kernels of flax.nnx.Linear "
-                f"(default dot_general) and mxfp8_jax.flax.Linear layers whose in and out features "
-                f"are both multiples of {BLOCK}, stacked or not; parameters found: "
-                f"{[(p.name, p.shape) for p in self.params]}"
+                "model has no eligible weight: "
+                + (
+                    "the loss contracts no parameter in a GEMM and looks none up"
+                    if self.traced
+                    else f"without an example batch FSDP keeps as units the kernels of flax.nnx.Linear (default "
+                    f"dot_general) and mxfp8_jax.flax.Linear layers whose in and out features are both multiples "
+                    f"of {BLOCK}; give loss_fn= and example_batch= to find units by operation"
+                )
+                + f"; parameters found: {[(p.name, p.shape) for p in self.params]}"
             )
-        self._owner_paths = tuple(self.params[j].path[:-1] for j in self.eligible)
-
-    def _tp_slice(self, path, role: str, k_in: int, k_out: int) -> tuple[int, int]:
-        """A tensor-parallel kernel's ``(in, out)`` on one device of the tp axis."""
-        name, t = "/".join(map(str, path)), self.tp_size
-        if role not in ("column", "row"):
-            raise ValueError(f"{name}: tensor_parallel={role!r} must be 'column' or 'row'")
-        split = k_out if role == "column" else k_in
-        if split % (t * BLOCK):
-            raise ValueError(
-                f"{name}: a {role}-parallel kernel [in={k_in}, out={k_out}] splits its "
-                f"{'out' if role == 'column' else 'in'} features over the {t} devices of "
-                f"{self.tp_axis!r}; they must be a multiple of {t} x {BLOCK}"
-            )
-        return (k_in, k_out // t) if role == "column" else (k_in // t, k_out)
 
     # -- what the plan holds ---------------------------------------------------------------------
 
+    def __str__(self) -> str:
+        return self.summary()
+
+    def summary(self) -> str:
+        """The plan as a table: every parameter, what it became and why, its stored bytes per
+        device and bytes gathered per step; totals."""
+        return describe(self.params, self.mesh.size, traced=self.traced)
+
     @property
     def units(self) -> tuple[ParamInfo, ...]:
-        """The MXFP8 units (eligible kernels), in parameter order."""
-        return tuple(self.params[j] for j in self.eligible)
+        """The units (MXFP8 and bf16), in parameter order."""
+        return tuple(p for p in self.params if p.is_unit)
+
+    @property
+    def mxfp8_units(self) -> tuple[ParamInfo, ...]:
+        """The MXFP8 units, in parameter order."""
+        return tuple(p for p in self.params if p.kind == "mxfp8")
 
     @property
     def plain(self) -> tuple[ParamInfo, ...]:
-        """The plain (fp32, not MXFP8) trained parameters, in parameter order."""
-        return tuple(self.params[j] for j in self.others)
+        """The plain (fp32, not units) trained parameters, in parameter order."""
+        return tuple(p for p in self.params if p.kind == "plain")
+
+    @property
+    def frozen(self) -> tuple[ParamInfo, ...]:
+        """The non-floating parameters (kept, not trained)."""
+        return tuple(p for p in self.params if p.kind == "frozen")
 
     @property
     def trained(self) -> tuple[ParamInfo, ...]:
@@ -292,7 +282,7 @@ class FSDP:
 
     @property
     def weight_elements(self) -> int:
-        """Elements of the units' kernels (what the model holds)."""
+        """Elements of the units' parameters (what the model holds)."""
         return sum(int(np.prod(p.shape)) for p in self.units)
 
     @property
@@ -303,13 +293,23 @@ class FSDP:
     @property
     def stored_elements(self) -> int:
         """Elements of the units' masters as stored, rows padded so every device holds the same
-        number of whole 32-row blocks (the bytes a gather moves per element of this)."""
+        number of rows (the elements a gather moves per element of this)."""
         return sum(int(np.prod(p.stored_shape)) for p in self.units)
 
     def master_sharding(self, info: ParamInfo) -> NamedSharding:
         """A unit's master (and planes): the row axis (second to last) split over the mesh.
         A plain parameter: split along its ``shard_axis``, or replicated."""
         return NamedSharding(self.mesh, self._spec(info))
+
+    def logical_sharding(self, info: ParamInfo) -> NamedSharding:
+        """A parameter in its own shape (a checkpoint's tensor): split along the first axis the
+        device count divides."""
+        if info.unit is None:
+            return self.master_sharding(info)
+        axis = split_axis(info.shape, self.mesh.size)
+        if axis is None:
+            return NamedSharding(self.mesh, PartitionSpec())
+        return NamedSharding(self.mesh, PartitionSpec(*(None,) * axis, self._axes))
 
     def param_tree(self, arrays: dict[str, Any]) -> dict:
         """``{name: array}`` (like ``TrainState.master``) as nested dicts keyed by the parameter
@@ -333,27 +333,40 @@ class FSDP:
             out[p.name] = node
         return out
 
+    def owner_of(self, key_path, leaf) -> ParamInfo | None:
+        """The parameter an optimizer leaf belongs to: its key path ends with the parameter's
+        path and it has the parameter's stored shape (adam's moments, masked or labelled)."""
+        names = fsdp_checkpoint.path_names(key_path)
+        by_path = self._by_path
+        for k in range(min(max(map(len, by_path)), len(names)), 0, -1):
+            p = by_path.get(tuple(names[-k:]))
+            if p is not None and tuple(np.shape(leaf)) == p.stored_shape:
+                return p
+        return None
+
+    @functools.cached_property
+    def _by_path(self) -> dict[tuple, ParamInfo]:
+        return {p.path: p for p in self.trained}
+
     # -- state ---------------------------------------------------------------------------------
 
     def init(self, model: nnx.Module, tx: optax.GradientTransformation) -> TrainState:
-        """Shards ``model``'s parameters, quantizes the units, initialises ``tx``.
+        """Shards ``model``'s parameters, quantizes the MXFP8 units, initialises ``tx``.
 
         The parameters may be host arrays or ``jax.Array``s with any sharding (e.g. created
         under ``jax.jit`` with ``out_shardings``, across several processes): they are placed by
         one jitted program, device to device, with no host gather."""
-        values = self._values_of(model)
-        master, frozen, step = self._place_fn(
+        values, rest = self._values_of(model)
+        master, frozen, rest, step = self._place_fn(
             {p.name: values[j] for j, p in enumerate(self.params) if p.kind != "frozen"},
-            {self.params[j].name: values[j] for j in self.frozen_params},
+            {p.name: values[j] for j, p in enumerate(self.params) if p.kind == "frozen"},
+            rest,
         )
-        return self._with_optimizer(master, frozen, tx, step)
-
-    def _with_optimizer(self, master, frozen, tx, step) -> TrainState:
-        quantized = self._quantize_fn(master) if self.precision == "mxfp8" else None
+        quantized = self._quantize_fn(master)
         params = self.param_tree(master)
         opt_shardings = self._opt_shardings(jax.eval_shape(tx.init, params))
         opt_state = jax.jit(tx.init, out_shardings=opt_shardings)(params)
-        state = TrainState(master, quantized, frozen, opt_state, step)
+        state = TrainState(master, quantized, frozen, tuple(rest), opt_state, step)
         return jax.device_put(state, self._shardings(state))
 
     def abstract_state(self, tx: optax.GradientTransformation) -> TrainState:
@@ -363,35 +376,37 @@ class FSDP:
         master, quantized = {}, {}
         for p in self.trained:
             master[p.name] = sds(p.stored_shape, jnp.float32, sharding=self.master_sharding(p))
-        for p in self.units:
+        for p in self.mxfp8_units:
             s = self.master_sharding(p)
-            codes, row_scale, col_scale = (
-                sds(p.tp_global(a), jnp.uint8, sharding=s) for a in p.unit.plane_shapes(p.stack)
-            )
+            codes, row_scale, col_scale = (sds(p.tp_global(a), jnp.uint8, sharding=s) for a in p.unit.plane_shapes())
             quantized[p.name] = UnitPlanes(codes, row_scale, codes, col_scale)
         rep = NamedSharding(self.mesh, PartitionSpec())
-        frozen = {
-            self.params[j].name: sds(self.params[j].shape, self.params[j].dtype, sharding=rep)
-            for j in self.frozen_params
-        }
+        frozen = {p.name: sds(p.shape, p.dtype, sharding=rep) for p in self.frozen}
+        rest = tuple(sds(a.shape, a.dtype, sharding=rep) for a in self._rest_avals)
         shapes = jax.eval_shape(tx.init, self.param_tree(master))
         opt_state = jax.tree.map(lambda a, s: sds(a.shape, a.dtype, sharding=s), shapes, self._opt_shardings(shapes))
-        step = sds((), jnp.int32, sharding=rep)
-        return TrainState(master, quantized if self.precision == "mxfp8" else None, frozen, opt_state, step)
+        return TrainState(master, quantized, frozen, rest, opt_state, sds((), jnp.int32, sharding=rep))
 
     def gather(self, state: TrainState) -> nnx.Module:
-        """The model with the full fp32 master parameters (one all-gather per array)."""
+        """The model with the full fp32 master parameters (one all-gather per array) and the
+        state's RNG streams."""
         self.check_state(state, "state")
-        return self._merge(self._logical_fn(state.master, state.frozen))
+        return self._merge(self._logical_fn(state.master, state.frozen), list(state.rest))
 
     def check_state(self, state: Any, argname: str = "state") -> None:
         """Raises ``ValueError`` unless ``state`` is a ``TrainState`` of this plan: the same
-        parameter names, stored shapes and dtypes, planes present exactly for ``"mxfp8"``."""
+        parameter names, stored shapes and dtypes, planes exactly for the MXFP8 units."""
         if not isinstance(state, TrainState):
             raise TypeError(f"{argname} must be a TrainState (from FSDP.init), got {type(state).__name__}")
+        planes = sorted(state.quantized or {})
+        if planes != sorted(p.name for p in self.mxfp8_units):
+            raise ValueError(
+                f"{argname} has MXFP8 planes for {planes}, but this plan's MXFP8 units are "
+                f"{sorted(p.name for p in self.mxfp8_units)} (precision={self.precision!r})"
+            )
         want = {p.name: (p.stored_shape, jnp.dtype(jnp.float32)) for p in self.trained}
         got = {k: (tuple(np.shape(v)), jnp.dtype(v.dtype)) for k, v in state.master.items()}
-        want.update({self.params[j].name: (self.params[j].shape, self.params[j].dtype) for j in self.frozen_params})
+        want.update({p.name: (p.shape, p.dtype) for p in self.frozen})
         got.update({k: (tuple(np.shape(v)), jnp.dtype(v.dtype)) for k, v in state.frozen.items()})
         if want != got:
             missing = sorted(want.keys() - got.keys())
@@ -409,38 +424,24 @@ class FSDP:
                 if part
             )
             raise ValueError(f"{argname} is not a state of this FSDP plan (another model or mesh?): {detail}")
-        if (state.quantized is None) != (self.precision != "mxfp8"):
-            raise ValueError(
-                f"{argname} {'has no' if state.quantized is None else 'has'} MXFP8 planes, but this plan's "
-                f"precision is {self.precision!r}"
-            )
 
     # -- checkpoints ---------------------------------------------------------------------------
 
     def save(self, state: TrainState, directory, *, async_save: bool = False, overwrite: bool = False):
         """Writes ``state`` to ``directory`` as LOGICAL tensors, shard by shard (orbax).
 
-        Stored: every trained parameter by its model path in its own shape (a unit as its
-        kernel ``[*stack, in, out]``, padding dropped), every optimizer leaf that belongs to a
-        parameter in that parameter's shape under ``opt/<optimizer path>/<parameter path>``
-        (the others, e.g. step counts, as they are), the frozen parameters, the step, the
-        precision and scale rule. Never the mesh, the padding or the planes (recomputed on
-        ``restore``), so a checkpoint restores onto any mesh. Every process must call it.
-        Returns a handle; with ``async_save`` call ``.wait()`` before relying on the files.
+        Stored: every trained parameter by its model path in its own shape (a unit as the
+        parameter, padding dropped), every optimizer leaf that belongs to a parameter in that
+        parameter's shape under ``opt/<optimizer path>/<parameter path>`` (the others, e.g. step
+        counts, as they are), the frozen parameters, the model's other state (RNG streams), the
+        step, the precision of each parameter and the scale rule. Never the mesh, the padding
+        or the planes (recomputed on ``restore``), so a checkpoint restores onto any mesh.
+        Every process must call it. Returns a handle; with ``async_save`` call ``.wait()``
+        before relying on the files.
         """
-        from mxfp8_jax._src import checkpoint
-
         self.check_state(state, "state")
         self._check_live(state)
-        names, stored = self._checkpoint_names(state.opt_state)
-        tensors = dict(zip(names, self._to_checkpoint(self._checkpoint_leaves(state), stored)))
-        metadata = {
-            "kind": "mxfp8_jax.flax.FSDP",
-            "precision": self.precision,
-            "scale_rule": self.scale_rule,
-            "step": int(np.asarray(state.step.addressable_data(0))),
-        }
-        return checkpoint.save_logical(directory, tensors, metadata, async_save=async_save, overwrite=overwrite)
+        return fsdp_checkpoint.save(self, state, directory, async_save=async_save, overwrite=overwrite)
 
     def restore(self, directory, tx: optax.GradientTransformation) -> TrainState:
         """The ``TrainState`` saved in ``directory``, placed on this plan's mesh: parameters and
@@ -448,102 +449,11 @@ class FSDP:
 
         Before any data moves, a ``ValueError`` names every path that does not fit this plan
         and ``tx``: a missing or extra parameter, another shape or dtype, another optimizer
-        structure; a checkpoint saved with another precision or scale rule is refused too."""
-        from mxfp8_jax._src import checkpoint
-
-        info = checkpoint.read_metadata(directory)
-        meta = info.metadata
-        if meta.get("kind") != "mxfp8_jax.flax.FSDP":
-            raise ValueError(f"{directory} holds no FSDP training state (kind {meta.get('kind')!r})")
-        for key, mine in (("precision", self.precision), ("scale_rule", self.scale_rule)):
-            if meta.get(key) != mine:
-                raise ValueError(
-                    f"{directory} was saved with {key}={meta.get(key)!r}; this plan has {key}={mine!r} "
-                    f"(build FSDP(..., {key}={meta.get(key)!r}) to resume it)"
-                )
-        abstract = self.abstract_state(tx)
-        names, stored = self._checkpoint_names(abstract.opt_state)
-        leaves = self._checkpoint_leaves(abstract)
-        rep = NamedSharding(self.mesh, PartitionSpec())
-        targets = {}
-        for name, leaf, info_p in zip(names, leaves, stored):
-            shape = info_p.shape if info_p is not None else leaf.shape
-            sharding = rep if info_p is None else self._logical_sharding(info_p)
-            targets[name] = jax.ShapeDtypeStruct(shape, leaf.dtype, sharding=sharding)
-        values = checkpoint.restore_logical(directory, targets)
-        physical = self._from_checkpoint([values[n] for n in names], stored)
-        treedef = jax.tree.structure(self._checkpoint_leaves(abstract, tree=True))
-        master, frozen, opt_state, step = jax.tree.unflatten(treedef, physical)
-        quantized = self._quantize_fn(master) if self.precision == "mxfp8" else None
-        state = TrainState(master, quantized, frozen, opt_state, step)
+        structure; a checkpoint whose parameters were saved with other precisions or another
+        scale rule is refused too."""
+        master, frozen, rest, opt_state, step = fsdp_checkpoint.restore(self, directory, self.abstract_state(tx))
+        state = TrainState(master, self._quantize_fn(master), frozen, tuple(rest), opt_state, step)
         return jax.device_put(state, self._shardings(state))
-
-    def _checkpoint_leaves(self, state, tree: bool = False):
-        """``(master, frozen, opt_state, step)`` of ``state``: its leaves, or the tuple itself."""
-        parts = (state.master, state.frozen, state.opt_state, state.step)
-        return parts if tree else jax.tree.leaves(parts)
-
-    def _checkpoint_names(self, opt_state) -> tuple[list[str], list[ParamInfo | None]]:
-        """The stored name of every leaf of ``_checkpoint_leaves`` and, for those kept in a
-        parameter's logical shape, that parameter (None: stored as it is)."""
-        names: list[str] = []
-        owners: list[ParamInfo | None] = []
-        for name in sorted(p.name for p in self.trained):
-            names.append(f"params/{name}")
-            owners.append(self._by_name[name])
-        for name in sorted(self.params[j].name for j in self.frozen_params):
-            names.append(f"frozen/{name}")
-            owners.append(None)
-        for key_path, leaf in jax.tree_util.tree_flatten_with_path(opt_state)[0]:
-            p = self._owner_of(key_path, leaf)
-            names.append("opt/" + "/".join(map(str, _path_names(key_path))))
-            owners.append(p)
-        names.append("step")
-        owners.append(None)
-        return names, owners
-
-    @functools.cached_property
-    def _by_name(self) -> dict[str, ParamInfo]:
-        return {p.name: p for p in self.params}
-
-    def _owner_of(self, key_path, leaf) -> ParamInfo | None:
-        """The parameter an optimizer leaf belongs to: its key path ends with the parameter's
-        path and it has the parameter's stored shape (adam's moments, masked or labelled)."""
-        names = _path_names(key_path)
-        by_path = self._by_path
-        for k in range(min(max(map(len, by_path)), len(names)), 0, -1):
-            p = by_path.get(tuple(names[-k:]))
-            if p is not None and tuple(np.shape(leaf)) == p.stored_shape:
-                return p
-        return None
-
-    @functools.cached_property
-    def _by_path(self) -> dict[tuple, ParamInfo]:
-        return {p.path: p for p in self.trained}
-
-    def _logical_sharding(self, info: ParamInfo) -> NamedSharding:
-        """A parameter in its own shape: split along the first axis the device count divides
-        (a plain parameter's own sharding; a unit's kernel by the same rule)."""
-        if info.unit is None:
-            return self.master_sharding(info)
-        axis = _split_axis(info.shape, self.mesh.size)
-        if axis is None:
-            return NamedSharding(self.mesh, PartitionSpec())
-        return NamedSharding(self.mesh, PartitionSpec(*(None,) * axis, self._axes))
-
-    def _to_checkpoint(self, leaves, owners):
-        """Stored leaves -> logical ones (device to device: slices and transposes)."""
-        rep = NamedSharding(self.mesh, PartitionSpec())
-        shardings = [rep if p is None else self._logical_sharding(p) for p in owners]
-        convert = lambda xs: [x if p is None else self.to_logical(p, x) for x, p in zip(xs, owners)]
-        return jax.jit(convert, out_shardings=shardings)(leaves)
-
-    def _from_checkpoint(self, values, owners):
-        """Logical leaves -> stored ones, placed in this plan's shardings."""
-        rep = NamedSharding(self.mesh, PartitionSpec())
-        shardings = [rep if p is None else self.master_sharding(p) for p in owners]
-        convert = lambda xs: [x if p is None else self.from_logical(p, x, x.dtype) for x, p in zip(xs, owners)]
-        return jax.jit(convert, out_shardings=shardings)(values)
 
     # -- steps ---------------------------------------------------------------------------------
 
@@ -553,6 +463,13 @@ class FSDP:
         over the tp axis.
 
         ``jax.ShapeDtypeStruct`` leaves get the sharding attached (for lowering only)."""
+        self._check_batch(batch)
+        sharding = NamedSharding(self.mesh, self._batch_spec)
+        if all(isinstance(leaf, jax.ShapeDtypeStruct) for leaf in jax.tree.leaves(batch)):
+            return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding), batch)
+        return jax.device_put(batch, sharding)
+
+    def _check_batch(self, batch) -> None:
         n_batch = self.mesh.size // self.tp_size
         for leaf in jax.tree.leaves(batch):
             shape = np.shape(leaf)
@@ -566,10 +483,22 @@ class FSDP:
                     f"batch leaf of shape {shape}: under tp_axis={self.tp_axis!r} its second (sequence) "
                     f"axis is split over {self.tp_size} devices and must be divisible by them"
                 )
-        sharding = NamedSharding(self.mesh, self._batch_spec)
-        if all(isinstance(leaf, jax.ShapeDtypeStruct) for leaf in jax.tree.leaves(batch)):
-            return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding), batch)
-        return jax.device_put(batch, sharding)
+
+    def _local_batch(self, batch) -> Any:
+        """One device's slice of ``batch``, as ``jax.ShapeDtypeStruct``s."""
+        self._check_batch(batch)
+        n_batch = self.mesh.size // self.tp_size
+
+        def local(leaf):
+            shape = list(np.shape(leaf))
+            shape[0] //= n_batch
+            if self.tp_axis is not None:
+                shape[1] //= self.tp_size
+            return jax.ShapeDtypeStruct(
+                tuple(shape), jnp.asarray(leaf).dtype if not hasattr(leaf, "dtype") else leaf.dtype
+            )
+
+        return jax.tree.map(local, batch)
 
     @functools.cached_property
     def _batch_spec(self) -> PartitionSpec:
@@ -580,11 +509,11 @@ class FSDP:
     def loss_and_grads(self, loss_fn: Callable, *, has_aux: bool = False) -> Callable:
         """``fn(state, batch) -> (loss, grads)`` (``((loss, aux), grads)`` with ``has_aux``),
         jitted: the step's gradients, a dict like ``state.master`` (a unit's is
-        ``[*stack, out_padded, in]`` fp32, rows sharded; a plain parameter's its own shape)."""
+        ``[*stack, N_padded, K]`` fp32, rows sharded; a plain parameter's its own shape)."""
         grads_fn = self._grads_fn(loss_fn, has_aux)
 
         def fn(state, batch):
-            loss, aux, grads = grads_fn(state, batch)
+            loss, aux, grads, _ = grads_fn(state, batch)
             return ((loss, aux), grads) if has_aux else (loss, grads)
 
         jitted = jax.jit(fn)
@@ -623,30 +552,35 @@ class FSDP:
         ``memory_analysis()``."""
         return jax.jit(self._step(loss_fn, tx, has_aux), donate_argnums=0).lower(state, self.place_batch(batch))
 
-    def to_kernel(self, info: ParamInfo, master: jax.Array) -> jax.Array:
-        """A unit's master (or its gradient) ``[*stack, out_padded, in]`` as the kernel's
-        logical ``[*stack, in, out]`` (padding rows dropped); works on sharded arrays."""
-        g = info.unit
-        if info.tp == "column":  # [*stack, tp * out_padded, in]: each slice's padding dropped
-            t = info.tp_size
-            w = master.reshape(*master.shape[:-2], t, g.out_padded, master.shape[-1])[..., : g.out_features, :]
-            return jnp.swapaxes(w.reshape(*master.shape[:-2], t * g.out_features, master.shape[-1]), -1, -2)
-        return jnp.swapaxes(master[..., : g.out_features, :], -1, -2)
+    # -- parameter shapes ----------------------------------------------------------------------
 
     def to_logical(self, info: ParamInfo, stored: jax.Array) -> jax.Array:
         """Any parameter's stored array (``TrainState.master`` entry, its gradient or an
-        optimizer moment) in the parameter's own shape: ``to_kernel`` for a unit."""
-        return self.to_kernel(info, stored) if info.unit is not None else stored
+        optimizer moment) in the parameter's own shape (a unit's padding rows dropped); works
+        on sharded arrays."""
+        g = info.unit
+        if g is None:
+            return stored
+        if info.tp is None:
+            return g.from_master(stored)
+        # a tensor-parallel Linear kernel [*stack, in, out]: W = kernel.T, tp slices side by side
+        if info.tp == "column":  # [*stack, tp * out_padded, in]: each slice's padding dropped
+            t = info.tp_size
+            w = stored.reshape(*stored.shape[:-2], t, g.out_padded, stored.shape[-1])[..., : g.out_features, :]
+            return jnp.swapaxes(w.reshape(*stored.shape[:-2], t * g.out_features, stored.shape[-1]), -1, -2)
+        return jnp.swapaxes(stored[..., : g.out_features, :], -1, -2)
 
     def from_logical(self, info: ParamInfo, value: jax.Array, dtype=jnp.float32) -> jax.Array:
-        """The inverse of ``to_logical``: a unit's kernel-shaped array as its padded master
+        """The inverse of ``to_logical``: a unit's parameter-shaped array as its padded master
         (zero rows), in ``dtype``."""
         value = jnp.asarray(value, dtype)
-        if info.unit is None:
+        g = info.unit
+        if g is None:
             return value
+        if info.tp is None:
+            return g.to_master(value)
         w = jnp.swapaxes(value, -1, -2)  # [*stack, out, in]
-        g, stack = info.unit, len(info.stack)
-        pad = g.out_padded - g.out_features
+        stack, pad = len(info.stack), g.out_padded - g.out_features
         if info.tp == "column":  # each tp slice of rows padded on its own
             t = info.tp_size
             w = w.reshape(*w.shape[:-2], t, g.out_features, w.shape[-1])
@@ -686,98 +620,140 @@ class FSDP:
 
         def step(state: TrainState, batch):
             self.check_state(state, "state")
-            loss, aux, grads = grads_fn(state, batch)
+            loss, aux, grads, rest = grads_fn(state, batch)
             params = self.param_tree(state.master)
             self._check_opt_state(tx, params, state.opt_state)
             updates, opt_state = tx.update(self.param_tree(grads), state.opt_state, params)
             master = self.from_param_tree(optax.apply_updates(params, updates))
             master = {k: v.astype(jnp.float32) for k, v in master.items()}
-            quantized = quantize_local(master) if self.precision == "mxfp8" else None
-            new_state = TrainState(master, quantized, state.frozen, opt_state, state.step + 1)
+            new_state = TrainState(master, quantize_local(master), state.frozen, tuple(rest), opt_state, state.step + 1)
             new_state = lax.with_sharding_constraint(new_state, self._shardings(new_state))
             return (new_state, loss, aux) if has_aux else (new_state, loss)
 
         return step
 
+    def _traceable(self, loss_fn: Callable) -> Callable:
+        """``(parameter values, rest values, batch) -> (loss_fn's output, rest values after)``:
+        the loss as a function of arrays, for tracing."""
+
+        def fn(values, rest, batch):
+            model = self._merge(values, rest)
+            out = loss_fn(model, batch)
+            _, _, after = nnx.split(model, nnx.Param, ...)
+            return out, jax.tree.leaves(after)
+
+        return fn
+
     def _grads_fn(self, loss_fn: Callable, has_aux: bool) -> Callable:
-        """Loss, aux and gradients of one step: a single shard_map over the mesh."""
+        """Loss, aux, gradients and the model's new other state of one step: one shard_map."""
         mesh, axes, n = self.mesh, self._axes, self.mesh.size
         master_specs = {p.name: self._spec(p) for p in self.trained}
-        planes_specs = {p.name: UnitPlanes(*(self._spec(p),) * 4) for p in self.units}
-        frozen_specs = {self.params[j].name: PartitionSpec() for j in self.frozen_params}
+        planes_specs = {p.name: UnitPlanes(*(self._spec(p),) * 4) for p in self.mxfp8_units}
+        frozen_specs = {p.name: PartitionSpec() for p in self.frozen}
+        rest_specs = tuple(PartitionSpec() for _ in self._rest_avals)
         replicated = [p.name for p in self.plain if p.shard_axis is None]
+        traceable = self._traceable(loss_fn)
 
-        def local(master, planes, frozen, batch):
+        def local(master, planes, frozen, rest, batch):
+            avals = [jax.ShapeDtypeStruct(p.step_shape, p.dtype) for p in self.params]
+            closed, shapes = jax.make_jaxpr(traceable, return_shape=True)(avals, list(self._rest_avals), batch)
+            self._check_uses(analyse(closed, len(self.params)))
+            out_tree = jax.tree.structure(shapes)
+            drawn = list(self._per_device_keys(rest))
+            batch_leaves = jax.tree.leaves(batch)
+
             def loss_of(master):
-                out = loss_fn(self._model_in_step(master, planes, frozen), batch)
+                args = [*self._step_values(master, planes, frozen), *drawn, *batch_leaves]
+                out, after = jax.tree.unflatten(out_tree, evaluate(closed, args))
                 loss, aux = _split_loss(out, has_aux)
-                return loss.astype(jnp.float32) / n, aux
+                return loss.astype(jnp.float32) / n, (aux, after)
 
-            (loss, aux), grads = jax.value_and_grad(loss_of, has_aux=True)(master)
+            (loss, (aux, after)), grads = jax.value_and_grad(loss_of, has_aux=True)(master)
             for name in replicated:  # used whole on every device: sum the devices' parts
                 grads[name] = lax.psum(grads[name], axes)
             aux = jax.tree.map(lambda a: lax.pmean(a, axes), aux)
-            return lax.psum(loss, axes), aux, grads
+            return lax.psum(loss, axes), aux, grads, self._next_rest(rest, after)
 
         def grads_fn(state: TrainState, batch):
-            planes = state.quantized
             fn = spmd.shard_map(
                 local,
                 mesh,
-                (
-                    master_specs,
-                    None if planes is None else planes_specs,
-                    frozen_specs,
-                    jax.tree.map(lambda _: self._batch_spec, batch),
-                ),
-                (PartitionSpec(), PartitionSpec(), master_specs),
+                (master_specs, planes_specs, frozen_specs, rest_specs, jax.tree.map(lambda _: self._batch_spec, batch)),
+                (PartitionSpec(), PartitionSpec(), master_specs, rest_specs),
             )
-            return fn(state.master, planes, state.frozen, batch)
+            return fn(state.master, state.quantized, state.frozen, tuple(state.rest), batch)
 
         return grads_fn
 
-    def _model_in_step(self, master, planes, frozen) -> nnx.Module:
-        """The model as one device sees it inside the step: units hold ``ShardedKernel``s of this
-        device's shards, plain parameters their gathered values, frozen ones their values."""
-        values = [None] * len(self.params)
-        for j, p in zip(self.eligible, self.units):
-            q = None if planes is None else planes[p.name]
-            values[j] = ShardedKernel(
-                master[p.name],
-                None if q is None else (q.rowwise_data, q.rowwise_scale),
-                None if q is None else (q.columnwise_data, q.columnwise_scale),
-                p.unit,
-                p.dtype,
-            )
-        full = self._gather_plain(master)
-        for j in self.others:
-            values[j] = full[self.params[j].name].astype(self.params[j].dtype)
-        for j in self.frozen_params:
-            values[j] = frozen[self.params[j].name]
-        model = self._merge(values)
-        nodes = dict(nnx.iter_graph(model))
-        for path in self._owner_paths:
-            intercept(nodes[path])
-        return model
+    def _step_values(self, master, planes, frozen) -> list:
+        """Each parameter as the evaluated loss holds it on this device (``fsdp_eval``)."""
+        values = []
+        for j, p in enumerate(self.params):
+            if p.kind == "frozen":
+                values.append(frozen[p.name])
+            elif p.unit is not None:
+                leaves = (master[p.name],)
+                if p.kind == "mxfp8":
+                    q = planes[p.name]
+                    leaves += (q.rowwise_data, q.rowwise_scale, q.columnwise_data, q.columnwise_scale)
+                view = View(j, tuple((a,) for a in range(len(p.step_shape))))
+                values.append(UnitValue(p.name, p.unit, p.dtype, leaves, view))
+            else:
+                axes = self._axes if p.shard_axis is not None else None
+                values.append(PlainValue(p.name, master[p.name], p.shard_axis, axes, p.dtype, _layer_of(p.path)))
+        return values
 
-    def _gather_plain(self, master) -> dict[str, jax.Array]:
-        """Every plain parameter whole on this device: the split ones by ONE fp32 all-gather of
-        their concatenated local shards (its VJP: one reduce-scatter of their gradients)."""
-        n = self.mesh.size
-        out = {p.name: master[p.name] for p in self.plain if p.shard_axis is None}
-        split = [p for p in self.plain if p.shard_axis is not None]
-        if not split:
-            return out
-        flat = jnp.concatenate([master[p.name].reshape(-1) for p in split])
-        full = lax.all_gather(flat, self._axes, tiled=True).reshape(n, -1)  # [device, local parts]
-        offset = 0
-        for p in split:
-            local = master[p.name].shape
-            size = int(np.prod(local))
-            piece = full[:, offset : offset + size].reshape(n, *local)
-            out[p.name] = jnp.moveaxis(piece, 0, p.shard_axis).reshape(p.shape)  # device-major
-            offset += size
-        return out
+    def _check_uses(self, uses) -> None:
+        """The loss reads every unit the way the plan keeps it (else a clear error)."""
+        for j, p in enumerate(self.params):
+            g = p.unit
+            if g is None:
+                continue
+            for u in uses.by_param[j]:
+                problem = None
+                if u.kind == "other":
+                    problem = f"read by {u.what}"
+                elif u.level != g.level:
+                    problem = f"read with {u.level} layer axes sliced off by scans, where the plan has {g.level}" + (
+                        " (a stacked layer called without nnx.scan?)" if u.level < g.level else ""
+                    )
+                elif u.kind == "gemm" and (
+                    u.batch != g.batch_axes
+                    or {frozenset(u.contract), frozenset(u.free)} != {frozenset(g.k_axes), frozenset(g.n_axes)}
+                ):
+                    problem = f"contracted over its axes {u.contract} (batch {u.batch})"
+                if problem is not None:
+                    raise ValueError(
+                        f"{p.name} {list(p.step_shape)}: the FSDP plan keeps it as a {p.kind} unit contracted over "
+                        f"its axes {g.k_axes} (batch {g.batch_axes}, {g.level} layer axes), but this loss has it "
+                        f"{problem}; "
+                        + (
+                            "build FSDP(model, mesh, loss_fn=..., example_batch=...) with this loss so that the plan "
+                            "follows what it does"
+                            if not self.traced
+                            else "the loss given to the step must read parameters as the loss the plan traced"
+                        )
+                    )
+
+    def _per_device_keys(self, rest) -> tuple:
+        """The model's RNG keys folded with this device's index: each device its own draws."""
+        if not any(_is_key(r) for r in rest):
+            return tuple(rest)
+        index = spmd.shard_position(self.mesh, self.mesh.axis_names)
+        return tuple(jax.random.fold_in(r, index) if _is_key(r) else r for r in rest)
+
+    def _next_rest(self, before, after) -> tuple:
+        """The model's other state after the step: keys as they were (each step draws by the
+        advanced counts), floating values averaged over devices, the rest (counts) as is."""
+        out = []
+        for b, a in zip(before, after):
+            if _is_key(b):
+                out.append(b)
+            elif jnp.issubdtype(a.dtype, jnp.floating):
+                out.append(lax.pmean(a, self._axes))
+            else:
+                out.append(a)
+        return tuple(out)
 
     def _spec(self, info: ParamInfo) -> PartitionSpec:
         stack = (None,) * len(info.stack)
@@ -792,20 +768,20 @@ class FSDP:
             return PartitionSpec()
         return PartitionSpec(*(None,) * info.shard_axis, self._axes)
 
-    _row_spec = _spec
-
     @functools.cached_property
     def _place_fn(self):
         trained = self.trained
         shardings = {p.name: self.master_sharding(p) for p in trained}
         rep = NamedSharding(self.mesh, PartitionSpec())
-        frozen_shardings = {self.params[j].name: rep for j in self.frozen_params}
+        frozen_shardings = {p.name: rep for p in self.frozen}
 
-        def place(values, frozen):  # the step counter too: made on the devices, not sent
+        def place(values, frozen, rest):  # the step counter too: made on the devices, not sent
             master = {p.name: self.from_logical(p, values[p.name]) for p in trained}
-            return master, {k: jnp.asarray(v) for k, v in frozen.items()}, jnp.zeros((), jnp.int32)
+            frozen = {k: jnp.asarray(v) for k, v in frozen.items()}
+            return master, frozen, [jnp.asarray(r) for r in rest], jnp.zeros((), jnp.int32)
 
-        return jax.jit(place, out_shardings=(shardings, frozen_shardings, rep))
+        rest_shardings = [rep] * len(self._rest_avals)
+        return jax.jit(place, out_shardings=(shardings, frozen_shardings, rest_shardings, rep))
 
     @functools.cached_property
     def _logical_fn(self):
@@ -826,14 +802,16 @@ class FSDP:
 
     def _quantize_local(self) -> Callable:
         """``master -> {name: UnitPlanes}``: every device quantizes its own rows (no collective)."""
-        units, rule = self.units, self.scale_rule
+        units, rule = self.mxfp8_units, self.scale_rule
+        if not units:
+            return lambda master: {}
         specs = {p.name: self._spec(p) for p in units}
 
         def local(master):
             out = {}
             for p in units:
-                w = master[p.name]  # [*stack, rows, in]: whole 32-row blocks of each layer
-                codes, row_scale, col_scale = p.unit.plane_shapes(p.stack, rows=w.shape[-2])
+                w = master[p.name]  # [*stack, rows, K]: whole 32-row blocks of each layer
+                codes, row_scale, col_scale = p.unit.plane_shapes(rows=w.shape[-2], stack=w.shape[:-2])
                 t = quantize(w.reshape(-1, w.shape[-1]), scale_rule=rule)
                 as_bytes = lambda q: lax.bitcast_convert_type(q, jnp.uint8).reshape(codes)
                 out[p.name] = UnitPlanes(
@@ -853,46 +831,47 @@ class FSDP:
         return jax.jit(self._quantize_local())
 
     def _opt_shardings(self, shapes):
-        """Optimizer leaves that belong to a parameter (``_owner_of``) are sharded like it; the
+        """Optimizer leaves that belong to a parameter (``owner_of``) are sharded like it; the
         rest (step counts, scalars) replicated. Init and step agree, so the step compiles once."""
         replicated = NamedSharding(self.mesh, PartitionSpec())
 
         def sharding(key_path, leaf):
-            p = self._owner_of(key_path, leaf)
+            p = self.owner_of(key_path, leaf)
             return replicated if p is None else self.master_sharding(p)
 
         return jax.tree_util.tree_map_with_path(sharding, shapes)
 
     def _shardings(self, state: TrainState):
         master = {p.name: self.master_sharding(p) for p in self.trained}
-        quantized = None
-        if state.quantized is not None:
-            quantized = {p.name: UnitPlanes(*(self.master_sharding(p),) * 4) for p in self.units}
+        quantized = {p.name: UnitPlanes(*(self.master_sharding(p),) * 4) for p in self.mxfp8_units}
         replicated = NamedSharding(self.mesh, PartitionSpec())
         frozen = {k: replicated for k in state.frozen}
-        return TrainState(master, quantized, frozen, self._opt_shardings(state.opt_state), replicated)
+        rest = tuple(replicated for _ in state.rest)
+        return TrainState(master, quantized, frozen, rest, self._opt_shardings(state.opt_state), replicated)
 
-    def _values_of(self, model: nnx.Module) -> list:
+    def _values_of(self, model: nnx.Module) -> tuple[list, list]:
         if not isinstance(model, nnx.Module):
             raise TypeError(f"model must be a flax.nnx.Module, got {type(model).__name__}")
-        _, params, _ = nnx.split(model, nnx.Param, ...)
+        _, params, rest = nnx.split(model, nnx.Param, ...)
         variables = jax.tree.leaves(params, is_leaf=_is_variable)
         found = tuple(
-            (_path_names(k), tuple(v.get_value().shape))
+            (fsdp_checkpoint.path_names(k), tuple(v.get_value().shape))
             for k, v in jax.tree_util.tree_flatten_with_path(params, is_leaf=_is_variable)[0]
         )
         want = tuple((p.path, p.shape) for p in self.params)
         if found != want:
             raise ValueError(f"model has parameters {found}, but this FSDP plan was built for {want}")
-        return [v.get_value() for v in variables]
+        rest = jax.tree.leaves(rest)
+        if len(rest) != len(self._rest_avals):
+            raise ValueError(
+                f"model has {len(rest)} values of state other than nnx.Param, the plan {len(self._rest_avals)}"
+            )
+        return [v.get_value() for v in variables], rest
 
-    def _merge(self, values) -> nnx.Module:
-        return nnx.merge(self._graphdef, jax.tree.unflatten(self._treedef, values), self._rest)
-
-
-def _split_axis(shape: tuple[int, ...], n: int) -> int | None:
-    """The first axis of ``shape`` that ``n`` devices split evenly (None: none does)."""
-    return next((a for a, d in enumerate(shape) if d > 0 and d % n == 0), None)
+    def _merge(self, values, rest) -> nnx.Module:
+        return nnx.merge(
+            self._graphdef, jax.tree.unflatten(self._treedef, values), jax.tree.unflatten(self._rest_treedef, rest)
+        )
 
 
 def _split_loss(out, has_aux: bool):
@@ -919,23 +898,42 @@ def _split_loss(out, has_aux: bool):
     return loss, aux
 
 
-def _unit_kernels(model: nnx.Module) -> dict[tuple, tuple[tuple[int, ...], int, int, str | None]]:
-    """Kernel path -> ``(stack, in, out, tensor-parallel role)`` for every layer whose kernel can
-    be a unit (the role: the layer's ``tensor_parallel`` attribute, see ``flax_layers``)."""
+def _unit_kernels(model: nnx.Module) -> dict[tuple, tuple[tuple[int, ...], int, int]]:
+    """Kernel path -> ``(stack, in, out)`` for every layer whose kernel is a unit by class."""
     found = {}
     for path, node in nnx.iter_graph(model):
         kernel = getattr(node, "kernel", None) if isinstance(node, nnx.Module) else None
         if not isinstance(kernel, nnx.Variable):
             continue
         spec = unit_kernel_shape(node, tuple(kernel.get_value().shape))
-        if spec is not None:
-            found[(*tuple(path), "kernel")] = (*spec, getattr(node, "tensor_parallel", None))
+        if spec is not None and jnp.issubdtype(kernel.get_value().dtype, jnp.floating):
+            found[(*tuple(path), "kernel")] = spec
     return found
 
 
-def _path_names(path) -> tuple[str | int, ...]:
-    return tuple(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k))) for k in path)
+def _tp_roles(model: nnx.Module) -> dict[tuple, str]:
+    """Kernel path -> tensor-parallel role, for the layers ``tensor_parallel`` marked."""
+    roles = {}
+    for path, node in nnx.iter_graph(model):
+        role = getattr(node, "tensor_parallel", None) if isinstance(node, nnx.Module) else None
+        if role is not None and isinstance(getattr(node, "kernel", None), nnx.Variable):
+            roles[(*tuple(path), "kernel")] = role
+    return roles
+
+
+def _layer_of(path) -> tuple:
+    """The layer a parameter belongs to, for gathering its plain parameters together: its path
+    up to the first list index (``blocks/3``), else its first name (a scanned stack ``blocks``,
+    a top-level module ``norm``)."""
+    for k, key in enumerate(path[:-1]):
+        if isinstance(key, int):
+            return tuple(path[: k + 1])
+    return tuple(path[:1])
 
 
 def _is_variable(x) -> bool:
     return isinstance(x, nnx.Variable)
+
+
+def _is_key(x) -> bool:
+    return jax.dtypes.issubdtype(getattr(x, "dtype", None), jax.dtypes.prng_key)

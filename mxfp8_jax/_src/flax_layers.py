@@ -1,19 +1,18 @@
-"""The layers whose kernels FSDP keeps as MXFP8 units, and how their calls reach the unit GEMM.
+"""This package's dense layer, the layer classes FSDP recognises without a trace, and the
+tensor-parallel marks.
 
-Two kinds of layer qualify, both with ``in_features`` and ``out_features`` multiples of 32:
-
-- ``flax.nnx.Linear`` as users write it (default ``dot_general`` and ``promote_dtype``): inside
-  a step, FSDP hands the layer a ``dot_general`` and a ``promote_dtype`` that understand a
-  ``ShardedKernel`` (``intercept``), so the model needs no rewrite; a kernel stacked by
-  ``nnx.vmap`` (``[*stack, in, out]``) qualifies as well.
-- ``mxfp8_jax.flax.Linear``, this package's dense layer (a ``Kernel`` parameter, operands in
-  ``dtype`` with fp32 accumulation), which reads its kernel and calls ``unit_matmul`` itself.
-
-Outside a step both are ordinary dense layers.
+- ``Linear``: ``y = x @ kernel + bias`` with a ``Kernel`` parameter, operands in ``dtype`` and
+  fp32 accumulation. Inside an FSDP step it is traced like any other layer: its kernel is a unit
+  because a GEMM contracts it.
+- ``unit_kernel_shape``: the layers whose kernels are units when ``FSDP`` has no example batch to
+  trace: ``flax.nnx.Linear`` with the default ``dot_general`` and ``mxfp8_jax.flax.Linear``,
+  both sides multiples of 32.
+- ``tensor_parallel``: marks a Linear layer column- or row-parallel for ``FSDP(tp_axis=...)``.
 """
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 from flax import nnx
 from flax.nnx.nn import dtypes as nnx_dtypes
@@ -21,7 +20,6 @@ from jax import lax
 from jax.typing import DTypeLike
 
 from mxfp8_jax._src.format import BLOCK
-from mxfp8_jax._src.fsdp_unit import ShardedKernel, compute_dot, unit_matmul
 
 _LECUN_NORMAL = nnx.initializers.lecun_normal()
 
@@ -33,8 +31,7 @@ class Kernel(nnx.Param):
 class Linear(nnx.Module):
     """``y = x @ kernel + bias`` with a ``Kernel`` parameter ``[in, out]``, like ``nnx.Linear``.
 
-    Operands in ``dtype``, fp32 accumulation, output in ``dtype``. Inside an FSDP step an
-    eligible kernel holds a ``ShardedKernel`` and the product is the unit's GEMM.
+    Operands in ``dtype``, fp32 accumulation, output in ``dtype``.
     """
 
     def __init__(
@@ -54,10 +51,7 @@ class Linear(nnx.Module):
 
     def __call__(self, x):
         kernel = self.kernel.get_value()
-        if isinstance(kernel, ShardedKernel):
-            y = unit_matmul(x, kernel, compute_dtype=self.dtype)
-        else:
-            y = compute_dot(x, kernel, (((x.ndim - 1,), (0,)), ((), ())), self.dtype).astype(self.dtype)
+        y = compute_dot(x, kernel, (((x.ndim - 1,), (0,)), ((), ())), self.dtype).astype(self.dtype)
         if self.bias is not None:
             y = y + self.bias.get_value().astype(self.dtype)
         return y
@@ -68,7 +62,7 @@ class Linear(nnx.Module):
 
 
 def unit_kernel_shape(module, kernel_shape: tuple[int, ...]) -> tuple[tuple[int, ...], int, int] | None:
-    """``(stack, in, out)`` when ``module``'s kernel can be an FSDP unit, else None.
+    """``(stack, in, out)`` when ``module``'s kernel is an FSDP unit by class, else None.
 
     ``kernel_shape`` is ``[*stack, in, out]``; leading axes beyond the layer's own two are stack
     axes (``nnx.vmap``). ``nnx.Linear`` must use the default ``dot_general`` and
@@ -117,53 +111,16 @@ def tensor_parallel(layer, role: str):
 
 
 # ------------------------------------------------------------------------------------------------
-# nnx.Linear inside a step
+# The GEMM
 
 
-def intercept(module) -> None:
-    """Lets an ``nnx.Linear`` whose kernel holds a ``ShardedKernel`` run the unit GEMM.
+def compute_dot(a, b, dims, compute_dtype, precision=None) -> jax.Array:
+    """``dot_general`` of operands rounded to ``compute_dtype``, accumulated in fp32.
 
-    Sets the layer's ``promote_dtype`` and ``dot_general`` to the two functions below (static
-    attributes: ``nnx.scan``/``nnx.remat`` carry them into their bodies). ``mxfp8_jax.flax.Linear``
-    needs nothing.
+    XLA:CPU has no fast bf16 GEMM, so there the rounded operands are multiplied as fp32 (bf16
+    products are exact in fp32: the same numbers up to summation order, several times faster).
     """
-    if isinstance(module, nnx.Linear):
-        module.promote_dtype = promote_dtype
-        module.dot_general = dot_general
-
-
-def promote_dtype(args, /, *, dtype=None, inexact=True):
-    """``nnx.Linear``'s dtype promotion with a ``ShardedKernel`` kept as it is.
-
-    The compute dtype is what flax would infer from ``(inputs, kernel, bias)`` (the kernel by its
-    parameter dtype); inputs and bias are cast to it, the kernel is cast inside its GEMM.
-    """
-    inputs, kernel, bias = args
-    if not isinstance(kernel, ShardedKernel):
-        return nnx_dtypes.promote_dtype(args, dtype=dtype, inexact=inexact)
-    dtype = nnx_dtypes.canonicalize_dtype(inputs, jnp.zeros((), kernel.dtype), bias, dtype=dtype, inexact=inexact)
-    return jnp.asarray(inputs, dtype), kernel, None if bias is None else jnp.asarray(bias, dtype)
-
-
-def dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None, out_sharding=None):
-    """``lax.dot_general``, or the unit GEMM when ``rhs`` is a ``ShardedKernel``."""
-    if not isinstance(rhs, ShardedKernel):
-        return lax.dot_general(
-            lhs,
-            rhs,
-            dimension_numbers,
-            precision=precision,
-            preferred_element_type=preferred_element_type,
-            out_sharding=out_sharding,
-        )
-    expected = (((lhs.ndim - 1,), (0,)), ((), ()))
-    if _normalise(dimension_numbers) != expected:
-        raise ValueError(f"an FSDP kernel supports x @ kernel (dimension_numbers {expected}), got {dimension_numbers}")
-    if out_sharding is not None:
-        raise ValueError("an FSDP kernel runs inside the step's shard_map: out_sharding must be None")
-    return unit_matmul(lhs, rhs, compute_dtype=lhs.dtype, out_dtype=preferred_element_type, precision=precision)
-
-
-def _normalise(dims):
-    (lc, rc), (lb, rb) = dims
-    return ((tuple(lc), tuple(rc)), (tuple(lb), tuple(rb)))
+    a, b = a.astype(compute_dtype), b.astype(compute_dtype)
+    if jax.default_backend() == "cpu":
+        a, b = a.astype(jnp.float32), b.astype(jnp.float32)
+    return lax.dot_general(a, b, dims, precision=precision, preferred_element_type=jnp.float32)

@@ -1,35 +1,40 @@
 """One FSDP unit inside a training step: a weight's local shards, gathered just in time.
 
-A unit is one eligible kernel (the weight of one ``Linear`` layer), or, for a stack of layers
-scanned with ``nnx.scan``, one layer's slice of the stacked kernel. Each device stores its rows
-of ``W = kernel.T`` (``[out, in]``, Transformer Engine's orientation) in whole 32-row blocks:
+A unit is a parameter that the loss contracts in GEMMs or reads by lookups (``fsdp_trace``),
+whatever layer holds it. Its GEMM geometry comes from the contraction: ``K`` is the product of
+the parameter axes its GEMMs contract, ``N`` of the axes they keep, and the axes they batch
+over (an MoE's experts) are stack axes, like the layer axis that ``nnx.vmap`` stacks and
+``nnx.scan`` slices. Each device stores its rows of ``W [*stack, N, K]`` (the parameter's axes
+moved to ``stack, N, K`` and merged; Transformer Engine's ``[out, in]`` for a Linear kernel):
 
-    master      fp32        [*stack, rows, in]        rows = out_padded / n
-    rowwise     E4M3 codes  [*stack, rows, in]        E8M0 scales [*stack, rows, in/32]
-    columnwise  E4M3 codes  [*stack, rows, in]        E8M0 scales [*stack, rows/32, in]
+    master      fp32        [*stack, rows, K]         rows = N_padded / n
+    rowwise     E4M3 codes  [*stack, rows, K]         E8M0 scales [*stack, rows, K/32]
+    columnwise  E4M3 codes  [*stack, rows, K]         E8M0 scales [*stack, rows/32, K]
 
-(codes and scales are uint8 arrays: bytes, gathered as bytes).
+An MXFP8 unit's rows are whole 32-row blocks on every device (``N_padded`` a multiple of
+``32 n``), so quantizing a shard equals quantizing the whole weight; a bf16 unit stores the
+master only, rows padded to a multiple of ``n``.
 
-Rowwise blocks run along ``in``, the forward GEMM's contraction axis; columnwise blocks along
-``out``, the dgrad GEMM's. A device's rows are whole 32-row blocks, so quantizing its shard
-equals quantizing the whole weight (no cross-device amax).
+Every op of the loss that reads a unit runs as ONE ``custom_vjp`` over the local shards
+(``unit_gemm``, ``unit_lookup``):
 
-``unit_matmul(x, kernel)`` is ``x @ kernel`` as ONE ``custom_vjp`` over these local shards, so it
-composes with ``scan``, ``remat`` and ``vmap`` like any JAX function:
+    forward   all-gather the planes blocked along the op's contraction (a GEMM contracting K:
+              the rowwise planes; one contracting N, the transposed use of a tied weight: the
+              columnwise), dequantize exactly, rebuild the value the layer saw (its reshapes,
+              transposes and casts replayed) and run the op as written; save the activation
+              and the LOCAL planes of the other direction: no gathered weight outlives the op
+    backward  all-gather the other planes for the dgrad; dW in fp32 leaves through one
+              reduce-scatter into this device's master rows (a lookup: the scattered rows)
 
-    forward   all-gather the rowwise planes (8-bit), dequantize (exactly) to the compute dtype,
-              ``y = x @ W.T``; save ``x`` and the LOCAL columnwise planes: no gathered weight
-              outlives the call
-    backward  all-gather the columnwise planes, ``dx = dy @ W``; ``dW = dy.T @ x`` in fp32 leaves
-              through one reduce-scatter into this device's master rows
+A gather waits for the op's activation (forward) or cotangent (backward) by a data dependency
+(``after``), so in a Python loop over layers each unit is gathered when its layer runs, not at
+the start of the step. ``precision="bf16"`` units are the same with the master rows rounded to
+bf16 and gathered as 16-bit words, once for the forward and once for the backward.
 
-Under ``remat`` the recomputed forward gathers the rowwise planes again. ``precision="bf16"``
-is the baseline with the same structure: the master rows are rounded to bf16 and gathered as
-16-bit words, once for the forward and once for the backward.
-
-Hopper and CPUs have no MXFP8 GEMM: the gathered planes are dequantized per GEMM operand (exact
-in bf16 for normal-range values) and the GEMMs run in the compute dtype with fp32 accumulation.
-Quantization is the identity for the gradient (straight-through).
+CPUs and Hopper have no MXFP8 GEMM: the gathered planes are dequantized (exact) and the GEMMs
+run on the values as the layer wrote them; the backward GEMMs take fp32 operands (products of
+bf16 and dequantized MXFP8 values are exact in fp32) and accumulate in fp32. Quantization is
+the identity for the gradient (straight-through).
 """
 
 from __future__ import annotations
@@ -40,12 +45,12 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
-from jax.typing import DTypeLike
 
 from mxfp8_jax._src import spmd
 from mxfp8_jax._src.format import BLOCK
-from mxfp8_jax._src.layout import GlobalLayout
+from mxfp8_jax._src.fsdp_trace import P, product
 from mxfp8_jax._src.quantize import dequantize
 from mxfp8_jax._src.tensor import MXFP8Tensor
 
@@ -54,8 +59,14 @@ PRECISIONS = ("mxfp8", "bf16")
 
 @dataclasses.dataclass(frozen=True)
 class UnitGeometry:
-    """Static geometry of one unit: ``W [out, in]`` stored as ``out_padded`` rows split evenly
-    over ``num_shards`` devices (``axes``: the collective axis name(s), in shard order)."""
+    """Static geometry of one unit: the parameter ``param_shape`` as ``W [*stack, N, K]``, its
+    ``N`` rows padded to ``out_padded`` and split evenly over ``num_shards`` devices (``axes``:
+    the collective axis name(s), in shard order).
+
+    ``level`` leading parameter axes are sliced off by scans (layers); ``batch_axes`` are
+    parameter axes its GEMMs batch over; ``n_axes`` / ``k_axes`` the kept and contracted ones.
+    ``in_features`` is ``K``, ``out_features`` is ``N`` (a Linear kernel ``[in, out]``).
+    """
 
     in_features: int
     out_features: int
@@ -63,190 +74,243 @@ class UnitGeometry:
     num_shards: int
     axes: Any
     precision: str
+    param_shape: tuple[int, ...]
+    level: int
+    batch_axes: tuple[int, ...]
+    n_axes: tuple[int, ...]
+    k_axes: tuple[int, ...]
 
     @classmethod
     def build(
-        cls, in_features: int, out_features: int, num_shards: int, axes: str | tuple[str, ...], precision: str
+        cls,
+        param_shape: tuple[int, ...],
+        *,
+        level: int,
+        batch_axes: tuple[int, ...],
+        n_axes: tuple[int, ...],
+        k_axes: tuple[int, ...],
+        num_shards: int,
+        axes,
+        precision: str,
     ) -> UnitGeometry:
-        if in_features % BLOCK or out_features % BLOCK:
-            raise ValueError(
-                f"a unit's kernel [in={in_features}, out={out_features}] needs both dimensions "
-                f"to be multiples of {BLOCK} (MXFP8 blocks)"
-            )
         if precision not in PRECISIONS:
             raise ValueError(f"precision={precision!r} must be one of {PRECISIONS}")
-        # W [out, in] alone in a layout of 32-row blocks, one segment per device: its storage is
-        # out rounded up so that every device holds the same number of whole blocks.
-        layout = GlobalLayout.build([(out_features, in_features)], num_shards, block_size=BLOCK)
-        return cls(in_features, out_features, layout.physical_size // in_features, num_shards, axes, precision)
+        shape = tuple(int(d) for d in param_shape)
+        roles = tuple(range(level)) + tuple(batch_axes) + tuple(n_axes) + tuple(k_axes)
+        if sorted(roles) != list(range(len(shape))):
+            raise ValueError(f"axes {roles} are not a permutation of the axes of {shape}")
+        k, n = product([shape[a] for a in k_axes]), product([shape[a] for a in n_axes])
+        if precision == "mxfp8" and (k % BLOCK or n % BLOCK):
+            raise ValueError(f"an MXFP8 unit's W [N={n}, K={k}] needs both to be multiples of {BLOCK} (MXFP8 blocks)")
+        # MXFP8: every device holds the same number of whole 32-row blocks; bf16: the same rows
+        quantum = BLOCK * num_shards if precision == "mxfp8" else num_shards
+        return cls(
+            k,
+            n,
+            -(-n // quantum) * quantum,
+            num_shards,
+            axes,
+            precision,
+            shape,
+            level,
+            tuple(batch_axes),
+            tuple(n_axes),
+            tuple(k_axes),
+        )
 
     @property
     def rows(self) -> int:
-        """Rows of ``W`` each device stores (a multiple of 32)."""
+        """Rows of ``W`` each device stores (a multiple of 32 for MXFP8)."""
         return self.out_padded // self.num_shards
 
-    def padded_shape(self, stack: tuple[int, ...] = ()) -> tuple[int, ...]:
-        """The stored master ``[*stack, out_padded, in]`` (all devices' rows)."""
-        return (*stack, self.out_padded, self.in_features)
+    @property
+    def stack(self) -> tuple[int, ...]:
+        """The stack axes' sizes: the layers (scan), then the GEMM batch axes."""
+        return self.param_shape[: self.level] + tuple(self.param_shape[a] for a in self.batch_axes)
 
-    def plane_shapes(self, stack: tuple[int, ...] = (), rows: int | None = None) -> tuple[tuple[int, ...], ...]:
-        """``(codes, rowwise scales, columnwise scales)`` of ``rows`` rows of ``W`` (default all,
-        ``out_padded``): ``[*stack, rows, in]``, ``[*stack, rows, in/32]``, ``[*stack, rows/32, in]``."""
+    def padded_shape(self, stack: tuple[int, ...] | None = None) -> tuple[int, ...]:
+        """The stored master ``[*stack, out_padded, K]`` (all devices' rows)."""
+        return (*(self.stack if stack is None else stack), self.out_padded, self.in_features)
+
+    def plane_shapes(self, stack: tuple[int, ...] | None = None, rows: int | None = None):
+        """``(codes, rowwise scales, columnwise scales)`` of ``rows`` rows (default all):
+        ``[*stack, rows, K]``, ``[*stack, rows, K/32]``, ``[*stack, rows/32, K]``."""
+        stack = self.stack if stack is None else stack
         rows = self.out_padded if rows is None else rows
         k = self.in_features
         return (*stack, rows, k), (*stack, rows, k // BLOCK), (*stack, rows // BLOCK, k)
 
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class ShardedKernel:
-    """What an eligible ``Linear`` kernel holds inside an FSDP step (a pytree of local shards).
-
-    ``master`` is this device's fp32 rows of ``W = kernel.T``; ``rowwise`` / ``columnwise`` are
-    its MXFP8 planes ``(codes, scales)`` (None under ``precision="bf16"``). Leading axes are the
-    stack axes of a stacked (``nnx.vmap``-created) kernel; ``nnx.scan`` slices them away. The
-    kernel's logical ``shape`` is ``(*stack, in, out)`` and ``dtype`` the parameter's dtype, as
-    the layer would see without FSDP. ``kernel[...]`` is the kernel itself (what ``nnx.Linear``
-    reads); ``x @ kernel`` runs ``unit_matmul``.
-    """
-
-    master: jax.Array
-    rowwise: tuple[jax.Array, jax.Array] | None
-    columnwise: tuple[jax.Array, jax.Array] | None
-    geometry: UnitGeometry = dataclasses.field(metadata=dict(static=True))
-    param_dtype: Any = dataclasses.field(metadata=dict(static=True))
-
     @property
-    def shape(self) -> tuple[int, ...]:
-        g = self.geometry
-        return (*self.master.shape[:-2], g.in_features, g.out_features)
+    def perm(self) -> tuple[int, ...]:
+        """Parameter axes in the order of ``W``'s: layers, batch, N, K."""
+        return tuple(range(self.level)) + self.batch_axes + self.n_axes + self.k_axes
 
-    @property
-    def ndim(self) -> int:
-        return len(self.shape)
+    def to_master(self, value: jax.Array, level: int = 0) -> jax.Array:
+        """The parameter's value (its first ``level`` axes already sliced off) as ``W`` with
+        zero padding rows ``[*stack, out_padded, K]``."""
+        w = self.to_rows(value, level)
+        pad = [(0, 0)] * (w.ndim - 2) + [(0, self.out_padded - self.out_features), (0, 0)]
+        return jnp.pad(w, pad)
 
-    @property
-    def dtype(self):
-        return jnp.dtype(self.param_dtype)
+    def to_rows(self, value: jax.Array, level: int = 0) -> jax.Array:
+        """The parameter's value as ``W [*stack, N, K]`` (no padding)."""
+        perm = [a - level for a in self.perm[level:]]
+        w = jnp.transpose(value, perm)
+        lead = w.shape[: w.ndim - len(self.n_axes) - len(self.k_axes)]
+        return w.reshape(*lead, self.out_features, self.in_features)
 
-    def __getitem__(self, key):
-        if key is Ellipsis:
-            return self
-        raise TypeError(
-            f"an FSDP kernel inside a train step is read whole (kernel[...]) by the layer that "
-            f"owns it; indexing it with {key!r} would gather it outside its GEMM"
-        )
-
-    def __rmatmul__(self, x):
-        return unit_matmul(x, self)
-
-    def __jax_array__(self):
-        raise TypeError(
-            f"an FSDP unit's kernel {self.shape} exists only as this device's shards inside the "
-            f"step; it is usable by its own layer's GEMM (x @ kernel), not as an array (tied "
-            f"weights and other reads of a Linear's kernel are not supported for FSDP units)"
-        )
-
-    @property
-    def T(self):
-        return self.__jax_array__()
-
-
-@dataclasses.dataclass(frozen=True)
-class _Config:
-    """Static arguments of one GEMM: geometry, dtypes, dot precision."""
-
-    geometry: UnitGeometry
-    compute_dtype: Any
-    out_dtype: Any
-    precision: Any
-
-
-def unit_matmul(
-    x: jax.Array,
-    kernel: ShardedKernel,
-    *,
-    compute_dtype: DTypeLike | None = None,
-    out_dtype: DTypeLike | None = None,
-    precision: lax.PrecisionLike = None,
-) -> jax.Array:
-    """``x @ kernel``: ``x [..., in]`` times the unit's kernel ``[in, out]`` -> ``[..., out]``.
-
-    Operands are rounded to ``compute_dtype`` (default ``x.dtype``) and accumulated in fp32;
-    the result has ``out_dtype`` (default ``compute_dtype``). Runs inside the step's
-    ``shard_map``; the kernel must have no stack axes left (call stacked layers under
-    ``nnx.scan`` or ``nnx.vmap``).
-    """
-    if not isinstance(kernel, ShardedKernel):
-        raise TypeError(f"kernel must be a ShardedKernel, got {type(kernel).__name__}")
-    g = kernel.geometry
-    if kernel.master.ndim != 2:
-        raise ValueError(
-            f"kernel of shape {kernel.shape} still has stack axes {kernel.shape[:-2]}: a stacked "
-            f"layer must run under nnx.scan (or nnx.vmap), which gives each call one layer"
-        )
-    if x.ndim < 1 or x.shape[-1] != g.in_features:
-        raise ValueError(f"x of shape {tuple(x.shape)} must end in in_features={g.in_features}")
-    compute = jnp.dtype(compute_dtype if compute_dtype is not None else x.dtype)
-    out = jnp.dtype(out_dtype if out_dtype is not None else compute)
-    return _matmul(_Config(g, compute, out, precision), x, kernel.master, kernel.rowwise, kernel.columnwise)
+    def from_master(self, w: jax.Array, level: int = 0) -> jax.Array:
+        """``W [*stack, out_padded or N, K]`` (the first ``level`` layer axes sliced off) as the
+        parameter's value (padding rows dropped)."""
+        w = w[..., : self.out_features, :]
+        shape = self.param_shape
+        perm = self.perm[level:]
+        w = w.reshape(*w.shape[:-2], *(shape[a] for a in self.n_axes), *(shape[a] for a in self.k_axes))
+        return jnp.transpose(w, np.argsort([a - level for a in perm]))
 
 
 # ------------------------------------------------------------------------------------------------
-# The GEMM and its gradient
+# One op reading a unit
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class UnitOp:
+    """Static description of one op of the loss that reads a unit (hashed by identity).
+
+    ``ops``: the layout ops ``(primitive, params)`` between the parameter and the op, replayed
+    on the gathered weight; ``prim``/``params``: the op itself (``dot_general``, ``gather``,
+    ``dynamic_slice``), the unit its operand ``position``; ``transposed``: a GEMM contracting
+    the unit's N axes (its forward reads the columnwise planes).
+    """
+
+    geometry: UnitGeometry
+    param_dtype: Any
+    ops: tuple
+    prim: Any
+    params: dict
+    position: int
+    transposed: bool = False
+
+    def value(self, w: jax.Array) -> jax.Array:
+        """``W [*batch, N, K]`` (gathered) -> the operand as the layer's op sees it."""
+        v = self.geometry.from_master(w.astype(self.param_dtype), self.geometry.level)
+        for prim, params in self.ops:
+            v = prim.bind(v, **params)
+        return v
+
+    def layout(self, v: jax.Array) -> jax.Array:
+        """The layout ops alone (casts left out), for carrying fp32 gradients back."""
+        for prim, params in self.ops:
+            if prim is not P.convert_element_type_p:
+                v = prim.bind(v, **params)
+        return v
+
+    def bind(self, unit_operand, others: tuple) -> jax.Array:
+        operands = list(others)
+        operands.insert(self.position, unit_operand)
+        return self.prim.bind(*operands, **self.params)
+
+
+def unit_gemm(op: UnitOp, act: jax.Array, leaves: tuple) -> jax.Array:
+    """The ``dot_general`` of ``op`` with the unit as one operand and ``act`` the other, run on
+    this device's shards ``leaves`` (``(master, *planes)``): one ``custom_vjp``."""
+    return _gemm(op, act, leaves[0], tuple(leaves[1:]))
+
+
+def unit_lookup(op: UnitOp, others: tuple, leaves: tuple) -> jax.Array:
+    """A ``gather`` / ``dynamic_slice`` of the unit (``others``: its index operands), on this
+    device's shards: the table gathered for the lookup, the gradient reduce-scattered."""
+    return _lookup(op, tuple(others), leaves[0], tuple(leaves[1:]))
+
+
+def _local(op: UnitOp, master, planes, *, backward: bool):
+    """The local shards a gather of ``op`` reads: MXFP8 planes blocked along its forward
+    contraction (``backward``: the other direction), or the bf16 master."""
+    if op.geometry.precision != "mxfp8":
+        return master
+    rowwise = op.transposed == backward  # forward of a K-contracting GEMM: rowwise
+    return planes[:2] if rowwise else planes[2:]
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _matmul(cfg: _Config, x, master, rowwise, columnwise):
-    return _forward(cfg, x, master, rowwise)
+def _gemm(op: UnitOp, act, master, planes):
+    local = after(_local(op, master, planes, backward=False), act)
+    w = gathered(op.geometry, local, columnwise=op.transposed)
+    return _forward_dot(op, act, op.value(w))
 
 
-def _matmul_fwd(cfg: _Config, x, master, rowwise, columnwise):
-    y = _forward(cfg, x, master, rowwise)
-    # local shards only (the inputs themselves: scan forwards them, nothing is copied)
-    keep = columnwise if cfg.geometry.precision == "mxfp8" else master
-    return y, (x, keep)
+def _gemm_fwd(op: UnitOp, act, master, planes):
+    y = _gemm(op, act, master, planes)
+    return y, (act, _local(op, master, planes, backward=True))
 
 
-def _matmul_bwd(cfg: _Config, residuals, dy):
-    x, keep = residuals
-    keep = _after(keep, dy)  # the backward gather waits for the gradient that needs it
-    g = cfg.geometry
-    w = _gathered_weight(cfg, keep, columnwise=True)
-    # dx [..., in] = dy @ W contracts over out: the columnwise blocks of W
-    dx = _dot(dy, w, (((dy.ndim - 1,), (0,)), ((), ())), cfg)
-    # dW [out, in] = dy.T @ x over every leading axis, fp32; padded rows get zeros
-    dy2, x2 = dy.reshape(-1, dy.shape[-1]), x.reshape(-1, x.shape[-1])
-    dw = _dot(dy2, x2, (((0,), (0,)), ((), ())), cfg)
-    dw = jnp.pad(dw, ((0, g.out_padded - g.out_features), (0, 0)))
-    dw_local = lax.psum_scatter(dw, g.axes, scatter_dimension=0, tiled=True)
-    return dx.astype(x.dtype), dw_local, None, None
+def _gemm_bwd(op: UnitOp, residuals, dy):
+    act, local = residuals
+    local = after(local, dy)  # the backward gather waits for the gradient that needs it
+    v = op.value(gathered(op.geometry, local, columnwise=not op.transposed))
+    f32 = lambda a: a.astype(jnp.float32)
+    params = dict(op.params, preferred_element_type=jnp.float32)
+
+    def dot32(a, b):
+        return P.dot_general_p.bind(*((a, b) if op.position == 1 else (b, a)), **params)
+
+    _, vjp = jax.vjp(dot32, f32(act), f32(v))
+    d_act, d_v = vjp(f32(dy))
+    return d_act.astype(act.dtype), _to_local_grad(op, d_v), None
 
 
-_matmul.defvjp(_matmul_fwd, _matmul_bwd)
+_gemm.defvjp(_gemm_fwd, _gemm_bwd)
 
 
-def _forward(cfg: _Config, x, master, rowwise):
-    w = _gathered_weight(cfg, rowwise if cfg.geometry.precision == "mxfp8" else master, columnwise=False)
-    # y [..., out] = x @ W.T contracts over in: the rowwise blocks of W
-    y = _dot(x, w, (((x.ndim - 1,), (1,)), ((), ())), cfg)
-    return y.astype(cfg.out_dtype)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _lookup(op: UnitOp, others, master, planes):
+    local = after(_local(op, master, planes, backward=False), others[0] if others else None)
+    return op.bind(op.value(gathered(op.geometry, local, columnwise=False)), others)
 
 
-def _dot(a, b, dims, cfg: _Config):
-    return compute_dot(a, b, dims, cfg.compute_dtype, cfg.precision)
+def _lookup_fwd(op: UnitOp, others, master, planes):
+    return _lookup(op, others, master, planes), others
 
 
-def compute_dot(a, b, dims, compute_dtype, precision=None) -> jax.Array:
-    """``dot_general`` of operands rounded to ``compute_dtype``, accumulated in fp32.
+def _lookup_bwd(op: UnitOp, others, dy):
+    shape = jax.ShapeDtypeStruct(_value_shape(op), jnp.float32)
+    (d_v,) = jax.linear_transpose(lambda v: op.bind(v, others), shape)(dy.astype(jnp.float32))
+    return None, _to_local_grad(op, d_v), None
 
-    XLA:CPU has no fast bf16 GEMM, so there the rounded operands are multiplied as fp32 (bf16
-    products are exact in fp32: the same numbers up to summation order, several times faster).
-    """
-    a, b = a.astype(compute_dtype), b.astype(compute_dtype)
-    if jax.default_backend() == "cpu":
-        a, b = a.astype(jnp.float32), b.astype(jnp.float32)
-    return lax.dot_general(a, b, dims, precision=precision, preferred_element_type=jnp.float32)
+
+_lookup.defvjp(_lookup_fwd, _lookup_bwd)
+
+
+def _value_shape(op: UnitOp) -> tuple[int, ...]:
+    g = op.geometry
+    w = jax.ShapeDtypeStruct((*g.stack[g.level :], g.out_features, g.in_features), jnp.float32)
+    return jax.eval_shape(lambda w: op.layout(g.from_master(w, g.level)), w).shape
+
+
+def _to_local_grad(op: UnitOp, d_v: jax.Array) -> jax.Array:
+    """The fp32 cotangent of the op's operand -> this device's rows of ``dW`` (one
+    reduce-scatter of the padded ``[*batch, N_padded, K]``)."""
+    g = op.geometry
+    param_shape = g.param_shape[g.level :]
+    (d_param,) = jax.linear_transpose(op.layout, jax.ShapeDtypeStruct(param_shape, jnp.float32))(d_v)
+    dw = g.to_master(d_param, g.level)
+    return lax.psum_scatter(dw, g.axes, scatter_dimension=dw.ndim - 2, tiled=True)
+
+
+def _forward_dot(op: UnitOp, act, v):
+    """The layer's own ``dot_general``. XLA:CPU has no fast 16-bit GEMM: there 16-bit operands
+    are multiplied as fp32 (exact products, fp32 accumulation) and the result cast back."""
+    narrow = lambda a: jnp.issubdtype(a.dtype, jnp.floating) and jnp.dtype(a.dtype).itemsize < 4
+    if jax.default_backend() == "cpu" and narrow(act) and narrow(v):
+        out = op.params.get("preferred_element_type") or jnp.result_type(act, v)
+        params = dict(op.params, preferred_element_type=jnp.float32)
+        y = op.prim.bind(*_in_order(op, act.astype(jnp.float32), v.astype(jnp.float32)), **params)
+        return y.astype(out)
+    return op.prim.bind(*_in_order(op, act, v), **op.params)
+
+
+def _in_order(op: UnitOp, act, v):
+    return (act, v) if op.position == 1 else (v, act)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -258,46 +322,43 @@ def all_gather_rows(x: jax.Array, axes) -> jax.Array:
     return spmd.all_gather_bits(x, axes, axis=x.ndim - 2)
 
 
-def _gathered_weight(cfg: _Config, local, *, columnwise: bool) -> jax.Array:
-    """``W [out, in]`` in the compute dtype from this device's ``local`` shards: the planes of
-    one direction under MXFP8, the master rows under bf16."""
-    if cfg.geometry.precision == "mxfp8":
-        return _gathered_mxfp8(cfg.geometry, local, columnwise=columnwise, dtype=cfg.compute_dtype)
-    return _gathered_bf16(cfg.geometry, local).astype(cfg.compute_dtype)
+def gathered(g: UnitGeometry, local, *, columnwise: bool) -> jax.Array:
+    """``W [*batch, N, K]`` from this device's shards: the MXFP8 planes of one direction
+    dequantized exactly to fp32, or the master rows rounded to bf16."""
+    if g.precision != "mxfp8":
+        return all_gather_rows(local.astype(jnp.bfloat16), g.axes)[..., : g.out_features, :]
+    codes, scales = (all_gather_rows(p, g.axes) for p in local)
+    batch = codes.shape[:-2]
+    n, k = g.out_features, g.in_features
+    codes = lax.bitcast_convert_type(codes[..., :n, :], jnp.float8_e4m3fn).reshape(-1, k)
+    scales = scales[..., : n // BLOCK, :] if columnwise else scales[..., :n, :]
+    scales = scales.reshape(-1, scales.shape[-1])
+    shape = (*batch, n, k)
+    planes = (
+        dict(columnwise_data=codes, columnwise_scale=scales)
+        if columnwise
+        else dict(rowwise_data=codes, rowwise_scale=scales)
+    )
+    t = MXFP8Tensor(
+        **{name: planes.get(name) for name in ("rowwise_data", "rowwise_scale", "columnwise_data", "columnwise_scale")},
+        shape=shape,
+    )
+    return dequantize(t, columnwise=columnwise, dtype=jnp.float32)
 
 
-def _gathered_mxfp8(g: UnitGeometry, planes, *, columnwise: bool, dtype) -> jax.Array:
-    """``W [out, in]`` in ``dtype`` from the gathered rowwise or columnwise planes (exact)."""
-    codes, scales = (all_gather_rows(p, g.axes) for p in planes)
-    codes = lax.bitcast_convert_type(codes[: g.out_features], jnp.float8_e4m3fn)
-    scales = scales[: g.out_features // BLOCK] if columnwise else scales[: g.out_features]
-    shape = (g.out_features, g.in_features)
-    if columnwise:
-        t = MXFP8Tensor(
-            rowwise_data=None, rowwise_scale=None, columnwise_data=codes, columnwise_scale=scales, shape=shape
-        )
-    else:
-        t = MXFP8Tensor(
-            rowwise_data=codes, rowwise_scale=scales, columnwise_data=None, columnwise_scale=None, shape=shape
-        )
-    return dequantize(t, columnwise=columnwise, dtype=dtype)
-
-
-def _gathered_bf16(g: UnitGeometry, master) -> jax.Array:
-    """``W [out, in]`` rounded to bf16 on each device, gathered as 16-bit words."""
-    return all_gather_rows(master.astype(jnp.bfloat16), g.axes)[: g.out_features]
-
-
-def _after(tree, token: jax.Array):
+def after(tree, token):
     """``tree`` unchanged, but computed from ``token``: work on the result can neither start
     before ``token`` exists nor be merged with the same work on ``tree`` itself (the forward's
-    gather of the same bytes under ``precision="bf16"``).
+    gather of the same bytes, a recomputed forward under remat).
 
     ``lax.optimization_barrier`` means this, but XLA:CPU expands barriers before common-
     subexpression elimination; a select on ``token < -inf`` (never true, not even for NaN, yet
     not folded by XLA) is a real data dependency for the cost of one pass over a local shard.
     """
-    if token.size == 0:
+    if token is None or not hasattr(token, "dtype") or token.size == 0:
         return tree
-    never = token.reshape(-1)[0] < -jnp.inf
+    first = token.reshape(-1)[0]
+    if not jnp.issubdtype(first.dtype, jnp.number):
+        return tree
+    never = first.astype(jnp.float32) < -jnp.inf
     return jax.tree.map(lambda x: jnp.where(never, jnp.zeros_like(x), x), tree)

@@ -1,0 +1,329 @@
+"""How a loss reads each parameter: found by following the parameter through the loss's jaxpr.
+
+FSDP decides what a parameter becomes by what the model does with it, not by the layer class
+that holds it (as qwix intercepts operations, not modules). ``trace_uses`` traces
+``loss_fn(model, batch)`` with the parameters as inputs and follows each one through the ops
+that only move or retype its elements (``convert_element_type``, ``transpose``, ``reshape``,
+``squeeze``, size-1 ``broadcast_in_dim``, ``copy``), into and out of ``jit``, ``remat`` and
+``scan`` bodies, to the op that reads its values:
+
+- ``dot_general`` with an activation: a GEMM. The parameter axes the GEMM contracts are its
+  ``K`` axes, its batch axes (an MoE's expert axis) are stack axes, the others its ``N`` axes.
+- ``gather`` / ``dynamic_slice`` of rows: a lookup (``nnx.Embed``, ``table[ids]``).
+- anything else (a norm's scale multiplied in, a bias added, a custom_vjp): ``other``.
+
+A parameter that a ``scan`` slices (the stacked weights of ``nnx.vmap`` + ``nnx.scan``) is read
+one layer at a time: the leading axes the scans slice off are its stack axes (``level``).
+
+Besides the uses, one dataflow fact: which parameters' GEMM outputs reach another parameter's
+GEMM. A parameter whose GEMMs feed none is an output head (the logits), kept in bf16 by default
+as MXFP8 recipes do.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+from jax.extend import core as jcore
+
+P = jcore.primitives
+
+# Ops that only move or retype the elements of their first operand: a parameter read through
+# them is still the parameter (a view).
+VIEW_PRIMITIVES = frozenset(
+    {
+        P.convert_element_type_p,
+        P.transpose_p,
+        P.reshape_p,
+        P.squeeze_p,
+        P.broadcast_in_dim_p,
+        P.copy_p,
+        P.sharding_constraint_p,
+    }
+)
+LOOKUP_PRIMITIVES = frozenset({P.gather_p, P.dynamic_slice_p})
+INLINED_CALLS = frozenset({P.jit_p, P.closed_call_p, P.call_p})
+
+
+@dataclasses.dataclass(frozen=True)
+class View:
+    """A parameter's value as some op of the loss sees it.
+
+    ``axes[i]`` are the parameter axes that axis ``i`` of the value spans (several after a
+    reshape merges them; one parameter axis may be split over several value axes; a size-1 axis
+    spans none). ``level``: the leading parameter axes enclosing scans have sliced off.
+    ``moved``: an op other than a retype changed the axes (a scan can then no longer slice it).
+    """
+
+    param: int
+    axes: tuple[tuple[int, ...], ...]
+    level: int = 0
+    moved: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class Use:
+    """One op reading a parameter.
+
+    ``kind``: ``"gemm"``, ``"lookup"`` or ``"other"``. For a GEMM, ``contract`` / ``free`` /
+    ``batch`` are the parameter axes it contracts, keeps, and batches over (in the dot's batch
+    order). ``level``: the parameter's leading axes sliced off by scans at that point.
+    ``remat``: inside a rematerialised region (its gathers run again in the backward).
+    ``what``: the op, for plans and errors.
+    """
+
+    kind: str
+    level: int
+    what: str
+    contract: tuple[int, ...] = ()
+    free: tuple[int, ...] = ()
+    batch: tuple[int, ...] = ()
+    remat: bool = False
+    site: int = 0
+
+
+@dataclasses.dataclass
+class Uses:
+    """``by_param[j]``: the uses of parameter ``j``; ``feeds_gemm``: parameters whose GEMM
+    outputs reach another parameter's GEMM."""
+
+    by_param: list[list[Use]]
+    feeds_gemm: set[int]
+
+    def is_head(self, j: int) -> bool:
+        """Parameter ``j`` has GEMMs and none of their outputs reaches another GEMM."""
+        return any(u.kind == "gemm" for u in self.by_param[j]) and j not in self.feeds_gemm
+
+
+def trace_uses(fn: Callable, params: Sequence[Any], *args) -> tuple[Uses, jcore.ClosedJaxpr]:
+    """The uses of every entry of ``params`` (arrays or ``jax.ShapeDtypeStruct``s) in
+    ``fn(params, *args)``, and the closed jaxpr they were read from."""
+    closed = jax.make_jaxpr(fn)(list(params), *args)
+    return analyse(closed, len(params)), closed
+
+
+def analyse(closed: jcore.ClosedJaxpr, num_params: int) -> Uses:
+    """The uses of the first ``num_params`` inputs of ``closed``."""
+    walker = _Walker(num_params)
+    jaxpr = closed.jaxpr
+    args = []
+    for i, v in enumerate(jaxpr.invars):
+        if i < num_params:
+            args.append(View(i, tuple((a,) for a in range(len(v.aval.shape)))))
+        else:
+            args.append(frozenset())
+    outs = walker.walk(jaxpr, [frozenset()] * len(jaxpr.constvars), args, remat=False)
+    for out in outs:
+        if isinstance(out, View):
+            walker.use(out, "other", "returned by the loss function", remat=False)
+    return Uses([sorted(walker.uses[j], key=lambda u: u.site) for j in range(num_params)], walker.fed)
+
+
+# ------------------------------------------------------------------------------------------------
+# Views through layout ops
+
+
+def view_through(prim, params, view: View, in_shape, out_shape) -> View | None:
+    """The view after ``prim``, or None when the op is not a pure move of the parameter's
+    elements (a real broadcast)."""
+    axes = view.axes
+    if prim in (P.convert_element_type_p, P.copy_p, P.sharding_constraint_p):
+        return view
+    if prim is P.transpose_p:
+        return dataclasses.replace(view, axes=tuple(axes[p] for p in params["permutation"]), moved=True)
+    if prim is P.squeeze_p:
+        drop = {d % len(in_shape) for d in params["dimensions"]}
+        return dataclasses.replace(view, axes=tuple(a for i, a in enumerate(axes) if i not in drop), moved=True)
+    if prim is P.broadcast_in_dim_p:
+        dims = params["broadcast_dimensions"]
+        new = [()] * len(out_shape)
+        for i, d in enumerate(dims):
+            if in_shape[i] != out_shape[d]:
+                return None  # a size-1 axis broadcast: a real broadcast
+            new[d] = axes[i]
+        if any(out_shape[d] != 1 for d in range(len(out_shape)) if d not in dims):
+            return None
+        return dataclasses.replace(view, axes=tuple(new), moved=True)
+    if prim is P.reshape_p:
+        if params.get("dimensions") is not None:
+            return None
+        return dataclasses.replace(view, axes=reshape_axes(axes, in_shape, out_shape), moved=True)
+    raise AssertionError(prim)
+
+
+def reshape_axes(axes, in_shape, out_shape) -> tuple[tuple[int, ...], ...]:
+    """The parameter axes of each output axis of a reshape: every output axis of a group of
+    input and output axes with equal products spans the group's input axes."""
+    out = [()] * len(out_shape)
+    i = j = 0
+    while i < len(in_shape) or j < len(out_shape):
+        if i < len(in_shape) and in_shape[i] == 1:
+            i += 1
+            continue
+        if j < len(out_shape) and out_shape[j] == 1:
+            j += 1
+            continue
+        gi, gj = [i], [j]
+        pi, pj = in_shape[i], out_shape[j]
+        i, j = i + 1, j + 1
+        while pi != pj:
+            if pi < pj:
+                pi *= in_shape[i]
+                gi.append(i)
+                i += 1
+            else:
+                pj *= out_shape[j]
+                gj.append(j)
+                j += 1
+        spanned = tuple(sorted({a for k in gi for a in axes[k]}))
+        for k in gj:
+            out[k] = spanned
+    return tuple(out)
+
+
+def dot_roles(view: View, dims, position: int) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]] | None:
+    """``(contract, free, batch)`` parameter axes of a ``dot_general`` whose operand
+    ``position`` (0: lhs, 1: rhs) is ``view``; None when one parameter axis plays two roles
+    (a reshape mixed a contracted axis with a kept one)."""
+    (lc, rc), (lb, rb) = dims
+    contract_dims, batch_dims = (lc, lb) if position == 0 else (rc, rb)
+    span = lambda ds: [a for d in ds for a in view.axes[d]]
+    contract, batch = span(contract_dims), span(batch_dims)
+    free = span([d for d in range(len(view.axes)) if d not in contract_dims and d not in batch_dims])
+    roles = contract + batch + free
+    if len(roles) != len(set(roles)):
+        return None
+    return tuple(sorted(contract)), tuple(sorted(free)), tuple(batch)
+
+
+# ------------------------------------------------------------------------------------------------
+# The walk
+
+
+class _Walker:
+    """Abstract evaluation of a jaxpr: each value is a ``View`` of a parameter or the set of
+    parameters whose GEMM outputs it depends on."""
+
+    def __init__(self, num_params: int) -> None:
+        self.uses: list[set[Use]] = [set() for _ in range(num_params)]
+        self.fed: set[int] = set()
+        self._sites: dict[int, int] = {}
+
+    def site(self, eqn) -> int:
+        return self._sites.setdefault(id(eqn), len(self._sites))
+
+    def use(self, view: View, kind: str, what: str, *, remat: bool, site: int = 0, roles=((), (), ())) -> None:
+        contract, free, batch = roles
+        self.uses[view.param].add(Use(kind, view.level, what, contract, free, batch, remat, site))
+
+    def walk(self, jaxpr: jcore.Jaxpr, consts, args, *, remat: bool) -> list:
+        env: dict = {}
+
+        def read(v):
+            return frozenset() if isinstance(v, jcore.Literal) else env[v]
+
+        for v, x in zip(jaxpr.constvars, consts):
+            env[v] = x
+        for v, x in zip(jaxpr.invars, args):
+            env[v] = x
+        for eqn in jaxpr.eqns:
+            outs = self.eqn(eqn, [read(v) for v in eqn.invars], remat=remat)
+            for v, x in zip(eqn.outvars, outs):
+                if not isinstance(v, jcore.DropVar):
+                    env[v] = x
+        return [read(v) for v in jaxpr.outvars]
+
+    def eqn(self, eqn, ins: list, *, remat: bool) -> list:
+        prim, params = eqn.primitive, eqn.params
+        views = [x for x in ins if isinstance(x, View)]
+        n_out = len(eqn.outvars)
+        if prim in INLINED_CALLS:
+            closed = params.get("jaxpr", params.get("call_jaxpr"))
+            inner, consts = (closed.jaxpr, closed.consts) if hasattr(closed, "jaxpr") else (closed, [])
+            return self.walk(inner, [frozenset()] * len(consts), ins, remat=remat)
+        if prim is P.remat_p:
+            return self.walk(params["jaxpr"], [], ins, remat=True)
+        if prim is P.scan_p:
+            return self.scan(eqn, ins, remat=remat)
+        if not views:
+            deps = frozenset().union(*ins) if ins else frozenset()
+            return [deps] * n_out
+        if prim in VIEW_PRIMITIVES and isinstance(ins[0], View) and len(views) == 1:
+            out = view_through(prim, params, ins[0], eqn.invars[0].aval.shape, eqn.outvars[0].aval.shape)
+            if out is not None:
+                return [out]
+            self.use(ins[0], "other", f"{prim.name} (a broadcast)", remat=remat)
+            return [frozenset()]
+        if prim is P.dot_general_p and len(views) == 1:
+            return [self.dot(eqn, ins, remat=remat)]
+        if prim in LOOKUP_PRIMITIVES and isinstance(ins[0], View) and len(views) == 1:
+            self.use(ins[0], "lookup", prim.name, remat=remat, site=self.site(eqn))
+            return [frozenset()]
+        for x in views:
+            what = "a dot_general of two parameters" if prim is P.dot_general_p else prim.name
+            self.use(x, "other", what, remat=remat)
+        deps = frozenset().union(*(x for x in ins if not isinstance(x, View)))
+        return [deps] * n_out
+
+    def dot(self, eqn, ins, *, remat: bool):
+        position = 0 if isinstance(ins[0], View) else 1
+        view, act = ins[position], ins[1 - position]
+        roles = dot_roles(view, eqn.params["dimension_numbers"], position)
+        if roles is None:
+            self.use(view, "other", "a dot_general that contracts part of a reshaped axis", remat=remat)
+            return act
+        self.use(view, "gemm", "dot_general", remat=remat, site=self.site(eqn), roles=roles)
+        self.fed.update(act)
+        return act | {view.param}
+
+    def scan(self, eqn, ins, *, remat: bool) -> list:
+        params = eqn.params
+        nc, ncar = params["num_consts"], params["num_carry"]
+        body: jcore.ClosedJaxpr = params["jaxpr"]
+        consts, carry, xs = ins[:nc], list(ins[nc : nc + ncar]), ins[nc + ncar :]
+        for k, x in enumerate(carry):
+            if isinstance(x, View):
+                self.use(x, "other", "carried through a loop", remat=remat)
+                carry[k] = frozenset()
+        body_xs = []
+        for x in xs:
+            if isinstance(x, View):
+                if x.moved or not x.axes or x.axes[0] != (x.level,):
+                    self.use(x, "other", "sliced by a scan after its axes were moved", remat=remat)
+                    body_xs.append(frozenset())
+                else:
+                    body_xs.append(dataclasses.replace(x, axes=x.axes[1:], level=x.level + 1))
+            else:
+                body_xs.append(x)
+        body_consts = [frozenset()] * len(body.consts)
+        for _ in range(16):  # the carries' dependencies, to a fixed point
+            outs = self.walk(body.jaxpr, body_consts, consts + carry + body_xs, remat=remat)
+            grown = [c | o if not isinstance(o, View) else c for c, o in zip(carry, outs[:ncar])]
+            if grown == carry:
+                break
+            carry = grown
+        result = []
+        for k, o in enumerate(outs):
+            if not isinstance(o, View):
+                result.append(o)
+                continue
+            if k >= ncar:  # a stacked output: the body handing back the slice it was given
+                j = next((i for i, b in enumerate(body_xs) if b == o), None)
+                if j is not None:
+                    result.append(xs[j])
+                    continue
+            self.use(o, "other", "returned by a scan body", remat=remat)
+            result.append(frozenset())
+        return result
+
+
+def describe_shape(shape) -> str:
+    return "[" + ", ".join(str(int(d)) for d in shape) + "]"
+
+
+def product(dims) -> int:
+    return int(np.prod(dims, dtype=np.int64)) if len(dims) else 1
