@@ -219,6 +219,8 @@ def _classify(path, shape, dtype, uses: list[Use], head, mesh, precision, rule, 
         return plain("precision_by_path asks for it")
     chosen = asked or (precision if role == "projection" else "bf16")
     reason = "" if asked or role == "projection" else f"{role}: bf16 by default"
+    if lookups and gemms and not asked:
+        reason = "tied embedding and output head: bf16 by default"
     if chosen == "mxfp8" and (k % BLOCK or n % BLOCK):
         if asked == "mxfp8":
             raise ValueError(

@@ -42,7 +42,8 @@ _lecun = nnx.initializers.lecun_normal()
 class StyleConfig:
     """Sizes of a style model. ``experts``/``capacity`` are read by ``"moe"`` only (``capacity``:
     buffer slots per expert for each sequence of the batch), ``dropout`` by ``"dropout"`` only,
-    ``remat`` by the scanned styles (``"mha"``, ``"maxtext"``, ``"moe"``)."""
+    ``remat`` by all: ``nnx.remat`` around each scan iteration, or around each block call of
+    the Python-loop styles."""
 
     vocab: int = 512
     width: int = 256
@@ -65,6 +66,11 @@ class StyleConfig:
             raise ValueError(f"StyleConfig.dropout must be a float in [0, 1), got {d!r}")
         if not isinstance(self.remat, (bool, np.bool_)):
             raise ValueError(f"StyleConfig.remat must be a bool, got {self.remat!r}")
+
+
+def _call(layer, *args):
+    """``layer(*args)``: what a Python loop over blocks calls (under ``nnx.remat`` when asked)."""
+    return layer(*args)
 
 
 def _causal(t: int) -> jax.Array:
@@ -204,15 +210,16 @@ class GemmaModel(nnx.Module):
     embeddings (kept simple)."""
 
     def __init__(self, cfg: StyleConfig, *, rngs: nnx.Rngs):
-        self.width = cfg.width
+        self.width, self.remat = cfg.width, cfg.remat
         self.embedder = nnx.Embed(cfg.vocab, cfg.width, rngs=rngs)
         self.layers = nnx.List([GemmaBlock(cfg, rngs=rngs) for _ in range(cfg.depth)])
         self.final_norm = GemmaRMSNorm(cfg.width)
 
     def __call__(self, tokens):
         x = self.embedder(tokens) * jnp.sqrt(jnp.float32(self.width))
+        call = nnx.remat(_call) if self.remat else _call
         for layer in self.layers:
-            x = layer(x)
+            x = call(layer, x)
         return self.embedder.attend(self.final_norm(x))
 
 
@@ -395,6 +402,7 @@ class EinsumModel(nnx.Module):
     an ``nnx.List`` run by a Python loop."""
 
     def __init__(self, cfg: StyleConfig, *, rngs: nnx.Rngs):
+        self.remat = cfg.remat
         self.embed_tokens = nnx.Param(_normal(rngs.params(), (cfg.vocab, cfg.width)))
         self.layers = nnx.List([EinsumBlock(cfg, rngs=rngs) for _ in range(cfg.depth)])
         self.norm = EinsumRMSNorm(cfg.width)
@@ -402,8 +410,9 @@ class EinsumModel(nnx.Module):
 
     def __call__(self, tokens):
         x = self.embed_tokens[(tokens,)]
+        call = nnx.remat(_call) if self.remat else _call
         for layer in self.layers:
-            x = layer(x)
+            x = call(layer, x)
         return self.norm(x) @ self.lm_head[...]
 
 
@@ -547,6 +556,7 @@ class DropoutModel(nnx.Module):
     ``nnx.List`` run by a Python loop, ``nnx.Embed`` tokens, untied ``nnx.Linear`` head."""
 
     def __init__(self, cfg: StyleConfig, *, rngs: nnx.Rngs):
+        self.remat = cfg.remat
         self.embed = nnx.Embed(cfg.vocab, cfg.width, rngs=rngs)
         self.embed_dropout = nnx.Dropout(cfg.dropout, rngs=rngs)
         self.blocks = nnx.List([DropoutBlock(cfg, rngs=rngs) for _ in range(cfg.depth)])
@@ -556,8 +566,9 @@ class DropoutModel(nnx.Module):
     def __call__(self, tokens):
         mask = nnx.make_causal_mask(tokens)
         x = self.embed_dropout(self.embed(tokens))
+        call = nnx.remat(_call) if self.remat else _call
         for block in self.blocks:
-            x = block(x, mask)
+            x = call(block, x, mask)
         return self.head(self.final_norm(x))
 
 

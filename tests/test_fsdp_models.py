@@ -1,0 +1,337 @@
+"""FSDP on models written the ways Flax users write them (``mxfp8_jax._src.model_styles``), 8
+simulated CPU devices, adam.
+
+The styles: (mha) ``nnx.MultiHeadAttention`` + ``nnx.Linear`` MLP, scanned; (gemma) ``nnx.Einsum``
+projections with stacked kernels, a tied ``nnx.Embed`` (lookup + attend), blocks in an
+``nnx.List`` run by a Python loop; (maxtext) a DenseGeneral of several axes under
+``lax.dot_general``, scanned; (einsum) ``nnx.Param`` + ``jnp.einsum`` / ``@`` layers, an indexed
+table, a loop; (moe) stacked experts ``[E, D, F]`` whose einsums batch over the expert axis,
+scanned; (dropout) ``nnx.Dropout`` layers with their own RNG streams, a loop.
+
+Memory and communication are read from the compiled step (``memory_analysis()``, HLO
+collectives with their loops); gradients are compared with the unsharded model run by plain
+jax on one device. The gradient oracle needs no MXFP8 reference: every weight is a signed power
+of two within a factor 2^6 of the others, which MXFP8 represents exactly under any block scale
+(and bf16 too), so the MXFP8 units' forward and backward GEMMs read exactly the fp32 weights
+and the only differences left are fp32 summation order.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+from jax.sharding import Mesh
+
+from mxfp8_jax._src import hlo
+from mxfp8_jax._src import model_styles as ms
+from mxfp8_jax.flax import FSDP
+
+from summation import order_bound
+
+STYLES = ms.STYLES
+LOOPS = ("gemma", "einsum", "dropout")  # blocks in an nnx.List, run by a Python loop
+TOKENS = 16  # per device: activations small beside a layer
+SEQ, DEVICES = 16, 8
+SDS = jax.ShapeDtypeStruct
+BATCH = (SDS((DEVICES * TOKENS // SEQ, SEQ), jnp.int32),) * 2
+
+
+@pytest.fixture(scope="module")
+def mesh(cpu_devices):
+    return Mesh(np.array(cpu_devices), ("fsdp",))
+
+
+@pytest.fixture(scope="module")
+def compiled(mesh):
+    """``(style, depth, remat) -> (fsdp, temp bytes, HLO text)`` of the compiled adam step on
+    abstract state (nothing is materialised), cached for the module."""
+
+    @functools.cache
+    def get(style, depth, remat=False):
+        model = ms.abstract(style, ms.StyleConfig(depth=depth, remat=remat))
+        fsdp = FSDP(model, mesh, loss_fn=ms.loss_fn, example_batch=BATCH)
+        tx = optax.adam(1e-3)
+        step = fsdp.lower_train_step(ms.loss_fn, tx, fsdp.abstract_state(tx), BATCH).compile()
+        return fsdp, step.memory_analysis().temp_size_in_bytes, step.as_text()
+
+    return get
+
+
+def model_bytes(fsdp) -> int:
+    """The fp32 bytes of the whole model's trained parameters."""
+    return sum(int(np.prod(p.shape)) * 4 for p in fsdp.trained)
+
+
+def unsharded_temp(style: str, depth: int) -> int:
+    """Temp memory of the model's own step, unsharded on one device with one device's batch
+    (plain jax: its saved activations and working set)."""
+    model = ms.abstract(style, ms.StyleConfig(depth=depth))
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+
+    def grads(params, rest, batch):
+        return jax.grad(lambda p: ms.loss_fn(nnx.merge(graphdef, p, rest, copy=True), batch))(params)
+
+    local = (SDS((1, SEQ), jnp.int32),) * 2
+    return jax.jit(grads).lower(params, rest, local).compile().memory_analysis().temp_size_in_bytes
+
+
+# ------------------------------------------------------------------------------------------------
+# The plan
+
+
+@pytest.mark.parametrize("style", STYLES)
+def test_units_hold_the_parameter_bytes(style, compiled):
+    fsdp, _, _ = compiled(style, 4)
+    units = sum(int(np.prod(p.shape)) * 4 for p in fsdp.units)
+    assert units >= 0.95 * model_bytes(fsdp), str(fsdp)
+    # embeddings and output heads are bf16 units by default, the projections MXFP8
+    roles = {p.role for p in fsdp.units if p.kind == "bf16"}
+    assert roles <= {"embedding", "head", "projection"} and "embedding" in roles
+    for p in fsdp.units:
+        if p.role == "projection" and p.kind == "bf16":  # only what MXFP8 cannot block
+            assert p.unit.in_features % 32 or p.unit.out_features % 32, p.name
+
+
+def test_the_plan_reads_as_a_table(compiled):
+    fsdp, _, _ = compiled("gemma", 4)
+    text = str(fsdp)
+    lines = text.splitlines()
+    assert "units found by tracing the loss" in lines[0]
+    for p in fsdp.params:  # every parameter, with what it became
+        (row,) = [line for line in lines if line.startswith(p.name + " ")]
+        assert p.kind in row
+    kv = next(line for line in lines if line.startswith("layers/0/attn/kv_einsum/kernel "))
+    assert "[2, 4, 256, 64]" in kv and "mxfp8 projection N=512 K=256" in kv
+    emb = next(line for line in lines if line.startswith("embedder/embedding "))
+    assert "bf16 embedding N=512 K=256" in emb and "tied" in emb
+    norm = next(line for line in lines if line.startswith("final_norm/scale "))
+    assert "plain fp32" in norm and "read by mul" in norm
+    assert "units hold 99." in text and "gathered per step" in lines[-1]
+
+
+def test_stacked_plain_parameters_split_within_a_layer(compiled):
+    """A scanned stack's norm scale [L, D] is split along D, not L: one layer's slice is spread
+    over the devices and gathered inside the loop."""
+    fsdp, _, text = compiled("mha", 16)
+    stacked = [p for p in fsdp.plain if p.name.startswith("blocks/")]
+    assert stacked and all(p.level == 1 and p.shard_axis >= 1 for p in stacked)
+    f32 = [c for c in hlo.collectives(text) if c.op == "all-gather" and c.dtypes == ("f32",)]
+    assert {c.loop_depth for c in f32} == {0, 1}
+    assert all(c.count == 16 for c in f32 if c.loop_depth == 1)
+
+
+# ------------------------------------------------------------------------------------------------
+# Memory: flat in depth, in scans and in Python loops
+
+
+@pytest.mark.parametrize("style", STYLES)
+def test_step_memory_is_flat_in_depth(style, compiled):
+    """Temp memory of the step within what it must hold: the fp32 gradient shard, what the
+    model itself saves and works with (its unsharded step on one device's batch) and two units'
+    gathered fp32 weights; at depth 16 at most 0.4x the fp32 model, growing from depth 4 by at
+    most 0.4x the model's growth (a whole-model gather holds more than 1x)."""
+    temps, models = {}, {}
+    for depth in (4, 16):
+        fsdp, temp, _ = compiled(style, depth)
+        shard = sum(int(np.prod(p.stored_shape)) * 4 for p in fsdp.trained) / DEVICES
+        unit = max(int(np.prod(p.unit.padded_shape(p.unit.stack[p.unit.level :]))) * 4 for p in fsdp.units)
+        budget = shard + unsharded_temp(style, depth) + 2 * unit
+        assert temp <= budget, (depth, temp / 2**20, budget / 2**20)
+        temps[depth], models[depth] = temp, model_bytes(fsdp)
+    assert temps[16] <= 0.4 * models[16], (temps, models)
+    assert temps[16] - temps[4] <= 0.4 * (models[16] - models[4]), (temps, models)
+
+
+# ------------------------------------------------------------------------------------------------
+# Communication
+
+
+def reads(style: str, p) -> tuple[int, int]:
+    """(GEMMs, lookups) of the loss that read unit ``p`` per layer, from the models' code: one
+    GEMM per projection and head, one lookup per embedding, and the tied table of "gemma" both."""
+    if p.role == "embedding":
+        return (1 if style == "gemma" else 0), 1
+    return 1, 0
+
+
+@pytest.mark.parametrize("style", STYLES)
+def test_step_gathers_units_as_8_bit_planes(style, compiled):
+    """Each GEMM gathers its unit once forward and once backward, each lookup once: MXFP8 units
+    as uint8 planes (codes + scales), bf16 units as 16-bit words; fp32 gathers (plain
+    parameters) move at most 5% of the model's fp32 bytes."""
+    fsdp, _, text = compiled(style, 4)
+    gathers = [c for c in hlo.collectives(text) if c.op == "all-gather"]
+    assert {c.dtypes for c in gathers} == {("u8",), ("u16",), ("f32",)}
+    f32 = sum(c.bytes_per_step for c in gathers if c.dtypes == ("f32",))
+    assert f32 <= 0.05 * model_bytes(fsdp)
+    want = {"u8": 0, "u16": 0}
+    for p in fsdp.units:
+        gemms, lookups = reads(style, p)
+        layers = int(np.prod(p.unit.stack[: p.unit.level]))
+        if p.kind == "mxfp8":
+            want["u8"] += layers * 2 * 2 * gemms  # codes + scales, forward + backward
+        else:
+            want["u16"] += layers * (2 * gemms + lookups)
+    got = {d: sum(c.count for c in gathers if c.dtypes == (d,)) for d in want}
+    assert got == want
+
+
+@pytest.mark.parametrize("style", LOOPS)
+def test_loop_remat_gathers_again_in_the_backward(style, compiled):
+    """A Python loop under nnx.remat: each unit's forward gather runs again in the backward for
+    the recomputation (none merged with the forward's by XLA), but for the block's last
+    projection, whose output nothing in the block's backward needs."""
+    fsdp, _, plain = compiled(style, 4)
+    _, _, remat = compiled(style, 4, True)
+    count = lambda text: sum(c.count for c in hlo.collectives(text) if c.op == "all-gather" and c.dtypes == ("u8",))
+    per_layer = sum(1 for p in fsdp.mxfp8_units if p.path[1] == 0)
+    assert count(plain) == 4 * 4 * per_layer
+    assert count(remat) == 4 * (4 * per_layer + 2 * (per_layer - 1))
+
+
+# ------------------------------------------------------------------------------------------------
+# Gradients against the unsharded model
+
+
+def exact_values(model, seed=0):
+    """``model`` with every parameter a signed power of two 2^-6..1 times its scale (exact in
+    MXFP8 whatever the block scale, and in bf16); scales as the model's initialisers have them."""
+    rng = np.random.default_rng(seed)
+    for _, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
+        value = np.asarray(var.get_value())
+        scale = np.abs(value).max() if value.size and np.abs(value).max() > 0 else 1.0
+        scale = 2.0 ** np.round(np.log2(scale))
+        powers = 2.0 ** rng.integers(-6, 1, value.shape)
+        var.set_value(jnp.asarray(np.where(rng.random(value.shape) < 0.5, -1, 1) * powers * scale, jnp.float32))
+    return model
+
+
+def column_errors(got, ref, floor=1e-30):
+    """max |got - ref| per column of the last axis, in units of that column's max |ref| (or of
+    ``floor`` when larger: a gradient that is zero up to rounding, like an attention key bias's,
+    is compared with the model's gradients, not with its own noise)."""
+    got, ref = np.asarray(got).reshape(-1, np.shape(got)[-1]), np.asarray(ref).reshape(-1, np.shape(ref)[-1])
+    return np.abs(got - ref).max(0) / np.maximum(np.abs(ref).max(0), floor)
+
+
+@functools.cache
+def unsharded_step(graphdef):
+    """The unsharded model's jitted loss and gradients (one compile per model structure)."""
+
+    @jax.jit
+    def loss_and_grads(params, rest, batch):
+        return jax.value_and_grad(lambda p: ms.loss_fn(nnx.merge(graphdef, p, rest, copy=True), batch))(params)
+
+    return loss_and_grads
+
+
+def per_device_reference(model, batch, rest_of=lambda i: None):
+    """The data-parallel step computed by the unsharded model on one device: each device's slice
+    of the batch on its own (an MoE routes within its slice, as each device does; ``rest_of(i)``:
+    the RNG streams device ``i`` draws from), then the mean over devices in float64. Returns
+    (loss, gradients by parameter name, the devices' parts ``[device, ...]``)."""
+    graphdef, params, model_rest = nnx.split(model, nnx.Param, ...)
+    loss_and_grads = unsharded_step(graphdef)
+    x, y = batch
+    per = len(x) // DEVICES
+    losses, parts = [], []
+    for i in range(DEVICES):
+        rest = rest_of(i)
+        slice_ = (x[i * per : (i + 1) * per], y[i * per : (i + 1) * per])
+        loss, grads = loss_and_grads(params, model_rest if rest is None else rest, slice_)
+        losses.append(float(loss))
+        parts.append({"/".join(map(str, k)): np.asarray(v) for k, v in nnx.to_flat_state(grads)})
+    terms = {k: np.stack([g[k] for g in parts]).astype(np.float64) / DEVICES for k in parts[0]}
+    return np.mean(losses), {k: t.sum(0) for k, t in terms.items()}, terms
+
+
+def fsdp_loss_and_grads(fsdp, state, batch):
+    loss, grads = fsdp.loss_and_grads(ms.loss_fn)(state, batch)
+    return float(loss), {p.name: np.asarray(fsdp.to_logical(p, grads[p.name])) for p in fsdp.trained}
+
+
+def assert_grads_close(got, want, terms, label):
+    """FSDP's gradients against the per-device reference: within the bound of summing the
+    devices' parts in another order (``summation.order_bound``), plus 1e-5 of the gradient's
+    scale (each column's largest; a vector's largest) for the same within a device, whose GEMMs
+    and reductions sum in an order of XLA's choosing. A gradient that is zero up to rounding
+    (an attention key bias: softmax ignores it) has the scale of 1% of the model's largest."""
+    assert got.keys() == want.keys()
+    floor = 1e-2 * max(np.abs(w).max() for w in want.values())
+    for k in want:
+        g, w = np.asarray(got[k], np.float64), want[k]
+        scale = np.abs(w).max() if w.ndim < 2 else np.abs(w).reshape(-1, w.shape[-1]).max(0)  # [last]
+        allowed = order_bound(terms[k]) + 1e-5 * np.maximum(scale, floor)
+        assert (np.abs(g - w) <= allowed).all(), (label, k, float(np.abs(g - w).max()), float(allowed.max()))
+
+
+@pytest.mark.parametrize("style", [s for s in STYLES if s != "dropout"])
+def test_gradients_match_the_unsharded_model(style, mesh):
+    cfg = ms.StyleConfig(depth=2)
+    model = exact_values(ms.build(style, cfg))
+    batch = ms.make_batch(cfg, DEVICES * TOKENS // SEQ, SEQ, seed=1)
+    fsdp = FSDP(model, mesh, loss_fn=ms.loss_fn, example_batch=batch)
+    assert fsdp.mxfp8_units
+    loss, got = fsdp_loss_and_grads(fsdp, fsdp.init(model, optax.sgd(0.1)), batch)
+    ref_loss, want, terms = per_device_reference(model, batch)
+    np.testing.assert_allclose(loss, ref_loss, rtol=1e-6)
+    assert_grads_close(got, want, terms, style)
+
+
+def test_dropout_draws_each_devices_own_masks_and_advances_its_streams(mesh):
+    """Each device draws from the model's streams folded with its index: the gradient is the
+    mean over devices of the unsharded model's on that device's examples with those streams;
+    a step advances the streams' counts as the unsharded model does."""
+    cfg = ms.StyleConfig(depth=2, dropout=0.3)
+    model = exact_values(ms.build("dropout", cfg))
+    x, y = ms.make_batch(cfg, DEVICES * TOKENS // SEQ, SEQ, seed=1)
+    fsdp = FSDP(model, mesh, loss_fn=ms.loss_fn, example_batch=(x, y))
+    state = fsdp.init(model, optax.sgd(0.1))
+    assert state.rest and any(jax.dtypes.issubdtype(r.dtype, jax.dtypes.prng_key) for r in state.rest)
+    loss, got = fsdp_loss_and_grads(fsdp, state, (x, y))
+    _, _, rest = nnx.split(model, nnx.Param, ...)
+    is_key = lambda r: jax.dtypes.issubdtype(r.dtype, jax.dtypes.prng_key)
+    folded = lambda i: jax.tree.map(lambda r: jax.random.fold_in(r, i) if is_key(r) else r, rest)
+    ref_loss, want, terms = per_device_reference(model, (x, y), folded)
+    np.testing.assert_allclose(loss, ref_loss, rtol=1e-6)
+    assert_grads_close(got, want, terms, "dropout")
+    # unfolded, every device would draw the same masks: another gradient, far outside the bound
+    _, same_masks, _ = per_device_reference(model, (x, y))
+    assert max(np.abs(got[k] - same_masks[k]).max() / np.abs(same_masks[k]).max() for k in got) > 1e-2
+    # a step advances the streams' counts; the keys stay
+    step = fsdp.train_step(ms.loss_fn, optax.sgd(0.1))
+    new, _ = step(state, (x, y))
+    counts = lambda s: [int(r) for r in s.rest if not jax.dtypes.issubdtype(r.dtype, jax.dtypes.prng_key)]
+    model_after = nnx.clone(model)
+    ms.loss_fn(model_after, (x[:1], y[:1]))  # the unsharded model's own call advances them once
+    _, _, rest_after = nnx.split(model_after, nnx.Param, ...)
+    assert counts(new) == [int(r) for r in jax.tree.leaves(rest_after) if r.dtype == jnp.uint32]
+    assert counts(new) != [int(r) for r in jax.tree.leaves(rest) if r.dtype == jnp.uint32]
+
+
+@pytest.mark.parametrize("style", STYLES)
+def test_bf16_first_loss_and_gradients_match_the_unsharded_model_with_bf16_weights(style, mesh):
+    """``precision="bf16"``: every unit reads its master rounded to bf16 (round to nearest even),
+    so the step is the unsharded model with those weights rounded, up to summation order."""
+    cfg = ms.StyleConfig(depth=2, dropout=0.0)
+    model = ms.build(style, cfg, seed=3)
+    batch = ms.make_batch(cfg, DEVICES * TOKENS // SEQ, SEQ, seed=2)
+    fsdp = FSDP(model, mesh, precision="bf16", loss_fn=ms.loss_fn, example_batch=batch)
+    assert not fsdp.mxfp8_units and fsdp.units
+    loss, got = fsdp_loss_and_grads(fsdp, fsdp.init(model, optax.sgd(0.1)), batch)
+    rounded = nnx.clone(model)
+    units = {p.name for p in fsdp.units}
+    for path, var in nnx.to_flat_state(nnx.state(rounded, nnx.Param)):
+        if "/".join(map(str, path)) in units:
+            value = np.asarray(var.get_value(), np.float32)
+            var.set_value(jnp.asarray(value.astype(ml_dtypes.bfloat16).astype(np.float32)))
+    ref_loss, want, terms = per_device_reference(rounded, batch)
+    np.testing.assert_allclose(loss, ref_loss, rtol=1e-6)
+    assert_grads_close(got, want, terms, style)
+    _, unrounded, _ = per_device_reference(model, batch)
+    assert max(column_errors(unrounded[k], want[k]).max() for k in units) > 1e-3  # the rounding shows
