@@ -72,6 +72,7 @@ def save(fsdp: FSDP, state: TrainState, directory, *, async_save: bool, overwrit
         "precision": fsdp.precision,
         "scale_rule": fsdp.scale_rule,
         "precisions": {p.name: p.kind for p in fsdp.trained},
+        "key_impls": {n: str(jax.random.key_impl(r)) for n, r in zip(fsdp.rest_names, state.rest) if _is_key(r)},
         "step": int(np.asarray(state.step.addressable_data(0))),
     }
     return checkpoint.save_logical(directory, tensors, metadata, async_save=async_save, overwrite=overwrite)
@@ -108,10 +109,10 @@ def restore(fsdp: FSDP, directory, abstract: TrainState) -> tuple:
         sharding = rep if owner is None else fsdp.logical_sharding(owner)
         targets[name] = jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
     values = checkpoint.restore_logical(directory, targets)
-    ordered = [values[n] for n in stored_names]
+    impls = meta.get("key_impls", {})  # RNG keys are stored as their data, with the impl named
     ordered = [
-        jax.random.wrap_key_data(v, impl=jax.random.key_impl(a)) if _is_key(a) else v
-        for v, a in zip(ordered, leaves(abstract))
+        jax.random.wrap_key_data(values[n], impl=impls[n.removeprefix("rest/")]) if _is_key(a) else values[n]
+        for n, a in zip(stored_names, leaves(abstract))
     ]
     physical = _from_logical(fsdp, ordered, owners)
     treedef = jax.tree.structure(leaves(abstract, tree=True))
