@@ -227,6 +227,65 @@ MUTANTS = (
         ),
         ("tests/test_flax.py::test_sharded_gradients_match_single_device_reference",),
     ),
+    Mutant(
+        "fsdp-transposed-gemm-rowwise",
+        "a GEMM contracting a unit's N axes (a tied weight's W.T) reads the rowwise planes forward",
+        (("_src/fsdp_unit.py", "rowwise = op.transposed == backward", "rowwise = not backward"),),
+        ("tests/test_fsdp_units.py::test_tied_weight_reads_the_planes_of_each_contraction",),
+    ),
+    Mutant(
+        "fsdp-lookup-columnwise",
+        "an MXFP8 table is looked up in its columnwise values (blocks along the vocabulary)",
+        (
+            (
+                "_src/fsdp_unit.py",
+                "local = after(_local(op, master, planes, backward=False), others[0] if others else None)",
+                "local = after(_local(op, master, planes, backward=True), others[0] if others else None)",
+            ),
+            (
+                "_src/fsdp_unit.py",
+                "return op.bind(op.value(gathered(op.geometry, local, columnwise=False)), others)",
+                "return op.bind(op.value(gathered(op.geometry, local, columnwise=True)), others)",
+            ),
+        ),
+        ("tests/test_fsdp_units.py::test_an_mxfp8_table_is_looked_up_in_its_rowwise_values",),
+    ),
+    Mutant(
+        "fsdp-devices-share-dropout-masks",
+        "every device folds its RNG streams with index 0: the same dropout masks on every device",
+        (
+            (
+                "_src/flax_fsdp.py",
+                "index = spmd.shard_position(self.mesh, self.mesh.axis_names)",
+                "index = 0 * spmd.shard_position(self.mesh, self.mesh.axis_names)",
+            ),
+        ),
+        ("tests/test_fsdp_models.py::test_dropout_draws_each_devices_own_masks_and_advances_its_streams",),
+    ),
+    Mutant(
+        "fsdp-remat-recompute-unordered",
+        "a rematerialised region's recompute does not wait for the cotangent (XLA:CPU merges it away)",
+        (
+            (
+                "_src/fsdp_eval.py",
+                "moved = after([a for a, ok in zip(args, numeric) if ok], token)",
+                "moved = after([a for a, ok in zip(args, numeric) if ok], None)",
+            ),
+        ),
+        ("tests/test_fsdp_models.py::test_loop_remat_gathers_again_in_the_backward",),
+    ),
+    Mutant(
+        "fsdp-plain-gather-interleaved",
+        "a plain parameter's gathered slices are put back device-minor (interleaved) instead of in order",
+        (
+            (
+                "_src/fsdp_eval.py",
+                "out[id(x)] = jnp.moveaxis(piece, 0, x.shard_axis).reshape(shape).astype(x.dtype)",
+                "out[id(x)] = jnp.moveaxis(piece, 0, -1).reshape(shape).astype(x.dtype)",
+            ),
+        ),
+        ("tests/test_flax.py::test_sharded_gradients_match_single_device_reference",),
+    ),
 )
 
 

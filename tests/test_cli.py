@@ -47,7 +47,7 @@ def test_demo_end_to_end(tmp_path):
         timeout=600,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "bits per gathered weight" in proc.stdout and "8.25" in proc.stdout and "16.00" in proc.stdout
+    assert "as MXFP8 planes (8.25 bits)" in proc.stdout and "as bf16 (16 bits)" in proc.stdout
     report = json.loads(out.read_text())
     assert (report["model"], report["devices"], report["platform"], report["steps"], report["hidden"]) == (
         "transformer",
@@ -73,9 +73,19 @@ def test_demo_end_to_end(tmp_path):
 
 
 def test_demo_mlp_in_process():
+    """The MLP (64 -> 32, two 32x32 blocks, a 32 -> 10 head) on 2 devices: its bytes gathered per
+    step, by element type. MXFP8 units store whole 32-row blocks per device (32 rows -> 64), bf16
+    units rows padded to the device count; the first layer's dgrad is never gathered (its input
+    is the data); the 10-class head is a bf16 unit in both runs."""
     report = demo.run(steps=2, devices=2, hidden=32, seed=1, show_progress=False, model="mlp")
     assert report["model"] == "mlp" and len(report["runs"]["mxfp8"]["losses"]) == 2
-    assert report["weight_gather_ratio"] == (1 + 1 / 32) / 2
+    m, b = report["runs"]["mxfp8"], report["runs"]["bf16"]
+    codes_and_scales = 1 + 1 / 32
+    assert m["mxfp8_gather_bytes"] == codes_and_scales * (64 * 64 + 2 * 2 * 64 * 32)
+    assert m["bf16_gather_bytes"] == 2 * 2 * 10 * 32  # the head, forward and backward
+    assert b["mxfp8_gather_bytes"] == 0 and b["bf16_gather_bytes"] == 2 * (32 * 64 + 2 * 2 * 32 * 32 + 2 * 10 * 32)
+    assert (m["mxfp8_units"], m["bf16_units"], b["mxfp8_units"], b["bf16_units"]) == (3, 1, 0, 4)
+    assert report["weight_gather_ratio"] == m["weight_all_gather_bytes"] / b["weight_all_gather_bytes"]
 
 
 def test_version_is_written_once():
@@ -250,7 +260,7 @@ def test_hlo_loops_count_their_collectives_per_iteration():
 def test_fsdp_benchmark_measures_every_variant(capsys):
     from mxfp8_jax.bench import fsdp as bench
 
-    payload = bench.run(depths=(2,), width=64, devices=8, timed=False, progress=False)
+    payload = bench.run(depths=(2,), width=256, devices=8, timed=False, progress=False)
     got = {r["variant"]: r for r in payload["results"]}
     assert set(got) == set(bench.VARIANTS)
     assert got["mxfp8"]["all_gather_types"] == ["u8"] and got["bf16"]["all_gather_types"] == ["u16"]

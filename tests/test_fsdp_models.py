@@ -33,8 +33,9 @@ from mxfp8_jax.flax import FSDP
 
 from summation import order_bound
 
-STYLES = ms.STYLES
-LOOPS = ("gemma", "einsum", "dropout")  # blocks in an nnx.List, run by a Python loop
+# one xdist group per style: its tests share the compiled steps cached on one worker
+STYLES = [pytest.param(s, marks=pytest.mark.xdist_group(f"style-{s}"), id=s) for s in ms.STYLES]
+LOOPS = [p for p in STYLES if p.values[0] in ("gemma", "einsum", "dropout")]  # an nnx.List run by a Python loop
 TOKENS = 16  # per device: activations small beside a layer
 SEQ, DEVICES = 16, 8
 SDS = jax.ShapeDtypeStruct
@@ -97,6 +98,7 @@ def test_units_hold_the_parameter_bytes(style, compiled):
             assert p.unit.in_features % 32 or p.unit.out_features % 32, p.name
 
 
+@pytest.mark.xdist_group("style-gemma")
 def test_the_plan_reads_as_a_table(compiled):
     fsdp, _, _ = compiled("gemma", 4)
     text = str(fsdp)
@@ -114,6 +116,7 @@ def test_the_plan_reads_as_a_table(compiled):
     assert "units hold 99." in text and "gathered per step" in lines[-1]
 
 
+@pytest.mark.xdist_group("style-mha")
 def test_stacked_plain_parameters_split_within_a_layer(compiled):
     """A scanned stack's norm scale [L, D] is split along D, not L: one layer's slice is spread
     over the devices and gathered inside the loop."""
@@ -270,7 +273,7 @@ def assert_grads_close(got, want, terms, label):
         assert (np.abs(g - w) <= allowed).all(), (label, k, float(np.abs(g - w).max()), float(allowed.max()))
 
 
-@pytest.mark.parametrize("style", [s for s in STYLES if s != "dropout"])
+@pytest.mark.parametrize("style", [p for p in STYLES if p.values[0] != "dropout"])
 def test_gradients_match_the_unsharded_model(style, mesh):
     cfg = ms.StyleConfig(depth=2)
     model = exact_values(ms.build(style, cfg))
@@ -283,6 +286,7 @@ def test_gradients_match_the_unsharded_model(style, mesh):
     assert_grads_close(got, want, terms, style)
 
 
+@pytest.mark.xdist_group("style-dropout")
 def test_dropout_draws_each_devices_own_masks_and_advances_its_streams(mesh):
     """Each device draws from the model's streams folded with its index: the gradient is the
     mean over devices of the unsharded model's on that device's examples with those streams;

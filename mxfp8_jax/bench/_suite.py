@@ -249,7 +249,7 @@ def _fsdp_points(quick: bool):
     # Full: step times up to depth 16; depth 64 compiled only (memory and bytes gathered), since
     # its unsharded variant alone would hold several GiB of simulated devices on a small host.
     plan = [(2, True)] if quick else [(4, True), (16, True), (64, False)]
-    width, iters = (64, 1) if quick else (1024, 3)
+    width, iters = (256, 1) if quick else (1024, 3)  # 256 rows: whole 32-row blocks on 8 devices
     n = _mesh_size()
     points = []
     for depth, timed in plan:

@@ -1,18 +1,23 @@
 """FSDP at depth: per-device memory, bytes all-gathered and step time against the alternatives.
 
-    python -m mxfp8_jax.bench.fsdp [--depths 4,8,16,32,64] [--width 1024] [--devices 8]
-                                   [--iters 3] [--no-time] [--json out.json]
+    python -m mxfp8_jax.bench.fsdp [--model stack] [--depths 4,8,16,32,64] [--width 1024]
+                                   [--devices 8] [--tokens 16] [--iters 3] [--no-time] [--json out.json]
 
-The model is a stack of ``depth`` residual blocks ``x + tanh(nnx.Linear(width, width)(x))``
+``--model stack`` (default): ``depth`` residual blocks ``x + tanh(nnx.Linear(width, width)(x))``
 (bf16 compute, fp32 parameters, no bias), created with ``nnx.vmap`` and run with ``nnx.scan``,
-trained with ``optax.adam`` on 8 rows per device. In one run, for every depth:
+8 rows per device. ``--model`` one of the Flax model styles of ``mxfp8_jax._src.model_styles``
+(``mha``, ``gemma``, ``maxtext``, ``einsum``, ``moe``, ``dropout``: decoder LMs written the ways
+public Flax NNX code writes them; ``--width`` their model width, default 256) with ``--tokens``
+tokens per device (sequences of 16). Trained with ``optax.adam``. In one run, for every depth:
 
-- ``mxfp8``: ``mxfp8_jax.flax.FSDP``: per-layer 8-bit gathers of rowwise (forward) and
-  columnwise (dgrad) planes inside the scan, one reduce-scatter per layer;
+- ``mxfp8``: ``mxfp8_jax.flax.FSDP`` with the loss traced on the batch (units by operation):
+  per-unit 8-bit gathers of rowwise (forward) and columnwise (dgrad) planes when each layer
+  runs, one reduce-scatter per unit; embeddings and heads as bf16 units;
 - ``bf16``: the same FSDP with ``precision="bf16"`` (16-bit gathers, same structure);
 - ``gspmd``: what a JAX user writes instead (as MaxText does): the same nnx model under
   ``jax.jit`` with parameters and optimizer state sharded by ``NamedSharding`` over the FSDP
-  axis (the kernels' input dimension), XLA inserting the gathers;
+  axis (each weight's largest axis the devices divide, after a stack axis), XLA inserting the
+  gathers;
 - ``dp``: unsharded data parallelism: parameters and optimizer state replicated, gradients
   all-reduced.
 
@@ -31,6 +36,7 @@ import argparse
 import time
 
 VARIANTS = ("mxfp8", "bf16", "gspmd", "dp")
+SEQ = 16  # tokens per sequence of the style models
 
 
 def _model(width: int, depth: int):
@@ -78,14 +84,48 @@ def loss_fn(model, batch):
     return jnp.mean((model(x).astype(jnp.float32) - y) ** 2)
 
 
+def models() -> tuple[str, ...]:
+    from mxfp8_jax._src import model_styles
+
+    return ("stack", *model_styles.STYLES)
+
+
+def workload(name: str, width: int, depth: int, devices: int, tokens: int, abstract: bool):
+    """``(model, loss_fn, batch)`` of ``--model name``: arrays, or shapes when ``abstract``."""
+    import jax
+    import numpy as np
+
+    rng = np.random.default_rng(1)
+    if name == "stack":
+        rows = 8 * devices
+        model = build_model(width, depth, abstract=abstract)
+        shapes = [((rows, width), np.float32)] * 2
+        make = lambda shape, dtype: rng.standard_normal(shape, np.float32)
+        fn = loss_fn
+    else:
+        from mxfp8_jax._src import model_styles as ms
+
+        if width % 64:
+            raise SystemExit(f"--width {width} must be a multiple of 64 for --model {name} (heads of 64)")
+        cfg = ms.StyleConfig(width=width, heads=width // 64, head_dim=64, mlp=2 * width, depth=depth)
+        model = ms.abstract(name, cfg) if abstract else ms.build(name, cfg)
+        seqs = max(1, tokens * devices // SEQ)
+        shapes = [((seqs, SEQ), np.int32)] * 2
+        make = lambda shape, dtype: rng.integers(0, cfg.vocab, shape).astype(np.int32)
+        fn = ms.loss_fn
+    if abstract:
+        return model, fn, tuple(jax.ShapeDtypeStruct(s, d) for s, d in shapes)
+    return model, fn, tuple(make(s, d) for s, d in shapes)
+
+
 # ------------------------------------------------------------------------------------------------
 # The variants: each returns (compiled step, state, batch) or, with abstract=True, compiled only
 
 
-def _fsdp(model, mesh, precision, tx, batch, abstract):
+def _fsdp(model, loss_fn, mesh, precision, tx, batch, abstract):
     from mxfp8_jax.flax import FSDP
 
-    fsdp = FSDP(model, mesh, precision=precision)
+    fsdp = FSDP(model, mesh, precision=precision, loss_fn=loss_fn, example_batch=batch)
     state = fsdp.abstract_state(tx) if abstract else fsdp.init(model, tx)
     compiled = fsdp.lower_train_step(loss_fn, tx, state, batch).compile()
     run = None
@@ -100,80 +140,92 @@ def _fsdp(model, mesh, precision, tx, batch, abstract):
     return compiled, run
 
 
-def _jit(model, mesh, sharded: bool, tx, batch, abstract):
-    """A plain jitted nnx train step; parameters (and moments) sharded over the mesh or replicated."""
+def _jit(model, loss_fn, mesh, sharded: bool, tx, batch, abstract):
+    """A plain jitted nnx train step; parameters (and moments) sharded over the mesh or replicated.
+    The model's other state (RNG streams) is replicated and carried from step to step."""
     import jax
     import optax
     from flax import nnx
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
-    graphdef, params = nnx.split(model, nnx.Param)
-    axis = mesh.axis_names[0]
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    axis, n = mesh.axis_names[0], mesh.size
 
     def spec(a):
-        if sharded and len(a.shape) >= 2:  # kernels [depth, in, out]: shard `in`, as MaxText's fsdp axis
-            return NamedSharding(mesh, P(*(None,) * (len(a.shape) - 2), axis, None))
+        """The largest axis the devices divide, after a leading stack axis (MaxText shards a
+        kernel's embedding axis over fsdp); vectors replicated."""
+        shape = tuple(a.shape)
+        if sharded and len(shape) >= 2:
+            first = 1 if len(shape) >= 3 else 0
+            axes = [i for i in range(first, len(shape)) if shape[i] % n == 0]
+            if axes:
+                i = max(axes, key=lambda i: shape[i])
+                return NamedSharding(mesh, P(*(None,) * i, axis))
         return NamedSharding(mesh, P())
 
     param_shardings = jax.tree.map(spec, params)
+    rest_shardings = jax.tree.map(lambda _: NamedSharding(mesh, P()), rest)
     opt_shapes = jax.eval_shape(tx.init, params)
     by_shape = {tuple(a.shape): spec(a) for a in jax.tree.leaves(params)}
     opt_shardings = jax.tree.map(lambda a: by_shape.get(tuple(a.shape), NamedSharding(mesh, P())), opt_shapes)
     batch_sharding = NamedSharding(mesh, P(axis))
 
-    def step(params, opt_state, batch):
-        loss, grads = jax.value_and_grad(lambda p: loss_fn(nnx.merge(graphdef, p), batch))(params)
+    def step(params, rest, opt_state, batch):
+        def loss(p):
+            m = nnx.merge(graphdef, p, rest, copy=True)
+            return loss_fn(m, batch), nnx.state(m, nnx.Not(nnx.Param))
+
+        (loss, rest), grads = jax.value_and_grad(loss, has_aux=True)(params)
         updates, opt_state = tx.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, loss
+        return optax.apply_updates(params, updates), rest, opt_state, loss
 
     jitted = jax.jit(
         step,
-        in_shardings=(param_shardings, opt_shardings, batch_sharding),
-        out_shardings=(param_shardings, opt_shardings, NamedSharding(mesh, P())),
-        donate_argnums=(0, 1),
+        in_shardings=(param_shardings, rest_shardings, opt_shardings, batch_sharding),
+        out_shardings=(param_shardings, rest_shardings, opt_shardings, NamedSharding(mesh, P())),
+        donate_argnums=(0, 1, 2),
     )
     sds = lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s)
     if abstract:
         args = (
             jax.tree.map(sds, params, param_shardings),
+            jax.tree.map(sds, rest, rest_shardings),
             jax.tree.map(sds, opt_shapes, opt_shardings),
             jax.tree.map(lambda a: sds(a, batch_sharding), batch),
         )
         return jitted.lower(*args).compile(), None
     params = jax.device_put(params, param_shardings)
+    rest = jax.device_put(rest, rest_shardings)
     opt_state = jax.jit(tx.init, out_shardings=opt_shardings)(params)
     placed = jax.device_put(batch, batch_sharding)
-    compiled = jitted.lower(params, opt_state, placed).compile()
-    box = [params, opt_state]
+    compiled = jitted.lower(params, rest, opt_state, placed).compile()
+    box = [params, rest, opt_state]
 
     def run():
-        box[0], box[1], loss = compiled(box[0], box[1], placed)
+        box[0], box[1], box[2], loss = compiled(*box, placed)
         return loss
 
     return compiled, run
 
 
-def measure(variant: str, width: int, depth: int, mesh, *, iters: int, timed: bool) -> dict:
+def measure(
+    variant: str, width: int, depth: int, mesh, *, iters: int, timed: bool, model: str = "stack", tokens: int = 16
+) -> dict:
     import jax
     import numpy as np
     import optax
+    from flax import nnx
 
     from mxfp8_jax._src import hlo
 
     tx = optax.adam(1e-4)
-    rows = 8 * mesh.size
-    rng = np.random.default_rng(1)
-    if timed:
-        batch = (rng.standard_normal((rows, width), np.float32), rng.standard_normal((rows, width), np.float32))
-    else:
-        batch = tuple(jax.ShapeDtypeStruct((rows, width), np.float32) for _ in range(2))
-    model = build_model(width, depth, abstract=not timed)
+    module, fn, batch = workload(model, width, depth, mesh.size, tokens, abstract=not timed)
     t0 = time.perf_counter()
     if variant in ("mxfp8", "bf16"):
-        compiled, run = _fsdp(model, mesh, variant, tx, batch, abstract=not timed)
+        compiled, run = _fsdp(module, fn, mesh, variant, tx, batch, abstract=not timed)
     else:
-        compiled, run = _jit(model, mesh, variant == "gspmd", tx, batch, abstract=not timed)
+        compiled, run = _jit(module, fn, mesh, variant == "gspmd", tx, batch, abstract=not timed)
     compile_s = time.perf_counter() - t0
     mem = compiled.memory_analysis()
     found = hlo.collectives(compiled.as_text())
@@ -190,9 +242,11 @@ def measure(variant: str, width: int, depth: int, mesh, *, iters: int, timed: bo
             jax.block_until_ready(run())
             times.append(time.perf_counter() - t)
         step_s = float(np.median(times))
-    model_bytes = depth * width * width * 4
+    params = jax.tree.leaves(nnx.state(module, nnx.Param))
+    model_bytes = sum(int(np.prod(np.shape(p))) * 4 for p in params)
     return {
         "variant": variant,
+        "model": model,
         "depth": depth,
         "width": width,
         "devices": mesh.size,
@@ -213,13 +267,15 @@ def measure(variant: str, width: int, depth: int, mesh, *, iters: int, timed: bo
 
 def run(
     depths=(4, 8, 16, 32, 64),
-    width: int = 1024,
+    width: int | None = None,
     devices: int = 8,
     iters: int = 3,
     timed: bool = True,
     variants=VARIANTS,
     json_path: str | None = None,
     progress: bool = True,
+    model: str = "stack",
+    tokens: int = 16,
 ) -> dict:
     import jax
     import numpy as np
@@ -234,6 +290,9 @@ def run(
     devs = jax.devices()
     if len(devs) < devices:
         raise SystemExit(f"--devices {devices}: only {len(devs)} {platform} devices are visible")
+    if model not in models():
+        raise SystemExit(f"--model {model!r} must be one of {models()}")
+    width = width or (1024 if model == "stack" else 256)
     if width % 32:
         raise SystemExit(f"--width {width} must be a multiple of 32")
     mesh = Mesh(np.array(devs[:devices]), ("fsdp",))
@@ -250,7 +309,7 @@ def run(
         for v, d in cases:
             if bar is not None:
                 bar.update(task, description=f"{v} depth {d}")
-            results.append(measure(v, width, d, mesh, iters=iters, timed=timed))
+            results.append(measure(v, width, d, mesh, iters=iters, timed=timed, model=model, tokens=tokens))
             if bar is not None:
                 bar.advance(task)
     finally:
@@ -279,9 +338,13 @@ def run(
     from rich.console import Console
 
     console = Console(width=max(150, Console().width))
+    what = (
+        f"{width}x{width} layers, 8 rows/device"
+        if model == "stack"
+        else f"--model {model} (width {width}), {tokens} tokens/device"
+    )
     print_table(
-        f"FSDP step vs depth: {width}x{width} layers, {devices} {platform} devices, 8 rows/device, adam "
-        f"(per device; MiB)",
+        f"FSDP step vs depth: {what}, {devices} {platform} devices, adam (per device; MiB)",
         [
             "variant",
             "depth",
@@ -330,7 +393,9 @@ def main(argv=None) -> int:
         prog="python -m mxfp8_jax.bench.fsdp", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     p.add_argument("--depths", default="4,8,16,32,64", help="comma-separated depths (default 4,8,16,32,64)")
-    p.add_argument("--width", type=int, default=1024, help="layer width, a multiple of 32 (default 1024)")
+    p.add_argument("--model", default="stack", help="stack (default) or a model style: " + ", ".join(models()[1:]))
+    p.add_argument("--width", type=int, default=None, help="model width (default 1024 for stack, 256 for the styles)")
+    p.add_argument("--tokens", type=int, default=16, help="tokens per device for the model styles (default 16)")
     p.add_argument("--devices", type=int, default=8, help="devices in the FSDP mesh (default 8)")
     p.add_argument("--iters", type=int, default=3, help="timed steps per case (default 3)")
     p.add_argument("--no-time", action="store_true", help="compile only: memory and communication, no steps")
@@ -357,7 +422,19 @@ def main(argv=None) -> int:
         p.error(f"--variants: {bad or args.variants!r} not in {VARIANTS}")
     if any(d < 1 for d in depths) or args.iters < 1:
         p.error("--depths and --iters must be positive")
-    run(depths, args.width, args.devices, args.iters, not args.no_time, variants, args.json)
+    if args.model not in models():
+        p.error(f"--model={args.model!r} must be one of {models()}")
+    run(
+        depths,
+        args.width,
+        args.devices,
+        args.iters,
+        not args.no_time,
+        variants,
+        args.json,
+        model=args.model,
+        tokens=args.tokens,
+    )
     return 0
 
 
