@@ -68,6 +68,30 @@ class StyleConfig:
             raise ValueError(f"StyleConfig.remat must be a bool, got {self.remat!r}")
 
 
+def _stacked(block: type, cfg: StyleConfig, rngs: nnx.Rngs) -> nnx.Module:
+    """``cfg.depth`` blocks created at once, stacked (``nnx.split_rngs`` + ``nnx.vmap``): one
+    module whose parameters carry a leading layer axis."""
+
+    @nnx.split_rngs(splits=cfg.depth)
+    @nnx.vmap(in_axes=(0,), out_axes=0)
+    def create(rngs: nnx.Rngs):
+        return block(cfg, rngs=rngs)
+
+    return create(rngs)
+
+
+def _scanned(blocks: nnx.Module, x, remat: bool, *args):
+    """``x`` through the stacked ``blocks`` one layer per ``nnx.scan`` iteration (each under
+    ``nnx.remat`` when ``remat``); ``args`` are passed to every block unchanged."""
+
+    def step(x, block):
+        return block(x, *args)
+
+    if remat:
+        step = nnx.remat(step)
+    return nnx.scan(step, in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)(x, blocks)
+
+
 def _call(layer, *args):
     """``layer(*args)``: what a Python loop over blocks calls (under ``nnx.remat`` when asked)."""
     return layer(*args)
@@ -113,26 +137,13 @@ class MHAModel(nnx.Module):
     def __init__(self, cfg: StyleConfig, *, rngs: nnx.Rngs):
         self.remat = cfg.remat
         self.embed = nnx.Embed(cfg.vocab, cfg.width, rngs=rngs)
-
-        @nnx.split_rngs(splits=cfg.depth)
-        @nnx.vmap(in_axes=(0,), out_axes=0)
-        def create_blocks(rngs: nnx.Rngs):
-            return MHABlock(cfg, rngs=rngs)
-
-        self.blocks = create_blocks(rngs)
+        self.blocks = _stacked(MHABlock, cfg, rngs)
         self.final_norm = nnx.LayerNorm(cfg.width, rngs=rngs)
         self.head = nnx.Linear(cfg.width, cfg.vocab, rngs=rngs)
 
     def __call__(self, tokens):
         x = self.embed(tokens)
-        mask = nnx.make_causal_mask(tokens)
-
-        def step(x, block):
-            return block(x, mask)
-
-        if self.remat:
-            step = nnx.remat(step)
-        x = nnx.scan(step, in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)(x, self.blocks)
+        x = _scanned(self.blocks, x, self.remat, nnx.make_causal_mask(tokens))
         return self.head(self.final_norm(x))
 
 
@@ -303,25 +314,12 @@ class MaxTextModel(nnx.Module):
     def __init__(self, cfg: StyleConfig, *, rngs: nnx.Rngs):
         self.remat = cfg.remat
         self.token_embedder = nnx.Embed(cfg.vocab, cfg.width, rngs=rngs)
-
-        @nnx.split_rngs(splits=cfg.depth)
-        @nnx.vmap(in_axes=(0,), out_axes=0)
-        def create_layers(rngs: nnx.Rngs):
-            return MaxTextBlock(cfg, rngs=rngs)
-
-        self.layers = create_layers(rngs)
+        self.layers = _stacked(MaxTextBlock, cfg, rngs)
         self.decoder_norm = nnx.RMSNorm(cfg.width, rngs=rngs)
         self.logits_dense = DenseGeneral(cfg.width, cfg.vocab, rngs=rngs)
 
     def __call__(self, tokens):
-        x = self.token_embedder(tokens)
-
-        def layer_step(x, layer):
-            return layer(x)
-
-        if self.remat:
-            layer_step = nnx.remat(layer_step)
-        x = nnx.scan(layer_step, in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)(x, self.layers)
+        x = _scanned(self.layers, self.token_embedder(tokens), self.remat)
         return self.logits_dense(self.decoder_norm(x))
 
 
@@ -493,25 +491,12 @@ class MoEModel(nnx.Module):
     def __init__(self, cfg: StyleConfig, *, rngs: nnx.Rngs):
         self.remat = cfg.remat
         self.embed = nnx.Embed(cfg.vocab, cfg.width, rngs=rngs)
-
-        @nnx.split_rngs(splits=cfg.depth)
-        @nnx.vmap(in_axes=(0,), out_axes=0)
-        def create_blocks(rngs: nnx.Rngs):
-            return MoEBlock(cfg, rngs=rngs)
-
-        self.blocks = create_blocks(rngs)
+        self.blocks = _stacked(MoEBlock, cfg, rngs)
         self.norm = nnx.RMSNorm(cfg.width, rngs=rngs)
         self.lm_head = nnx.Linear(cfg.width, cfg.vocab, use_bias=False, rngs=rngs)
 
     def __call__(self, tokens):
-        x = self.embed(tokens)
-
-        def step(x, block):
-            return block(x)
-
-        if self.remat:
-            step = nnx.remat(step)
-        x = nnx.scan(step, in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)(x, self.blocks)
+        x = _scanned(self.blocks, self.embed(tokens), self.remat)
         return self.lm_head(self.norm(x))
 
 
