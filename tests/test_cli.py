@@ -61,15 +61,14 @@ def test_demo_end_to_end(tmp_path):
         assert len(run["losses"]) == 3 and all(math.isfinite(v) for v in run["losses"])
     # Same initial weights and data: the first losses differ only by the weights' precision.
     assert abs(mxfp8["first_loss"] - bf16["first_loss"]) < 0.05 * bf16["first_loss"]
-    # The same gathers in both runs: 8 + 8/32 bits per weight against 16.
-    assert report["weight_gather_ratio"] == (1 + 1 / 32) / 2
-    assert {tuple(o[0] for o in c["outputs"]) for c in mxfp8["collectives"] if c["op"] == "all-gather"} == {
-        ("u8",),
-        ("f32",),
-    }
+    # The projections gather MXFP8 planes, the embedding and head (bf16 units in both runs) 16-bit
+    # words, the norms fp32; the bf16 run gathers no plane
+    gathered = lambda run: {tuple(o[0] for o in c["outputs"]) for c in run["collectives"] if c["op"] == "all-gather"}
+    assert gathered(mxfp8) == {("u8",), ("u16",), ("f32",)} and gathered(bf16) == {("u16",), ("f32",)}
+    assert mxfp8["bf16_gather_bytes"] < bf16["bf16_gather_bytes"] and mxfp8["mxfp8_gather_bytes"] > 0
     # the scanned blocks' collectives run once per layer
     assert {c["per_step"] for c in mxfp8["collectives"]} == {1, 2}
-    assert mxfp8["reduce_scatter_bytes"] == bf16["reduce_scatter_bytes"] > 0
+    assert mxfp8["reduce_scatter_bytes"] > 0 and bf16["reduce_scatter_bytes"] > 0
 
 
 def test_demo_mlp_in_process():
@@ -284,7 +283,7 @@ def test_demo_two_processes(tmp_path):
         timeout=300,
     )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
-    assert "bits per gathered weight" in proc.stdout and "[Gloo]" not in proc.stdout
+    assert "as MXFP8 planes (8.25 bits)" in proc.stdout and "[Gloo]" not in proc.stdout
     report = json.loads(out.read_text())
     assert report["devices"] == 2 and report["model"] == "mlp"
     single = demo.run(steps=2, devices=2, hidden=32, seed=1, show_progress=False, model="mlp")

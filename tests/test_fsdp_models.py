@@ -16,6 +16,7 @@ of two within a factor 2^6 of the others, which MXFP8 represents exactly under a
 and the only differences left are fp32 summation order.
 """
 
+import collections
 import functools
 
 import jax
@@ -165,23 +166,33 @@ def reads(style: str, p) -> tuple[int, int]:
 @pytest.mark.parametrize("style", STYLES)
 def test_step_gathers_units_as_8_bit_planes(style, compiled):
     """Each GEMM gathers its unit once forward and once backward, each lookup once: MXFP8 units
-    as uint8 planes (codes + scales), bf16 units as 16-bit words; fp32 gathers (plain
-    parameters) move at most 5% of the model's fp32 bytes."""
+    as uint8 planes (codes + scales), the forward's rowwise ([N, K/32] scales), the backward's
+    columnwise ([N/32, K] scales); bf16 units as 16-bit words; fp32 gathers (plain parameters)
+    move at most 5% of the model's fp32 bytes."""
     fsdp, _, text = compiled(style, 4)
     gathers = [c for c in hlo.collectives(text) if c.op == "all-gather"]
     assert {c.dtypes for c in gathers} == {("u8",), ("u16",), ("f32",)}
     f32 = sum(c.bytes_per_step for c in gathers if c.dtypes == ("f32",))
     assert f32 <= 0.05 * model_bytes(fsdp)
-    want = {"u8": 0, "u16": 0}
+    want, codes, scales = {"u8": 0, "u16": 0}, set(), collections.Counter()
     for p in fsdp.units:
         gemms, lookups = reads(style, p)
-        layers = int(np.prod(p.unit.stack[: p.unit.level]))
+        g = p.unit
+        layers, batch = int(np.prod(g.stack[: g.level])), g.stack[g.level :]
         if p.kind == "mxfp8":
             want["u8"] += layers * 2 * 2 * gemms  # codes + scales, forward + backward
+            codes.add((*batch, g.out_padded, g.in_features))
+            scales[(*batch, g.out_padded, g.in_features // 32)] += layers * gemms  # forward: rowwise
+            scales[(*batch, g.out_padded // 32, g.in_features)] += layers * gemms  # backward: columnwise
         else:
             want["u16"] += layers * (2 * gemms + lookups)
     got = {d: sum(c.count for c in gathers if c.dtypes == (d,)) for d in want}
     assert got == want
+    got_scales = collections.Counter()
+    for c in gathers:
+        if c.dtypes == ("u8",) and c.outputs[0][1] not in codes:
+            got_scales[c.outputs[0][1]] += c.count
+    assert got_scales == scales
 
 
 @pytest.mark.parametrize("style", LOOPS)

@@ -68,6 +68,7 @@ from mxfp8_jax._src.fsdp_plan import (
     Mesh1D,
     ParamInfo,
     check_rule,
+    check_uses,
     describe,
     plan_from_uses,
     split_axis,
@@ -657,7 +658,7 @@ class FSDP:
         def local(master, planes, frozen, rest, batch):
             avals = [jax.ShapeDtypeStruct(p.step_shape, p.dtype) for p in self.params]
             closed, shapes = jax.make_jaxpr(traceable, return_shape=True)(avals, list(self._rest_avals), batch)
-            self._check_uses(analyse(closed, len(self.params)))
+            check_uses(self.params, analyse(closed, len(self.params)), traced=self.traced)
             out_tree = jax.tree.structure(shapes)
             drawn = list(self._per_device_keys(rest))
             batch_leaves = jax.tree.leaves(batch)
@@ -702,38 +703,6 @@ class FSDP:
                 axes = self._axes if p.shard_axis is not None else None
                 values.append(PlainValue(p.name, master[p.name], p.shard_axis, axes, p.dtype, _layer_of(p.path)))
         return values
-
-    def _check_uses(self, uses) -> None:
-        """The loss reads every unit the way the plan keeps it (else a clear error)."""
-        for j, p in enumerate(self.params):
-            g = p.unit
-            if g is None:
-                continue
-            for u in uses.by_param[j]:
-                problem = None
-                if u.kind == "other":
-                    problem = f"read by {u.what}"
-                elif u.level != g.level:
-                    problem = f"read with {u.level} layer axes sliced off by scans, where the plan has {g.level}" + (
-                        " (a stacked layer called without nnx.scan?)" if u.level < g.level else ""
-                    )
-                elif u.kind == "gemm" and (
-                    u.batch != g.batch_axes
-                    or {frozenset(u.contract), frozenset(u.free)} != {frozenset(g.k_axes), frozenset(g.n_axes)}
-                ):
-                    problem = f"contracted over its axes {u.contract} (batch {u.batch})"
-                if problem is not None:
-                    raise ValueError(
-                        f"{p.name} {list(p.step_shape)}: the FSDP plan keeps it as a {p.kind} unit contracted over "
-                        f"its axes {g.k_axes} (batch {g.batch_axes}, {g.level} layer axes), but this loss has it "
-                        f"{problem}; "
-                        + (
-                            "build FSDP(model, mesh, loss_fn=..., example_batch=...) with this loss so that the plan "
-                            "follows what it does"
-                            if not self.traced
-                            else "the loss given to the step must read parameters as the loss the plan traced"
-                        )
-                    )
 
     def _per_device_keys(self, rest) -> tuple:
         """The model's RNG keys folded with this device's index: each device its own draws."""

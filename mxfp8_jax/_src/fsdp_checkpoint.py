@@ -11,11 +11,12 @@ Stored under these names (``mxfp8_jax._src.checkpoint`` writes them shard by sha
 and the metadata: the global precision, the scale rule and the precision each trained parameter
 was resolved to (``"mxfp8"``, ``"bf16"``, ``"plain"``). Never the mesh, the padding or the
 planes (recomputed on restore), so a checkpoint restores onto any mesh.
+
+The functions take the ``FSDP`` plan (``fsdp``: its parameters, shardings and conversions) and a
+``TrainState`` (``state``); this module imports neither, the plan imports it.
 """
 
 from __future__ import annotations
-
-from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
@@ -25,13 +26,10 @@ from jax.sharding import NamedSharding, PartitionSpec
 from mxfp8_jax._src import checkpoint
 from mxfp8_jax._src.fsdp_plan import ParamInfo
 
-if TYPE_CHECKING:
-    from mxfp8_jax._src.flax_fsdp import FSDP, TrainState
-
 KIND = "mxfp8_jax.flax.FSDP"
 
 
-def names(fsdp: FSDP, opt_state) -> tuple[list[str], list[ParamInfo | None]]:
+def names(fsdp, opt_state) -> tuple[list[str], list[ParamInfo | None]]:
     """The stored name of every leaf of ``leaves(state)`` and, for those kept in a parameter's
     logical shape, that parameter (None: stored as it is)."""
     out: list[str] = []
@@ -54,7 +52,7 @@ def names(fsdp: FSDP, opt_state) -> tuple[list[str], list[ParamInfo | None]]:
     return out, owners
 
 
-def leaves(state: TrainState, tree: bool = False):
+def leaves(state, tree: bool = False):
     """``(master by name, frozen by name, rest, opt_state, step)`` of ``state`` in the order of
     ``names``: its leaves, or the tuple itself."""
     master = {k: state.master[k] for k in sorted(state.master)}
@@ -63,7 +61,7 @@ def leaves(state: TrainState, tree: bool = False):
     return parts if tree else jax.tree.leaves(parts)
 
 
-def save(fsdp: FSDP, state: TrainState, directory, *, async_save: bool, overwrite: bool):
+def save(fsdp, state, directory, *, async_save: bool, overwrite: bool):
     stored_names, owners = names(fsdp, state.opt_state)
     values = _to_logical(fsdp, leaves(state), owners)
     tensors = dict(zip(stored_names, values))
@@ -78,7 +76,7 @@ def save(fsdp: FSDP, state: TrainState, directory, *, async_save: bool, overwrit
     return checkpoint.save_logical(directory, tensors, metadata, async_save=async_save, overwrite=overwrite)
 
 
-def restore(fsdp: FSDP, directory, abstract: TrainState) -> tuple:
+def restore(fsdp, directory, abstract) -> tuple:
     """``(master, frozen, rest, opt_state, step)`` of the checkpoint in ``directory``, placed in
     the shardings of ``abstract`` (``fsdp.abstract_state``); mismatches are named first."""
     info = checkpoint.read_metadata(directory)
@@ -128,7 +126,7 @@ def _precision_error(directory, meta, fsdp, differ) -> ValueError:
     )
 
 
-def _to_logical(fsdp: FSDP, values, owners):
+def _to_logical(fsdp, values, owners):
     """Stored leaves -> logical ones (device to device: slices and transposes); keys as data."""
     rep = NamedSharding(fsdp.mesh, PartitionSpec())
     shardings = [rep if p is None else fsdp.logical_sharding(p) for p in owners]
@@ -142,7 +140,7 @@ def _to_logical(fsdp: FSDP, values, owners):
     return jax.jit(convert, out_shardings=shardings)(values)
 
 
-def _from_logical(fsdp: FSDP, values, owners):
+def _from_logical(fsdp, values, owners):
     """Logical leaves -> stored ones, placed in the plan's shardings."""
     rep = NamedSharding(fsdp.mesh, PartitionSpec())
     shardings = [rep if p is None else fsdp.master_sharding(p) for p in owners]

@@ -281,6 +281,41 @@ def _tp_slice(name, shape, level, batch, n_axes, k_axes, role, axis_name, t) -> 
     return tuple(d // t if a == axis else d for a, d in enumerate(shape))
 
 
+def check_uses(infos, uses: Uses, *, traced: bool) -> None:
+    """The loss a step runs reads every unit of the plan ``infos`` the way the plan keeps it:
+    GEMMs and lookups only, with its layer axes, batch axes and contraction (else a
+    ``ValueError`` naming the parameter and what the loss does with it)."""
+    for j, p in enumerate(infos):
+        g = p.unit
+        if g is None:
+            continue
+        for u in uses.by_param[j]:
+            problem = None
+            if u.kind == "other":
+                problem = f"read by {u.what}"
+            elif u.level != g.level:
+                problem = f"read with {u.level} layer axes sliced off by scans, where the plan has {g.level}" + (
+                    " (a stacked layer called without nnx.scan?)" if u.level < g.level else ""
+                )
+            elif u.kind == "gemm" and (
+                u.batch != g.batch_axes
+                or {frozenset(u.contract), frozenset(u.free)} != {frozenset(g.k_axes), frozenset(g.n_axes)}
+            ):
+                problem = f"contracted over its axes {u.contract} (batch {u.batch})"
+            if problem is None:
+                continue
+            fix = (
+                "the loss given to the step must read parameters as the loss the plan traced"
+                if traced
+                else "build FSDP(model, mesh, loss_fn=..., example_batch=...) with this loss so that the plan "
+                "follows what it does"
+            )
+            raise ValueError(
+                f"{p.name} {list(p.step_shape)}: the FSDP plan keeps it as a {p.kind} unit contracted over its "
+                f"axes {g.k_axes} (batch {g.batch_axes}, {g.level} layer axes), but this loss has it {problem}; {fix}"
+            )
+
+
 # ------------------------------------------------------------------------------------------------
 # Without a trace: by layer class
 
@@ -346,7 +381,8 @@ def describe(infos, mesh_size: int, *, traced: bool) -> str:
     out.append(
         f"per device: {_fmt(sum(stored_bytes(p, mesh_size) for p in infos))} stored (masters, planes, plain "
         f"slices; optimizer state not included), {_fmt(sum(gathered_bytes(p, mesh_size) for p in infos))} "
-        "gathered per step (forward, backward and rematerialised reads)"
+        "gathered per step (each GEMM forward and backward, each lookup, each rematerialised read; XLA drops "
+        "the backward gather of a GEMM whose input needs no gradient)"
     )
     return "\n".join(out)
 
