@@ -15,7 +15,8 @@ communicates, read from the compiled HLO of the step (collectives inside the sca
 count once per layer): MXFP8 units gather each weight as 8-bit codes plus one scale byte per 32
 (8.25 bits), bf16 units as 16 bits, in the forward, the backward and the recomputation alike.
 MXFP8 units are stored in whole 32-row blocks on every device: a projection with fewer than 32
-rows per device is padded (at ``--hidden 128`` on 8 devices, half of q/k/v/o and down's rows).
+rows per device is padded (at ``--hidden 128`` on 8 devices, half of q/k/v/o and down's rows;
+the default ``--hidden 256`` fills every block).
 
 ``--tp 2`` runs the transformer sequence- and tensor-parallel on a ``(devices/2, 2)`` mesh:
 each block's norms are the fused all-gather + RMSNorm + MXFP8 quantize over the tp axis,
@@ -23,8 +24,8 @@ feeding column-parallel q/k/v and gate/up GEMMs; the row-parallel o and down GEM
 reduce-scatter back to sequence shards (``--norm-path unfused``: ``lax.all_gather`` + the local
 RMSNorm + quantize instead). ``--tp 1`` (default) is FSDP alone.
 
-    mxfp8-jax demo [--model transformer|mlp] [--steps 100] [--devices 8] [--hidden 128]
-                   [--layers 4] [--seed 0] [--tp 1] [--norm-path fused|unfused] [--json [PATH]]
+    mxfp8-jax demo [--model transformer|mlp] [--steps 100] [--devices 8] [--hidden 256]
+                   [--layers 2] [--seed 0] [--tp 1] [--norm-path fused|unfused] [--json [PATH]]
 """
 
 from __future__ import annotations
@@ -292,12 +293,12 @@ def _tail_mean(losses, n: int = 10):
 def run(
     steps: int = 100,
     devices: int | None = None,
-    hidden: int = 128,
+    hidden: int = 256,
     seed: int = 0,
     show_progress: bool = True,
     console=None,
     model: str = "transformer",
-    layers: int = 4,
+    layers: int = 2,
     tp: int = 1,
     norm_path: str = "fused",
 ) -> dict:
@@ -428,8 +429,8 @@ def main(argv=None) -> int:
         default=None,
         help="devices to use (default: all local accelerators, or 8 simulated CPU devices)",
     )
-    p.add_argument("--hidden", type=int, default=128, help="hidden width, a multiple of 32 (default 128)")
-    p.add_argument("--layers", type=int, default=4, help="transformer blocks (default 4)")
+    p.add_argument("--hidden", type=int, default=256, help="hidden width, a multiple of 32 (default 256)")
+    p.add_argument("--layers", type=int, default=2, help="transformer blocks (default 2)")
     p.add_argument("--seed", type=int, default=0, help="seed for weights and data (default 0)")
     p.add_argument(
         "--tp",

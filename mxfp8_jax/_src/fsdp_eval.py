@@ -23,6 +23,7 @@ A region with a policy keeps ``jax.checkpoint``.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from typing import Any
 
@@ -160,7 +161,7 @@ class _Evaluator:
         if prim is P.scan_p:
             return self.scan(eqn, ins, materialize)
         units = [x for x in ins if isinstance(x, UnitValue)]
-        dep = next((x for x in ins if not isinstance(x, Symbolic) and hasattr(x, "dtype")), None)
+        dep = next((x for x in ins if isinstance(x, jax.Array)), None)  # the op's first traced operand
         if not units:
             return bind(eqn, [materialize(x, dep) for x in ins])
         unit = units[0]
@@ -195,11 +196,11 @@ class _Evaluator:
         nc, ncar = params["num_consts"], params["num_carry"]
         body: jcore.ClosedJaxpr = params["jaxpr"]
         consts, carry, xs = ins[:nc], ins[nc : nc + ncar], ins[nc + ncar :]
-        carry = [materialize(_array(x, "carried through a loop"), None) for x in carry]
+        carry = [materialize(_not_a_unit(x, "carried through a loop"), None) for x in carry]
         xs_in, rebuild = [], []  # the scan's stacked inputs, and how the body sees each slice
         for x in xs:
             if isinstance(x, UnitValue):
-                if x.ops and any(p is not P.convert_element_type_p for p, _ in x.ops):
+                if x.view.moved or not x.view.axes or x.view.axes[0] != (x.view.level,):
                     raise _misused(x, "a scan over it after its axes were moved")
                 view = dataclasses.replace(x.view, axes=x.view.axes[1:], level=x.view.level + 1)
                 rebuild.append(
@@ -309,12 +310,13 @@ def bind(eqn, ins) -> list:
     subfuns = ()
     if isinstance(params, tuple):  # (subfuns, params) in some jax versions
         subfuns, params = params
-    with eqn.ctx.manager:
+    ctx = getattr(eqn, "ctx", None)
+    with ctx.manager if ctx is not None else contextlib.nullcontext():
         out = eqn.primitive.bind(*subfuns, *ins, **params)
     return list(out) if eqn.primitive.multiple_results else [out]
 
 
-def _array(x, how: str):
+def _not_a_unit(x, how: str):
     if isinstance(x, UnitValue):
         raise _misused(x, how)
     return x

@@ -32,21 +32,26 @@ from jax.extend import core as jcore
 
 P = jcore.primitives
 
+
+def _primitives(*names: str) -> frozenset:
+    """The primitives of those names this jax has (some are absent or renamed across versions)."""
+    return frozenset(p for p in (getattr(P, n, None) for n in names) if p is not None)
+
+
 # Ops that only move or retype the elements of their first operand: a parameter read through
 # them is still the parameter (a view).
-VIEW_PRIMITIVES = frozenset(
-    {
-        P.convert_element_type_p,
-        P.transpose_p,
-        P.reshape_p,
-        P.squeeze_p,
-        P.broadcast_in_dim_p,
-        P.copy_p,
-        P.sharding_constraint_p,
-    }
+VIEW_PRIMITIVES = _primitives(
+    "convert_element_type_p",
+    "transpose_p",
+    "reshape_p",
+    "squeeze_p",
+    "broadcast_in_dim_p",
+    "copy_p",
+    "sharding_constraint_p",
 )
-LOOKUP_PRIMITIVES = frozenset({P.gather_p, P.dynamic_slice_p})
-INLINED_CALLS = frozenset({P.jit_p, P.closed_call_p, P.call_p})
+RETYPE_PRIMITIVES = _primitives("convert_element_type_p", "copy_p", "sharding_constraint_p")
+LOOKUP_PRIMITIVES = _primitives("gather_p", "dynamic_slice_p")
+INLINED_CALLS = _primitives("jit_p", "pjit_p", "closed_call_p", "call_p")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -131,7 +136,7 @@ def view_through(prim, params, view: View, in_shape, out_shape) -> View | None:
     """The view after ``prim``, or None when the op is not a pure move of the parameter's
     elements (a real broadcast)."""
     axes = view.axes
-    if prim in (P.convert_element_type_p, P.copy_p, P.sharding_constraint_p):
+    if prim in RETYPE_PRIMITIVES:
         return view
     if prim is P.transpose_p:
         return dataclasses.replace(view, axes=tuple(axes[p] for p in params["permutation"]), moved=True)
