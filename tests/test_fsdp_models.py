@@ -286,7 +286,7 @@ def assert_grads_close(got, want, terms, label):
 
 @pytest.mark.parametrize("style", [p for p in STYLES if p.values[0] != "dropout"])
 def test_gradients_match_the_unsharded_model(style, mesh):
-    cfg = ms.StyleConfig(depth=2)
+    cfg = ms.StyleConfig(depth=1)  # one block: the plumbing of every op; depth is the other tests'
     model = exact_values(ms.build(style, cfg))
     batch = ms.make_batch(cfg, DEVICES * TOKENS // SEQ, SEQ, seed=1)
     fsdp = FSDP(model, mesh, loss_fn=ms.loss_fn, example_batch=batch)
@@ -302,7 +302,7 @@ def test_dropout_draws_each_devices_own_masks_and_advances_its_streams(mesh):
     """Each device draws from the model's streams folded with its index: the gradient is the
     mean over devices of the unsharded model's on that device's examples with those streams;
     a step advances the streams' counts as the unsharded model does."""
-    cfg = ms.StyleConfig(depth=2, dropout=0.3)
+    cfg = ms.StyleConfig(depth=1, dropout=0.3)
     model = exact_values(ms.build("dropout", cfg))
     x, y = ms.make_batch(cfg, DEVICES * TOKENS // SEQ, SEQ, seed=1)
     fsdp = FSDP(model, mesh, loss_fn=ms.loss_fn, example_batch=(x, y))
@@ -333,7 +333,7 @@ def test_dropout_draws_each_devices_own_masks_and_advances_its_streams(mesh):
 def test_bf16_first_loss_and_gradients_match_the_unsharded_model_with_bf16_weights(style, mesh):
     """``precision="bf16"``: every unit reads its master rounded to bf16 (round to nearest even),
     so the step is the unsharded model with those weights rounded, up to summation order."""
-    cfg = ms.StyleConfig(depth=2, dropout=0.0)
+    cfg = ms.StyleConfig(depth=1, dropout=0.0)
     model = ms.build(style, cfg, seed=3)
     batch = ms.make_batch(cfg, DEVICES * TOKENS // SEQ, SEQ, seed=2)
     fsdp = FSDP(model, mesh, precision="bf16", loss_fn=ms.loss_fn, example_batch=batch)
