@@ -6,10 +6,12 @@
     model = models.init_transformer(cfg, seed=0)          # scanned, rematerialised blocks
     task = models.SequenceTask(cfg.vocab, seq_len=64)     # x[t+1] = perm[x[t-1]]
     loss = models.next_token_loss(model, next(task.batches(1, 8)))
+    text = models.TextTask(seq_len=128)                   # byte-level LM on stdlib sources
 
 See ``mxfp8_jax._src.transformer``.
 """
 
+from mxfp8_jax._src.text_task import TextTask
 from mxfp8_jax._src.transformer import (
     MLP,
     Attention,
@@ -28,6 +30,7 @@ __all__ = [
     "Attention",
     "Block",
     "SequenceTask",
+    "TextTask",
     "TransformerConfig",
     "TransformerLM",
     "init_transformer",
