@@ -60,7 +60,7 @@ from flax import nnx
 from jax import lax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from mxfp8_jax._src import fsdp_checkpoint, spmd
+from mxfp8_jax._src import fsdp_checkpoint, mxfp8_gemm, spmd
 from mxfp8_jax._src.flax_layers import unit_kernel_shape
 from mxfp8_jax._src.format import BLOCK, ScaleRule
 from mxfp8_jax._src.fsdp_eval import PlainValue, UnitValue, evaluate
@@ -156,6 +156,15 @@ class FSDP:
         ``"mxfp8"``, ``"bf16"`` or ``"plain"`` (the first that matches wins), or a callable
         ``(name, role) -> precision | None`` (role: ``"projection"``, ``"embedding"``,
         ``"head"``).
+      gemm: how MXFP8 units multiply: ``"dequantized"`` (default: the gathered planes are
+        dequantized exactly and the layer's own GEMM runs in its dtype) or ``"mxfp8"``
+        (Transformer Engine's MXFP8BlockScaling recipe: the forward, dgrad and wgrad GEMMs take
+        E4M3 operands blocked along their own contraction, the weight's the gathered planes;
+        bf16 units keep their bf16 GEMMs).
+      gemm_path: with ``gemm="mxfp8"``: ``"auto"`` (the native block-scaled GEMM on CUDA and
+        ROCm, the exact path elsewhere), ``"native"`` (an error where the platform has none) or
+        ``"exact"`` (operands dequantized exactly, fp32 accumulation). ``gemm_paths()`` lists
+        what ``"auto"`` takes.
 
     ``loss_fn(model, batch) -> scalar`` is the mean loss over the batch it is given (with
     ``has_aux=True``: ``-> (scalar, aux)``). Each device runs it on its slice of the batch and
@@ -174,6 +183,8 @@ class FSDP:
         loss_fn: Callable | None = None,
         example_batch: Any = None,
         precision_by_path=None,
+        gemm: str = "dequantized",
+        gemm_path: str = "auto",
     ) -> None:
         if not isinstance(model, nnx.Module):
             raise TypeError(f"model must be a flax.nnx.Module, got {type(model).__name__}")
@@ -190,6 +201,8 @@ class FSDP:
         self.mesh = Mesh(mesh.devices, mesh.axis_names)  # Auto axes: shard_map does the placing
         self.precision = precision
         self.scale_rule = ScaleRule.parse(scale_rule).value
+        self.gemm, self.gemm_path = gemm, gemm_path
+        self._gemm_mode = mxfp8_gemm.check_mode(gemm, gemm_path, scale_rule)
         self.precision_by_path = precision_by_path
         graphdef, params, rest = nnx.split(model, nnx.Param, ...)
         self._graphdef = graphdef
@@ -698,7 +711,8 @@ class FSDP:
                     q = planes[p.name]
                     leaves += (q.rowwise_data, q.rowwise_scale, q.columnwise_data, q.columnwise_scale)
                 view = View(j, tuple((a,) for a in range(len(p.step_shape))))
-                values.append(UnitValue(p.name, p.unit, p.dtype, leaves, view))
+                gemm = self._gemm_mode if p.kind == "mxfp8" else None
+                values.append(UnitValue(p.name, p.unit, p.dtype, leaves, view, gemm=gemm))
             else:
                 axes = self._axes if p.shard_axis is not None else None
                 values.append(PlainValue(p.name, master[p.name], p.shard_axis, axes, p.dtype, _layer_of(p.path)))

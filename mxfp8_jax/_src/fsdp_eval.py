@@ -57,6 +57,7 @@ class UnitValue:
     leaves: tuple
     view: View
     ops: tuple = ()
+    gemm: Any = None  # an mxfp8_gemm.GemmMode: its GEMMs run in MXFP8
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -173,7 +174,7 @@ class _Evaluator:
             position = ins.index(unit)
             act = materialize(ins[1 - position], None)
             transposed = self._transposed(unit, params["dimension_numbers"], position)
-            op = UnitOp(unit.geometry, unit.dtype, unit.ops, prim, dict(params), position, transposed)
+            op = UnitOp(unit.geometry, unit.dtype, unit.ops, prim, dict(params), position, transposed, unit.gemm)
             return [unit_gemm(op, act, unit.leaves)]
         if len(units) == 1 and ins[0] is unit and prim in LOOKUP_PRIMITIVES:
             others = tuple(materialize(x, None) for x in ins[1:])

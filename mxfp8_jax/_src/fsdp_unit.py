@@ -48,7 +48,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from mxfp8_jax._src import spmd
+from mxfp8_jax._src import mxfp8_gemm, spmd
 from mxfp8_jax._src.format import BLOCK
 from mxfp8_jax._src.fsdp_trace import P, product
 from mxfp8_jax._src.quantize import dequantize
@@ -190,6 +190,7 @@ class UnitOp:
     params: dict
     position: int
     transposed: bool = False
+    gemm: Any = None  # an mxfp8_gemm.GemmMode: the GEMMs of an MXFP8 unit run in MXFP8
 
     def value(self, w: jax.Array) -> jax.Array:
         """``W [*batch, N, K]`` (gathered) -> the operand as the layer's op sees it."""
@@ -214,6 +215,8 @@ class UnitOp:
 def unit_gemm(op: UnitOp, act: jax.Array, leaves: tuple) -> jax.Array:
     """The ``dot_general`` of ``op`` with the unit as one operand and ``act`` the other, run on
     this device's shards ``leaves`` (``(master, *planes)``): one ``custom_vjp``."""
+    if op.gemm is not None and op.geometry.precision == "mxfp8":
+        return _mx_gemm(op, _Canonical.of(op, act), act, leaves[0], tuple(leaves[1:]))
     return _gemm(op, act, leaves[0], tuple(leaves[1:]))
 
 
@@ -260,6 +263,183 @@ def _gemm_bwd(op: UnitOp, residuals, dy):
 
 
 _gemm.defvjp(_gemm_fwd, _gemm_bwd)
+
+
+# ------------------------------------------------------------------------------------------------
+# MXFP8 GEMMs (``FSDP(gemm="mxfp8")``)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _mx_gemm(op: UnitOp, canon: _Canonical, act, master, planes):
+    return _mx_gemm_fwd(op, canon, act, master, planes)[0]
+
+
+def _mx_gemm_fwd(op: UnitOp, canon: _Canonical, act, master, planes):
+    local = after(_local(op, master, planes, backward=False), act)
+    y, x_col = mxfp8_gemm.forward(canon.act_to_x(act), _weight(op.geometry, local, op.transposed), op.gemm)
+    # saved: x's columnwise planes (8.25 bits a value) and the LOCAL planes of the dgrad
+    return canon.y_to_out(y), (x_col, _local(op, master, planes, backward=True))
+
+
+def _mx_gemm_bwd(op: UnitOp, canon: _Canonical, residuals, dy):
+    x_col, local = residuals
+    local = after(local, dy)  # the backward gather waits for the gradient that needs it
+    w_t = _weight(op.geometry, local, not op.transposed)
+    dx, dv = mxfp8_gemm.backward(canon.out_to_y(dy), x_col, w_t, op.gemm)
+    return canon.x_to_act(dx), _scatter_rows(op.geometry, canon.v_to_w(dv)), None
+
+
+_mx_gemm.defvjp(_mx_gemm_fwd, _mx_gemm_bwd)
+
+
+def _weight(g: UnitGeometry, local, columnwise: bool) -> tuple[jax.Array, jax.Array]:
+    """The gathered planes of one direction as the block-scaled GEMM's weight operand: rowwise
+    ``[B, N, K]`` blocked along K, columnwise ``[B, K, N]`` blocked along N (no dequantize)."""
+    codes, scales = (all_gather_rows(p, g.axes) for p in local)
+    n, b = g.out_features, product(g.stack[g.level :])
+    codes = codes[..., :n, :].reshape(b, n, g.in_features)
+    scales = scales[..., : n // BLOCK, :] if columnwise else scales[..., :n, :]
+    return mxfp8_gemm.weight_operand(codes, scales.reshape(b, -1, scales.shape[-1]), columnwise=columnwise)
+
+
+def _scatter_rows(g: UnitGeometry, dw: jax.Array) -> jax.Array:
+    """``dW [*batch, N, K]`` fp32 -> this device's rows (one reduce-scatter of the padded rows)."""
+    pad = [(0, 0)] * (dw.ndim - 2) + [(0, g.out_padded - g.out_features), (0, 0)]
+    dw = jnp.pad(dw, pad)
+    return lax.psum_scatter(dw, g.axes, scatter_dimension=dw.ndim - 2, tiled=True)
+
+
+_CANONICAL: dict = {}
+
+
+@dataclasses.dataclass(frozen=True)
+class _Canonical:
+    """The layer's ``dot_general`` of ``act`` and the unit as the canonical GEMM
+    ``y [B, M, D] = x [B, M, C] . V [B, D, C]^T``, where ``V`` is ``W [B, N, K]`` (C = K, D = N),
+    or ``W^T`` for a GEMM contracting the unit's N axes (C = N, D = K).
+
+    ``act_perm`` moves act's axes to (batch, free, contracting); ``pb``/``pd``/``pc`` say which
+    index of ``W``'s batch / D / C each flattened dot axis holds (None: in order), found by
+    replaying the layer's layout ops on the indices of ``W`` (a reshape or transpose of the
+    kernel reorders them); ``y_perm`` puts the result in the dot's output order.
+    """
+
+    act_perm: tuple
+    act_sizes: tuple
+    act_dtype: Any
+    out_sizes: tuple
+    y_perm: tuple | None
+    out_dtype: Any
+    b: int
+    m: int
+    c: int
+    d: int
+    pb: tuple | None
+    pd: tuple | None
+    pc: tuple | None
+    transposed: bool
+    w_shape: tuple
+
+    @classmethod
+    def of(cls, op: UnitOp, act) -> _Canonical:
+        key = (op.geometry, repr(op.ops), repr(op.params), op.position, op.transposed, act.shape, act.dtype)
+        if key not in _CANONICAL:
+            _CANONICAL[key] = cls._build(op, act)
+        return _CANONICAL[key]
+
+    @classmethod
+    def _build(cls, op: UnitOp, act) -> _Canonical:
+        g, pos = op.geometry, op.position
+        (lc, rc), (lb, rb) = op.params["dimension_numbers"]
+        cu, bu = (lc, lb) if pos == 0 else (rc, rb)
+        ca, ba = (rc, rb) if pos == 0 else (lc, lb)
+        batch = g.stack[g.level :]
+        n, k, b = g.out_features, g.in_features, product(batch)
+        with jax.ensure_compile_time_eval():
+            idx = np.arange(b * n * k, dtype=np.int32).reshape(*batch, n, k)
+            iv = np.asarray(op.layout(g.from_master(jnp.asarray(idx), g.level)))
+        fu = [a for a in range(iv.ndim) if a not in cu and a not in bu]
+        fa = [a for a in range(act.ndim) if a not in ca and a not in ba]
+        size = lambda shape, axes: product([shape[a] for a in axes])
+        v_shape = iv.shape
+        bd, dd, cd = size(v_shape, bu), size(v_shape, fu), size(v_shape, cu)
+        iv = iv.transpose([*bu, *fu, *cu]).reshape(bd, dd, cd)
+        bi, ni, ki = iv // (n * k), (iv // k) % n, iv % k
+        di, ci = (ki, ni) if op.transposed else (ni, ki)
+        pb, pd, pc = bi[:, 0, 0], di[0, :, 0], ci[0, 0, :]
+        separable = (
+            (bd, dd, cd) == (b, *((k, n) if op.transposed else (n, k)))
+            and (bi == pb[:, None, None]).all()
+            and (di == pd[None, :, None]).all()
+            and (ci == pc[None, None, :]).all()
+        )
+        if not separable:
+            raise ValueError(
+                f"gemm='mxfp8': the GEMM {op.params['dimension_numbers']} of a unit {g.param_shape} mixes its "
+                f"kernel's axes across batch, kept and contracted roles after the layer's reshapes; "
+                f"give this parameter precision 'bf16' (precision_by_path) or use gemm='dequantized'"
+            )
+        ident = lambda p: None if (p == np.arange(p.size)).all() else tuple(int(i) for i in p)
+        act_perm = (*ba, *fa, *ca)
+        if size(act.shape, ba) != b or size(act.shape, ca) != cd:
+            raise ValueError(f"activation {act.shape} does not match the unit GEMM {op.params['dimension_numbers']}")
+        nb, na, nu = len(ba), len(fa), len(fu)
+        free_u = tuple(v_shape[a] for a in fu)
+        out_sizes = (*(act.shape[a] for a in ba), *(act.shape[a] for a in fa), *free_u)
+        y_perm = None  # the dot's output: batch, lhs free, rhs free
+        if pos == 0:
+            y_perm = (*range(nb), *range(nb + na, nb + na + nu), *range(nb, nb + na))
+        v_aval = jax.ShapeDtypeStruct((*batch, n, k), jnp.float32)
+        out = jax.eval_shape(lambda a, w: op.bind(op.value(w), (a,)), jax.ShapeDtypeStruct(act.shape, act.dtype), v_aval)
+        return cls(
+            act_perm=act_perm,
+            act_sizes=tuple(act.shape[a] for a in act_perm),
+            act_dtype=act.dtype,
+            out_sizes=out_sizes,
+            y_perm=y_perm,
+            out_dtype=out.dtype,
+            b=b,
+            m=size(act.shape, fa),
+            c=cd,
+            d=dd,
+            pb=ident(pb),
+            pd=ident(pd),
+            pc=ident(pc),
+            transposed=op.transposed,
+            w_shape=(*batch, n, k),
+        )
+
+    def act_to_x(self, act: jax.Array) -> jax.Array:
+        """The layer's activation -> ``x [B, M, C]``, C in ``W``'s order."""
+        x = jnp.transpose(act, self.act_perm).reshape(self.b, self.m, self.c)
+        x = x if self.pb is None else x[np.argsort(self.pb)]
+        return x if self.pc is None else x[..., np.argsort(self.pc)]
+
+    def x_to_act(self, dx: jax.Array) -> jax.Array:
+        """``dx [B, M, C]`` fp32 -> the activation's cotangent (its layout and dtype)."""
+        dx = dx if self.pc is None else dx[..., np.asarray(self.pc)]
+        dx = dx if self.pb is None else dx[np.asarray(self.pb)]
+        dx = dx.reshape(self.act_sizes).astype(self.act_dtype)
+        return jnp.transpose(dx, np.argsort(self.act_perm))
+
+    def y_to_out(self, y: jax.Array) -> jax.Array:
+        """``y [B, M, D]`` fp32 -> the dot's output (its layout and dtype)."""
+        y = y if self.pb is None else y[np.asarray(self.pb)]
+        y = y if self.pd is None else y[..., np.asarray(self.pd)]
+        y = y.reshape(self.out_sizes).astype(self.out_dtype)
+        return y if self.y_perm is None else jnp.transpose(y, self.y_perm)
+
+    def out_to_y(self, dy: jax.Array) -> jax.Array:
+        """The output's cotangent -> ``dy [B, M, D]`` (its dtype kept: quantized next)."""
+        dy = dy if self.y_perm is None else jnp.transpose(dy, np.argsort(self.y_perm))
+        dy = dy.reshape(self.b, self.m, self.d)
+        dy = dy if self.pb is None else dy[np.argsort(self.pb)]
+        return dy if self.pd is None else dy[..., np.argsort(self.pd)]
+
+    def v_to_w(self, dv: jax.Array) -> jax.Array:
+        """The wgrad ``dV [B, D, C]`` -> ``dW [*batch, N, K]``."""
+        dw = jnp.swapaxes(dv, 1, 2) if self.transposed else dv
+        return dw.reshape(self.w_shape)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))

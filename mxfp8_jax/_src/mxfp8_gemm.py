@@ -1,0 +1,220 @@
+"""MXFP8 GEMMs: products of block-scaled E4M3 operands, and the three GEMMs of a training step.
+
+An operand is E4M3 codes ``[B, M, C]`` with E8M0 scales ``[B, M, C/32]``, blocked along its
+contraction ``C``, the last axis (``jax.nn.scaled_matmul``'s form). The product of ``a`` and
+``w [B, N, C]`` is
+
+    y[b, m, n] = sum_c  a[b, m, c] 2^(sa[b, m, c/32] - 127)  *  w[b, n, c] 2^(sw[b, n, c/32] - 127)
+
+accumulated in fp32. Two paths compute it (``PATHS``):
+
+    native   ``jax.nn.scaled_matmul``: on CUDA one ``__op$block_scaled_dot`` custom call (cuDNN's
+             MXFP8 GEMM on Blackwell, XLA's expansion on Hopper), on ROCm the ``xla.scaled_dot``
+             composite; the operands reach it as E4M3 and E8M0, never dequantized first
+    exact    both operands dequantized exactly to fp32 (a product of two 4-bit significands is
+             exact in fp32) and one fp32 ``dot_general``: fp32 accumulation, as native
+
+``"auto"`` takes native on every lowering platform that has it (``NATIVE_PLATFORMS``) and exact
+elsewhere (``lax.platform_dependent``: one jitted step serves CPU and GPU); ``"native"`` where
+the platform has none is an error, never a silent bf16 GEMM.
+
+The training recipe (Transformer Engine's MXFP8BlockScaling; ``y = x W^T``, ``x [B, M, K]``,
+``W [B, N, K]``), every operand blocked along its GEMM's own contraction:
+
+    forward   y  = x W^T     x rowwise (blocks along K)       W rowwise planes  [N, K], [N, K/32]
+    dgrad     dx = dy W      dy rowwise (blocks along N)      W columnwise planes as [K, N], [K, N/32]
+    wgrad     dW = dy^T x    dy and x columnwise (blocks along tokens, zero-padded to 32)
+
+Activations and gradients are quantized by the project's quantize (the kernel where built):
+the same bytes as every other quantize of the package. Quantization is the identity for the
+gradient (straight-through).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from mxfp8_jax._src import format as fmt
+from mxfp8_jax._src.format import BLOCK
+from mxfp8_jax._src.quantize import quantize
+
+PATHS = ("auto", "native", "exact")
+NATIVE_PLATFORMS = ("cuda", "rocm")
+MODES = ("dequantized", "mxfp8")
+
+
+def gemm_paths() -> dict[str, str]:
+    """The path ``"auto"`` takes on each platform jax knows: ``{"cpu": "exact", "cuda":
+    "native", "rocm": "native"}``."""
+    return {p: ("native" if p in NATIVE_PLATFORMS else "exact") for p in ("cpu", *NATIVE_PLATFORMS)}
+
+
+@dataclasses.dataclass(frozen=True)
+class GemmMode:
+    """How an MXFP8 unit's GEMMs run (static). ``path``: one of ``PATHS``; ``scale_rule``: the
+    rule activations and gradients are quantized with (the weights' own)."""
+
+    path: str = "auto"
+    scale_rule: fmt.ScaleRule = fmt.ScaleRule.RCEIL
+
+    def __post_init__(self):
+        if self.path not in PATHS:
+            raise ValueError(f"gemm_path={self.path!r} must be one of {PATHS}")
+        object.__setattr__(self, "scale_rule", fmt.ScaleRule.parse(self.scale_rule))
+
+
+def check_mode(gemm: str, path: str, scale_rule) -> GemmMode | None:
+    """``FSDP(gemm=, gemm_path=)`` validated: a ``GemmMode`` for ``gemm="mxfp8"``, else None."""
+    if gemm not in MODES:
+        raise ValueError(f"gemm={gemm!r} must be one of {MODES}")
+    mode = GemmMode(path, scale_rule)
+    if path == "native" and gemm == "mxfp8":
+        require_native(jax.default_backend())
+    return mode if gemm == "mxfp8" else None
+
+
+def require_native(platform: str) -> None:
+    if platform not in NATIVE_PLATFORMS:
+        raise ValueError(
+            f"gemm_path='native': platform {platform!r} has no native block-scaled GEMM "
+            f"(native: {NATIVE_PLATFORMS}); use gemm_path='exact' (dequantized exactly, fp32 "
+            f"accumulation) or 'auto'"
+        )
+
+
+# ------------------------------------------------------------------------------------------------
+# The block-scaled product
+
+
+def scaled_matmul(a, a_scales, w, w_scales, *, path: str = "auto") -> jax.Array:
+    """``a [B, M, C] x w [B, N, C] -> [B, M, N]`` fp32, both blocked along ``C`` (codes E4M3 or
+    their uint8 bytes, scales uint8 or ``float8_e8m0fnu`` ``[B, *, C/32]``), by ``path``."""
+    if path not in PATHS:
+        raise ValueError(f"path={path!r} must be one of {PATHS}")
+    a, w = _codes(a), _codes(w)
+    a_scales, w_scales = _scale_bytes(a_scales), _scale_bytes(w_scales)
+    _check_operands(a, a_scales, w, w_scales)
+    if path == "exact":
+        return _exact(a, a_scales, w, w_scales)
+    if path == "native":
+        require_native(jax.default_backend())
+        return _native(a, a_scales, w, w_scales)
+    branches = {p: (_native if p in NATIVE_PLATFORMS else _exact) for p in gemm_paths()}
+    return lax.platform_dependent(a, a_scales, w, w_scales, default=_exact, **branches)
+
+
+def _native(a, sa, w, sw):
+    return jax.nn.scaled_matmul(a, w, fmt.e8m0_view(sa), fmt.e8m0_view(sw), preferred_element_type=jnp.float32)
+
+
+def _exact(a, sa, w, sw):
+    fa, fw = dequantized(a, sa), dequantized(w, sw)
+    dims = (((2,), (2,)), ((0,), (0,)))
+    return lax.dot_general(fa, fw, dims, precision=lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
+
+
+def dequantized(codes, scales) -> jax.Array:
+    """Codes ``[..., C]`` E4M3 with scales ``[..., C/32]`` -> exact fp32 values."""
+    bits = fmt.scaled_to_bits(_codes(codes), jnp.repeat(_scale_bytes(scales), BLOCK, axis=-1))
+    return lax.bitcast_convert_type(bits, jnp.float32)
+
+
+def _codes(x) -> jax.Array:
+    if x.dtype == jnp.uint8:
+        return lax.bitcast_convert_type(x, jnp.float8_e4m3fn)
+    if x.dtype != jnp.float8_e4m3fn:
+        raise TypeError(f"MXFP8 GEMM codes must be float8_e4m3fn (or their uint8 bytes), got {x.dtype}")
+    return x
+
+
+def _scale_bytes(s) -> jax.Array:
+    if s.dtype == jnp.float8_e8m0fnu:
+        return lax.bitcast_convert_type(s, jnp.uint8)
+    if s.dtype != jnp.uint8:
+        raise TypeError(f"MXFP8 GEMM scales must be uint8 E8M0 bytes (or float8_e8m0fnu), got {s.dtype}")
+    return s
+
+
+def _check_operands(a, sa, w, sw) -> None:
+    if a.ndim != 3 or w.ndim != 3:
+        raise ValueError(f"operands must be [B, M, C] and [B, N, C], got {a.shape} and {w.shape}")
+    if a.shape[0] != w.shape[0] or a.shape[2] != w.shape[2]:
+        raise ValueError(f"operands {a.shape} and {w.shape} differ in B or C (contraction last on both)")
+    if a.shape[2] % BLOCK:
+        raise ValueError(f"the contraction C={a.shape[2]} must be a multiple of {BLOCK} (MXFP8 blocks)")
+    for x, s, name in ((a, sa, "a"), (w, sw, "w")):
+        want = (*x.shape[:2], x.shape[2] // BLOCK)
+        if tuple(s.shape) != want:
+            raise ValueError(f"{name}_scales has shape {tuple(s.shape)}; {name} {tuple(x.shape)} needs {want}")
+
+
+# ------------------------------------------------------------------------------------------------
+# Activations and gradients quantized for the recipe
+
+
+@dataclasses.dataclass(frozen=True)
+class Quantized:
+    """``x [B, M, C]`` quantized both ways, ``M`` zero-padded to ``Mp`` (a multiple of 32):
+    rowwise codes ``[B, Mp, C]`` with scales ``[B, Mp, C/32]`` (blocks along C), columnwise
+    codes ``[B, Mp, C]`` with scales ``[B, Mp/32, C]`` (blocks along M). Codes are uint8 bytes:
+    XLA:CPU widens fp8 values carried through loops to f16, so saved planes stay bytes."""
+
+    row: tuple | None
+    col: tuple | None
+    rows: int
+
+    def rowwise(self) -> tuple[jax.Array, jax.Array]:
+        """Operand ``[B, M, C]`` blocked along C (padding rows dropped)."""
+        codes, scales = self.row
+        return codes[:, : self.rows], scales[:, : self.rows]
+
+    def columnwise_t(self) -> tuple[jax.Array, jax.Array]:
+        """Operand ``[B, C, Mp]`` blocked along M (the wgrad's)."""
+        codes, scales = self.col
+        return jnp.swapaxes(codes, 1, 2), jnp.swapaxes(scales, 1, 2)
+
+
+def quantize_tokens(x: jax.Array, rule: fmt.ScaleRule, *, rowwise: bool = True, columnwise: bool = True) -> Quantized:
+    """``x [B, M, C]`` (bf16/fp16/fp32) -> its MXFP8 planes (``Quantized``), one quantize call."""
+    b, m, c = x.shape
+    mp = -(-m // BLOCK) * BLOCK
+    if mp != m:
+        x = jnp.pad(x, ((0, 0), (0, mp - m), (0, 0)))
+    t = quantize(x.reshape(b * mp, c), rowwise=rowwise, columnwise=columnwise, scale_rule=rule.value)
+    u8 = lambda q: lax.bitcast_convert_type(q, jnp.uint8)
+    row = (u8(t.rowwise_data).reshape(b, mp, c), t.rowwise_scale.reshape(b, mp, c // BLOCK)) if rowwise else None
+    col = (u8(t.columnwise_data).reshape(b, mp, c), t.columnwise_scale.reshape(b, mp // BLOCK, c)) if columnwise else None
+    return Quantized(row, col, m)
+
+
+jax.tree_util.register_dataclass(Quantized, data_fields=["row", "col"], meta_fields=["rows"])
+
+
+def weight_operand(codes, scales, *, columnwise: bool) -> tuple[jax.Array, jax.Array]:
+    """A weight's planes ``[B, N, K]`` as a GEMM operand: the rowwise ones as they are
+    (``[B, N, K]`` blocked along K), the columnwise ones transposed (``[B, K, N]``, scales
+    ``[B, K, N/32]``, blocked along N): data movement only, no dequantize."""
+    if columnwise:
+        return jnp.swapaxes(codes, -1, -2), jnp.swapaxes(scales, -1, -2)
+    return codes, scales
+
+
+def forward(x: jax.Array, w_row, mode: GemmMode) -> tuple[jax.Array, Quantized]:
+    """``y = x W^T`` (``x [B, M, K]``, ``w_row`` W's rowwise operand ``[B, N, K]``) in fp32,
+    and x's columnwise planes for the wgrad."""
+    q = quantize_tokens(x, mode.scale_rule)
+    y = scaled_matmul(*q.rowwise(), *w_row, path=mode.path)
+    return y, dataclasses.replace(q, row=None)
+
+
+def backward(dy: jax.Array, x_col: Quantized, w_col_t, mode: GemmMode) -> tuple[jax.Array, jax.Array]:
+    """``(dx, dW)`` in fp32 from ``dy [B, M, N]``, x's saved columnwise planes and W's
+    columnwise operand ``[B, K, N]`` (``weight_operand(columnwise=True)``)."""
+    q = quantize_tokens(dy, mode.scale_rule)
+    dx = scaled_matmul(*q.rowwise(), *w_col_t, path=mode.path)
+    dw = scaled_matmul(*q.columnwise_t(), *x_col.columnwise_t(), path=mode.path)
+    return dx, dw
