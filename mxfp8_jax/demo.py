@@ -18,6 +18,12 @@ MXFP8 units are stored in whole 32-row blocks on every device: a projection with
 rows per device is padded (at ``--hidden 128`` on 8 devices, half of q/k/v/o and down's rows;
 the default ``--hidden 256`` fills every block).
 
+``--data text`` trains the transformer on real text instead: byte-level language modelling of a
+fixed, hash-checked list of the Python standard library's own sources (``models.TextTask``; no
+download), and reports the loss on held-out files. ``--gemm mxfp8`` runs the MXFP8 run's GEMMs in
+MXFP8 too (``FSDP(gemm="mxfp8")``: forward, dgrad and wgrad on E4M3 operands, the weights' the
+gathered planes; a native block-scaled GEMM on CUDA and ROCm, the exact path on CPUs).
+
 ``--tp 2`` runs the transformer sequence- and tensor-parallel on a ``(devices/2, 2)`` mesh:
 each block's norms are the fused all-gather + RMSNorm + MXFP8 quantize over the tp axis,
 feeding column-parallel q/k/v and gate/up GEMMs; the row-parallel o and down GEMMs end in a
@@ -25,7 +31,8 @@ reduce-scatter back to sequence shards (``--norm-path unfused``: ``lax.all_gathe
 RMSNorm + quantize instead). ``--tp 1`` (default) is FSDP alone.
 
     mxfp8-jax demo [--model transformer|mlp] [--steps 100] [--devices 8] [--hidden 256]
-                   [--layers 2] [--seed 0] [--tp 1] [--norm-path fused|unfused] [--json [PATH]]
+                   [--layers 2] [--seed 0] [--tp 1] [--norm-path fused|unfused]
+                   [--data permutation|text] [--gemm dequantized|mxfp8] [--json [PATH]]
 """
 
 from __future__ import annotations
@@ -144,26 +151,42 @@ class Teacher:
 
 
 MODELS = ("transformer", "mlp")
+DATA = ("permutation", "text")
 SEQ_LEN = 64
+VALIDATION_BATCHES = 4
 
 
 class Workload:
     """A model, its loss, its data stream and an optimizer schedule; built once per demo."""
 
     def __init__(
-        self, kind: str, *, hidden: int, layers: int, seed: int, steps: int, tp: int = 1, norm_path: str = "fused"
+        self,
+        kind: str,
+        *,
+        hidden: int,
+        layers: int,
+        seed: int,
+        steps: int,
+        tp: int = 1,
+        norm_path: str = "fused",
+        data: str = "permutation",
     ):
         import optax
 
-        self.kind, self.steps, self.tp = kind, steps, tp
+        self.kind, self.steps, self.tp, self.data = kind, steps, tp, data
         if tp > 1 and kind != "transformer":
             raise ValueError(f"tp={tp}: tensor parallelism is for --model transformer")
+        if data not in DATA:
+            raise ValueError(f"data={data!r} must be one of {DATA}")
+        if data == "text" and kind != "transformer":
+            raise ValueError("data='text' is a language-modelling task: it needs --model transformer")
+        self.validation = None
         if kind == "transformer":
             from mxfp8_jax import models
 
             extra = dict(norm="mxfp8", norm_path=norm_path) if tp > 1 else {}
             self.config = models.TransformerConfig(
-                vocab=128,
+                vocab=256 if data == "text" else 128,
                 hidden=hidden,
                 heads=max(1, hidden // 32),
                 head_dim=32,
@@ -180,13 +203,19 @@ class Workload:
             self.loss_fn = models.next_token_loss
             # under tp the sequence is split: (inputs, targets) pairs of SEQ_LEN tokens
             self._pairs = tp > 1
-            self._task = models.SequenceTask(self.config.vocab, SEQ_LEN + self._pairs, seed)
             self.per_device_batch = 8
-            self.schedule = optax.warmup_cosine_decay_schedule(0.0, 1e-2, min(10, (steps - 1) // 2), steps, 1e-3)
+            peak = 1e-2
+            if data == "text":
+                self._task = models.TextTask(SEQ_LEN + 1, seed)
+                floor = f"{self._task.describe()}; unigram entropy {self._task.unigram_entropy:.3f}"
+                peak = 3e-3
+            else:
+                self._task = models.SequenceTask(self.config.vocab, SEQ_LEN + self._pairs, seed)
+                floor = f"loss floor {self._task.loss_floor:.3f}"
+            self.schedule = optax.warmup_cosine_decay_schedule(0.0, peak, min(10, (steps - 1) // 2), steps, peak / 10)
             self.describe = (
                 f"Llama-style LM: vocab {self.config.vocab}, hidden {hidden}, {layers} scanned blocks "
-                f"({self.config.heads} heads, SwiGLU {self.config.mlp}), remat, sequences of {SEQ_LEN}, "
-                f"loss floor {self._task.loss_floor:.3f}"
+                f"({self.config.heads} heads, SwiGLU {self.config.mlp}), remat, sequences of {SEQ_LEN}, {floor}"
             )
             if tp > 1:
                 self.describe += f"; sequence/tensor parallel over tp={tp}, {norm_path} all-gather + RMSNorm + quantize"
@@ -201,7 +230,15 @@ class Workload:
             raise ValueError(f"model={kind!r} must be one of {MODELS}")
 
     def batches(self, batch: int):
-        stream = self._task.batches(self.steps, batch)
+        return self._pairs_of(self._task.batches(self.steps, batch))
+
+    def validation_batches(self, batch: int) -> list | None:
+        """Held-out batches (``--data text``: windows of files never trained on), else None."""
+        if self.data != "text":
+            return None
+        return list(self._pairs_of(iter(self._task.validation_batches(batch, VALIDATION_BATCHES))))
+
+    def _pairs_of(self, stream):
         if getattr(self, "_pairs", False):
             from mxfp8_jax import models
 
@@ -213,9 +250,20 @@ class Workload:
 # Training
 
 
-def train(work: Workload, precision: str, *, mesh, progress=None) -> dict:
+def train(
+    work: Workload,
+    precision: str,
+    *,
+    mesh,
+    progress=None,
+    gemm: str = "dequantized",
+    label: str | None = None,
+    eval_every: int | None = None,
+) -> dict:
     """Trains ``work.model``'s weights (the module is not modified) with ``precision`` FSDP
-    weights; returns losses, timings and the step's collectives (read from its compiled HLO)."""
+    weights (``gemm``: how MXFP8 units multiply); returns losses, timings, the validation loss
+    where the task has held-out data (every ``eval_every`` steps too: ``"validation"``), and the
+    step's collectives (read from its compiled HLO)."""
     import optax
 
     from mxfp8_jax._src import hlo
@@ -230,6 +278,7 @@ def train(work: Workload, precision: str, *, mesh, progress=None) -> dict:
         tp_axis="tp" if work.tp > 1 else None,
         loss_fn=work.loss_fn,
         example_batch=first,
+        gemm=gemm,
     )
     tx = optax.adam(work.schedule)
     state = fsdp.init(work.model, tx)
@@ -240,24 +289,47 @@ def train(work: Workload, precision: str, *, mesh, progress=None) -> dict:
     found = hlo.collectives(compiled.as_text())
     memory = compiled.memory_analysis()
 
-    task = None if progress is None else progress.add_task(precision, total=work.steps, loss=float("nan"))
+    label = label or precision
+    held_out = work.validation_batches(work.per_device_batch * (mesh.size // work.tp))
+    evaluate = fsdp.eval_step(work.loss_fn) if held_out else None
+    curve, eval_s = [], 0.0
+
+    def validate(step: int) -> float:
+        nonlocal eval_s
+        t = time.perf_counter()
+        value = sum(float(evaluate(state, b)) for b in held_out) / len(held_out)
+        eval_s += time.perf_counter() - t
+        curve.append((step, value))
+        return value
+
+    if evaluate is not None and eval_every:
+        validate(0)  # (compiles the evaluation before the timed steps)
+        eval_s = 0.0
+    task = None if progress is None else progress.add_task(label, total=work.steps, loss=float("nan"))
     losses, started = [], None
     for b in itertools.chain([first], data):
         state, loss = compiled(state, fsdp.place_batch(b))
         losses.append(float(loss))
         started = started or (time.perf_counter(), time.process_time())  # later steps are timed
+        if evaluate is not None and eval_every and len(losses) % eval_every == 0 and len(losses) < work.steps:
+            validate(len(losses))
         if task is not None:
             progress.update(task, advance=1, loss=losses[-1])
+    ended = time.perf_counter() - eval_s
     timed = max(1, len(losses) - 1)
-    step_s = (time.perf_counter() - started[0]) / timed
-    step_cpu_s = (time.process_time() - started[1]) / timed
+    step_s = (ended - started[0]) / timed
+    step_cpu_s = (time.process_time() - started[1]) / timed  # (validation included)
+    validation_loss = validate(len(losses)) if evaluate is not None else None
 
     gathers = [c for c in found if c.op == "all-gather"]
     weight_gather = sum(c.bytes_per_step for c in gathers if max(map(hlo.dtype_bytes, c.dtypes)) <= 2)
     by_dtype = lambda d: sum(c.bytes_per_step for c in gathers if c.dtypes == (d,))
     return {
         "precision": precision,
+        "gemm": gemm,
         "losses": losses,
+        "validation_loss": validation_loss,
+        "validation": curve,
         "first_loss": losses[0] if losses else None,
         "final_loss": _tail_mean(losses),
         "compile_s": compile_s,
@@ -301,6 +373,8 @@ def run(
     layers: int = 2,
     tp: int = 1,
     norm_path: str = "fused",
+    data: str = "permutation",
+    gemm: str = "dequantized",
 ) -> dict:
     """Both runs on ``devices`` local devices (default all); returns the report dict."""
     import jax
@@ -325,7 +399,11 @@ def run(
     else:
         mesh = Mesh(np.array(devs), ("data",))
     platform = devs[0].platform
-    work = Workload(model, hidden=hidden, layers=layers, seed=seed, steps=steps, tp=tp, norm_path=norm_path)
+    if gemm not in ("dequantized", "mxfp8"):
+        raise ValueError(f"gemm={gemm!r} must be 'dequantized' or 'mxfp8'")
+    work = Workload(
+        model, hidden=hidden, layers=layers, seed=seed, steps=steps, tp=tp, norm_path=norm_path, data=data
+    )
     report = {
         "model": model,
         "description": work.describe,
@@ -337,6 +415,8 @@ def run(
         "mesh": dict(mesh.shape),
         "tp": tp,
         "norm_path": norm_path if tp > 1 else None,
+        "data": data,
+        "gemm": gemm,
         "platform": platform,
         "batch": work.per_device_batch * (len(devs) // tp),
         "mxfp8_jax": mx.__version__,
@@ -359,13 +439,17 @@ def run(
         progress.start()
     try:
         for precision in ("mxfp8", "bf16"):
-            report["runs"][precision] = train(work, precision, mesh=mesh, progress=progress)
+            mode = gemm if precision == "mxfp8" else "dequantized"
+            label = "mxfp8 gemm" if mode == "mxfp8" else precision
+            report["runs"][precision] = train(work, precision, mesh=mesh, progress=progress, gemm=mode, label=label)
     finally:
         if progress is not None:
             progress.stop()
     m, b = report["runs"]["mxfp8"], report["runs"]["bf16"]
     report["weight_gather_ratio"] = m["weight_all_gather_bytes"] / b["weight_all_gather_bytes"]
     report["final_loss_difference"] = m["final_loss"] - b["final_loss"]
+    if m["validation_loss"] is not None:
+        report["validation_loss_difference"] = m["validation_loss"] - b["validation_loss"]
     return report
 
 
@@ -380,6 +464,7 @@ def print_report(report: dict, console=None) -> None:
         f"{m['bf16_units']} bf16 units ({m['eligible_elements']:,} weights) + {m['plain_elements']:,} other "
         f"params (fp32); {report['devices']} {report['platform']} devices, batch {report['batch']}, "
         f"{report['steps']} steps, quantize: {report['quantize_path']}"
+        + ("; the mxfp8 run's GEMMs in MXFP8" if report.get("gemm") == "mxfp8" else "")
     )
     runs = report["runs"]
     table = Table(title="per step and device; collectives read from the compiled HLO (loops counted per iteration)")
@@ -389,6 +474,11 @@ def print_report(report: dict, console=None) -> None:
     rows = [
         ("first loss", lambda n, r: f"{r['first_loss']:.4f}"),
         ("final loss (mean of last 10)", lambda n, r: f"{r['final_loss']:.4f}"),
+        *(
+            [("validation loss (held-out files)", lambda n, r: f"{r['validation_loss']:.4f}")]
+            if report["runs"]["mxfp8"].get("validation_loss") is not None
+            else []
+        ),
         ("weights all-gathered", lambda n, r: _kib(r["weight_all_gather_bytes"])),
         ("  as MXFP8 planes (8.25 bits)", lambda n, r: _kib(r["mxfp8_gather_bytes"])),
         ("  as bf16 (16 bits)", lambda n, r: _kib(r["bf16_gather_bytes"])),
@@ -404,7 +494,12 @@ def print_report(report: dict, console=None) -> None:
     console.print(
         f"MXFP8 gathers {report['weight_gather_ratio']:.3f}x the weight bytes of bf16 FSDP (its embedding "
         f"and head are bf16 units in both runs; MXFP8 units are padded to whole 32-row blocks per device); "
-        f"final loss differs by {report['final_loss_difference']:+.4f} from the bf16 baseline."
+        f"final loss differs by {report['final_loss_difference']:+.4f} from the bf16 baseline"
+        + (
+            f", validation loss by {report['validation_loss_difference']:+.4f}."
+            if "validation_loss_difference" in report
+            else "."
+        )
     )
 
 
@@ -445,6 +540,18 @@ def main(argv=None) -> int:
         help="under --tp > 1: the fused all-gather + RMSNorm + quantize (default) or all_gather then the local op",
     )
     p.add_argument(
+        "--data",
+        choices=DATA,
+        default="permutation",
+        help="the transformer's task: the synthetic permutation (default) or text (bytes of stdlib sources)",
+    )
+    p.add_argument(
+        "--gemm",
+        choices=("dequantized", "mxfp8"),
+        default="dequantized",
+        help="the MXFP8 run's GEMMs: on dequantized weights (default) or MXFP8 (E4M3 operands, block-scaled)",
+    )
+    p.add_argument(
         "--json",
         nargs="?",
         const="-",
@@ -481,6 +588,8 @@ def main(argv=None) -> int:
             layers=args.layers,
             tp=args.tp,
             norm_path=args.norm_path,
+            data=args.data,
+            gemm=args.gemm,
         )
     except ValueError as e:
         p.error(str(e))

@@ -538,6 +538,19 @@ class FSDP:
 
         return call
 
+    def eval_step(self, loss_fn: Callable) -> Callable:
+        """``fn(state, batch) -> loss``, jitted: the loss the training step would see (the same
+        gathers, precisions and GEMMs), the mean over devices; no gradient is computed (XLA
+        drops the backward), the state is not donated."""
+        grads_fn = self._grads_fn(loss_fn, False)
+        jitted = jax.jit(lambda state, batch: grads_fn(state, batch)[0])
+
+        def call(state, batch):
+            self._check_live(state)
+            return jitted(state, self.place_batch(batch))
+
+        return call
+
     def train_step(self, loss_fn: Callable, tx: optax.GradientTransformation, *, has_aux: bool = False) -> Callable:
         """``step(state, batch) -> (state, loss)`` (``(state, loss, aux)`` with ``has_aux``):
         gradients, the ``tx`` update on the shards, re-quantization. Jitted; the input state is
