@@ -401,9 +401,7 @@ def run(
     platform = devs[0].platform
     if gemm not in ("dequantized", "mxfp8"):
         raise ValueError(f"gemm={gemm!r} must be 'dequantized' or 'mxfp8'")
-    work = Workload(
-        model, hidden=hidden, layers=layers, seed=seed, steps=steps, tp=tp, norm_path=norm_path, data=data
-    )
+    work = Workload(model, hidden=hidden, layers=layers, seed=seed, steps=steps, tp=tp, norm_path=norm_path, data=data)
     report = {
         "model": model,
         "description": work.describe,

@@ -73,9 +73,12 @@ def _lowered_text(fsdp, batch, platform: str) -> str:
     lowered = fsdp.lower_train_step(loss_fn, tx, fsdp.abstract_state(tx), batch)
     if platform == "cpu":
         return lowered.as_text()
-    return jax.jit(fsdp._step(loss_fn, tx, False)).trace(fsdp.abstract_state(tx), batch).lower(
-        lowering_platforms=(platform,)
-    ).as_text()
+    return (
+        jax.jit(fsdp._step(loss_fn, tx, False))
+        .trace(fsdp.abstract_state(tx), batch)
+        .lower(lowering_platforms=(platform,))
+        .as_text()
+    )
 
 
 def _reachable(text: str, pattern: str) -> int:
@@ -201,9 +204,7 @@ def test_transformer_learns_text_with_mxfp8_gemms_as_with_bf16():
     bf16 FSDP, same weights, batches and schedule; validation losses within 1%."""
     from mxfp8_jax import demo
 
-    report = demo.run(
-        steps=24, hidden=128, layers=1, show_progress=False, data="text", gemm="mxfp8", devices=8
-    )
+    report = demo.run(steps=24, hidden=128, layers=1, show_progress=False, data="text", gemm="mxfp8", devices=8)
     m, b = report["runs"]["mxfp8"], report["runs"]["bf16"]
     assert m["gemm"] == "mxfp8" and b["gemm"] == "dequantized"
     first = report["runs"]["bf16"]["losses"][0]
@@ -212,3 +213,28 @@ def test_transformer_learns_text_with_mxfp8_gemms_as_with_bf16():
         m["validation_loss"],
         b["validation_loss"],
     )
+
+
+# ------------------------------------------------------------------------------------------------
+# The norm's MXFP8 planes are the GEMMs' operands
+
+
+@pytest.mark.parametrize("cfg_gemm, expected", [("mxfp8", 2 + 7 + 7), ("dequantized", 7 + 7 + 7)])
+def test_norm_planes_feed_the_gemms_without_a_quantize_of_their_own(mesh, cfg_gemm, expected):
+    """One block, no remat: the step's quantize calls (RMSNorm + quantize is a call of its own).
+    With the norms' columnwise planes (``TransformerConfig(gemm="mxfp8")``) the forward
+    quantizes only o's and down's inputs (2), the backward each unit's dy (7) and the update
+    each unit's new master shard (7): q/k/v and gate/up take the norm's planes as they are.
+    Without them, each of those five quantizes the norm's output for its wgrad (5 more)."""
+    from mxfp8_jax import models
+
+    cfg = models.TransformerConfig(
+        vocab=64, hidden=64, heads=2, head_dim=32, mlp=256, layers=1, remat=False, norm="mxfp8", gemm=cfg_gemm
+    )
+    model = nnx.eval_shape(lambda: models.TransformerLM(cfg, rngs=nnx.Rngs(0)))
+    batch = jax.ShapeDtypeStruct((mesh.size * 2, 33), jnp.int32)
+    fsdp = mxflax.FSDP(model, mesh, loss_fn=models.next_token_loss, example_batch=batch, gemm="mxfp8")
+    tx = optax.sgd(0.1)
+    text = fsdp.lower_train_step(models.next_token_loss, tx, fsdp.abstract_state(tx), batch).as_text()
+    assert len(fsdp.mxfp8_units) == 7
+    assert _reachable(text, r"custom_call @mxfp8_quantize\(") == expected

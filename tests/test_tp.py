@@ -32,14 +32,14 @@ def task_batches():
     return [models.next_token_pairs(t) for t in task.batches(10, BATCH)]
 
 
-def plan(model, devs, shape, cfg=CFG):
+def plan(model, devs, shape, cfg=CFG, **kw):
     if cfg is not CFG:
         model = models.init_transformer(cfg, seed=0)
     if shape == (8,):
-        return model, FSDP(model, Mesh(np.array(devs), ("fsdp",)))
+        return model, FSDP(model, Mesh(np.array(devs), ("fsdp",)), **kw)
     if shape == (1,):
-        return model, FSDP(model, Mesh(np.array(devs[:1]), ("fsdp",)))
-    return model, FSDP(model, Mesh(np.array(devs).reshape(shape), ("fsdp", "tp")), tp_axis="tp")
+        return model, FSDP(model, Mesh(np.array(devs[:1]), ("fsdp",)), **kw)
+    return model, FSDP(model, Mesh(np.array(devs).reshape(shape), ("fsdp", "tp")), tp_axis="tp", **kw)
 
 
 def losses(model, fsdp, batches, steps):
@@ -84,6 +84,18 @@ def test_loss_trajectory_matches_fsdp_only(runs):
     # gathered activations is rounded to bf16 before the sum over tp (test below: ~0.5% of
     # the largest element); adam and the re-quantized MXFP8 weights carry that into the
     # losses at ~1e-3 within 10 steps (measured: at most 1.1e-3 relative).
+    np.testing.assert_allclose(got, want, rtol=2e-3)
+
+
+def test_mxfp8_gemms_from_the_fused_op_match_fsdp_only(cpu_devices, task_batches):
+    """FSDP(gemm="mxfp8") with the norms' planes as the q/k/v and gate/up GEMMs' operands (the
+    fused op's rowwise planes for the forward, its columnwise ones for the wgrad): the (4, 2)
+    run follows the (8,) run as the dequantized-GEMM runs do (the same bf16 partial sums)."""
+    cfg = models.TransformerConfig(**{**CFG.__dict__, "gemm": "mxfp8"})
+    example = dict(loss_fn=models.next_token_loss, example_batch=task_batches[0], gemm="mxfp8")
+    got = losses(*plan(None, cpu_devices, (4, 2), cfg, **example), task_batches, 6)
+    want = losses(*plan(None, cpu_devices, (8,), cfg, **example), task_batches, 6)
+    assert want[-1] < 0.95 * want[0]  # it learns
     np.testing.assert_allclose(got, want, rtol=2e-3)
 
 

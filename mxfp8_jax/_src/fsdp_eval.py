@@ -33,6 +33,7 @@ import numpy as np
 from jax import lax
 from jax.extend import core as jcore
 
+from mxfp8_jax._src import mxfp8_gemm
 from mxfp8_jax._src.fsdp_trace import (
     INLINED_CALLS,
     LOOKUP_PRIMITIVES,
@@ -115,6 +116,9 @@ def _output(x, how: str):
 
 
 class _Evaluator:
+    def __init__(self) -> None:
+        self.operands: dict = {}  # values marked by mxfp8_gemm.gemm_operand: their planes
+
     def eval(self, jaxpr: jcore.Jaxpr, consts, args, gathered: dict | None = None) -> list:
         """``jaxpr`` on ``consts`` and ``args``. ``gathered``: the plain parameters gathered so
         far in this trace (shared with inlined calls; a scan body or a rematerialised region
@@ -146,6 +150,8 @@ class _Evaluator:
                 outs = self.symbolic(eqn, ins, materialize, gathered)
             else:
                 outs = bind(eqn, ins)
+                if eqn.primitive in INLINED_CALLS and eqn.params.get("name") == mxfp8_gemm.OPERAND:
+                    self.operands[eqn.outvars[0]] = mxfp8_gemm.GivenOperand.from_call(ins)
             for v, x in zip(eqn.outvars, outs):
                 if not isinstance(v, jcore.DropVar):
                     env[v] = x
@@ -175,7 +181,9 @@ class _Evaluator:
             act = materialize(ins[1 - position], None)
             transposed = self._transposed(unit, params["dimension_numbers"], position)
             op = UnitOp(unit.geometry, unit.dtype, unit.ops, prim, dict(params), position, transposed, unit.gemm)
-            return [unit_gemm(op, act, unit.leaves)]
+            var = eqn.invars[1 - position]
+            given = self.operands.get(var) if isinstance(var, jcore.Var) else None
+            return [unit_gemm(op, act, unit.leaves, given)]
         if len(units) == 1 and ins[0] is unit and prim in LOOKUP_PRIMITIVES:
             others = tuple(materialize(x, None) for x in ins[1:])
             op = UnitOp(unit.geometry, unit.dtype, unit.ops, prim, dict(params), 0)

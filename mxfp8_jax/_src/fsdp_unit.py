@@ -212,11 +212,18 @@ class UnitOp:
         return self.prim.bind(*operands, **self.params)
 
 
-def unit_gemm(op: UnitOp, act: jax.Array, leaves: tuple) -> jax.Array:
+def unit_gemm(op: UnitOp, act: jax.Array, leaves: tuple, given=None) -> jax.Array:
     """The ``dot_general`` of ``op`` with the unit as one operand and ``act`` the other, run on
-    this device's shards ``leaves`` (``(master, *planes)``): one ``custom_vjp``."""
+    this device's shards ``leaves`` (``(master, *planes)``): one ``custom_vjp``. ``given``: the
+    MXFP8 planes of ``act`` when it is one (``mxfp8_gemm.GivenOperand``), used by MXFP8 GEMMs
+    whose activation is the marked value itself, rows by tokens and K last."""
     if op.gemm is not None and op.geometry.precision == "mxfp8":
-        return _mx_gemm(op, _Canonical.of(op, act), act, leaves[0], tuple(leaves[1:]))
+        canon = _Canonical.of(op, act)
+        if given is not None and not canon.takes(given, act):
+            given = None
+        order = None if given is None else given.order
+        arrays = None if given is None else given.arrays
+        return _mx_gemm(op, canon, order, act, leaves[0], tuple(leaves[1:]), arrays)
     return _gemm(op, act, leaves[0], tuple(leaves[1:]))
 
 
@@ -269,24 +276,34 @@ _gemm.defvjp(_gemm_fwd, _gemm_bwd)
 # MXFP8 GEMMs (``FSDP(gemm="mxfp8")``)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _mx_gemm(op: UnitOp, canon: _Canonical, act, master, planes):
-    return _mx_gemm_fwd(op, canon, act, master, planes)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
+def _mx_gemm(op: UnitOp, canon: _Canonical, order, act, master, planes, given):
+    return _mx_gemm_fwd(op, canon, order, act, master, planes, given)[0]
 
 
-def _mx_gemm_fwd(op: UnitOp, canon: _Canonical, act, master, planes):
+def _mx_gemm_fwd(op: UnitOp, canon: _Canonical, order, act, master, planes, given):
     local = after(_local(op, master, planes, backward=False), act)
-    y, x_col = mxfp8_gemm.forward(canon.act_to_x(act), _weight(op.geometry, local, op.transposed), op.gemm)
+    w = _weight(op.geometry, local, op.transposed)
+    if given is None:
+        y, x_col = mxfp8_gemm.forward(canon.act_to_x(act), w, op.gemm)
+    else:  # x is MXFP8 already: its rowwise planes go into the GEMM as they are
+        normed, codes, scales, cq, cs = given
+        rows = lambda a: a.reshape(1, -1, a.shape[-1])
+        y = mxfp8_gemm.scaled_matmul(rows(codes), rows(scales), *w, path=op.gemm.path)
+        if cq is not None:  # and its columnwise planes are the wgrad's x
+            x_col = mxfp8_gemm.Quantized(None, (rows(mxfp8_gemm.as_bytes(cq)), rows(cs)), canon.m)
+        else:
+            x_col = mxfp8_gemm.quantize_tokens(canon.act_to_x(normed), op.gemm.scale_rule, rowwise=False)
     # saved: x's columnwise planes (8.25 bits a value) and the LOCAL planes of the dgrad
     return canon.y_to_out(y), (x_col, _local(op, master, planes, backward=True))
 
 
-def _mx_gemm_bwd(op: UnitOp, canon: _Canonical, residuals, dy):
+def _mx_gemm_bwd(op: UnitOp, canon: _Canonical, order, residuals, dy):
     x_col, local = residuals
     local = after(local, dy)  # the backward gather waits for the gradient that needs it
     w_t = _weight(op.geometry, local, not op.transposed)
-    dx, dv = mxfp8_gemm.backward(canon.out_to_y(dy), x_col, w_t, op.gemm)
-    return canon.x_to_act(dx), _scatter_rows(op.geometry, canon.v_to_w(dv)), None
+    dx, dv = mxfp8_gemm.backward(canon.out_to_y(dy), x_col, w_t, op.gemm, order=order)
+    return canon.x_to_act(dx), _scatter_rows(op.geometry, canon.v_to_w(dv)), None, None
 
 
 _mx_gemm.defvjp(_mx_gemm_fwd, _mx_gemm_bwd)
@@ -390,7 +407,9 @@ class _Canonical:
         if pos == 0:
             y_perm = (*range(nb), *range(nb + na, nb + na + nu), *range(nb, nb + na))
         v_aval = jax.ShapeDtypeStruct((*batch, n, k), jnp.float32)
-        out = jax.eval_shape(lambda a, w: op.bind(op.value(w), (a,)), jax.ShapeDtypeStruct(act.shape, act.dtype), v_aval)
+        out = jax.eval_shape(
+            lambda a, w: op.bind(op.value(w), (a,)), jax.ShapeDtypeStruct(act.shape, act.dtype), v_aval
+        )
         return cls(
             act_perm=act_perm,
             act_sizes=tuple(act.shape[a] for a in act_perm),
@@ -408,6 +427,13 @@ class _Canonical:
             transposed=op.transposed,
             w_shape=(*batch, n, k),
         )
+
+    def takes(self, given, act) -> bool:
+        """Whether ``given`` planes (of ``act`` as it is) can be this GEMM's x: tokens by rows,
+        K last, in order, no batch axes."""
+        codes = given.arrays[1]
+        plain = self.act_perm == tuple(range(len(self.act_perm))) and self.b == 1 and self.pc is None
+        return plain and tuple(codes.shape) == tuple(act.shape)
 
     def act_to_x(self, act: jax.Array) -> jax.Array:
         """The layer's activation -> ``x [B, M, C]``, C in ``W``'s order."""

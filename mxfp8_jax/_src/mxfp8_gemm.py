@@ -12,7 +12,9 @@ accumulated in fp32. Two paths compute it (``PATHS``):
              MXFP8 GEMM on Blackwell, XLA's expansion on Hopper), on ROCm the ``xla.scaled_dot``
              composite; the operands reach it as E4M3 and E8M0, never dequantized first
     exact    both operands dequantized exactly to fp32 (a product of two 4-bit significands is
-             exact in fp32) and one fp32 ``dot_general``: fp32 accumulation, as native
+             exact in fp32; each row shifted by a power of two so that no value of a row with
+             normal values is an fp32 subnormal, which XLA:CPU's dot reads as zero) and one
+             fp32 ``dot_general``: fp32 accumulation, as native
 
 ``"auto"`` takes native on every lowering platform that has it (``NATIVE_PLATFORMS``) and exact
 elsewhere (``lax.platform_dependent``: one jitted step serves CPU and GPU); ``"native"`` where
@@ -28,6 +30,12 @@ The training recipe (Transformer Engine's MXFP8BlockScaling; ``y = x W^T``, ``x 
 Activations and gradients are quantized by the project's quantize (the kernel where built):
 the same bytes as every other quantize of the package. Quantization is the identity for the
 gradient (straight-through).
+
+An activation that is already MXFP8 (the planes of RMSNorm + quantize, or of the fused
+all-gather + RMSNorm + quantize) is handed to the GEMMs as it is by ``gemm_operand``: its value
+is the dequantized rowwise planes (what any other consumer reads), and an FSDP step with
+``gemm="mxfp8"`` gives the planes themselves to the unit GEMMs that read it, the columnwise
+ones as the wgrad's x.
 """
 
 from __future__ import annotations
@@ -36,6 +44,7 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from mxfp8_jax._src import format as fmt
@@ -112,15 +121,48 @@ def _native(a, sa, w, sw):
 
 
 def _exact(a, sa, w, sw):
-    fa, fw = dequantized(a, sa), dequantized(w, sw)
+    """The fp32 dot of the exactly dequantized operands, each row shifted by a power of two
+    first (its largest finite block scale to 2^0) and the result shifted back: the same fp32
+    numbers wherever nothing under- or overflows, and no operand value below 2^-126 (an fp32
+    subnormal, read as zero by XLA:CPU's dot) or above fp32's range where its row has normal
+    values, so a product that fits in fp32 is kept as the native GEMM keeps it."""
+    ea, ew = _row_exponent(sa), _row_exponent(sw)  # [B, M, 1], [B, N, 1]
+    fa, fw = _shifted(a, sa, ea), _shifted(w, sw, ew)
     dims = (((2,), (2,)), ((0,), (0,)))
-    return lax.dot_general(fa, fw, dims, precision=lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
+    y = lax.dot_general(fa, fw, dims, precision=lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
+    shift = ea + jnp.swapaxes(ew, 1, 2) - 254  # [B, M, N]: 2^(ea - 127) * 2^(ew - 127)
+    first = jnp.clip(shift, -126, 127)
+    return y * _pow2(first) * _pow2(jnp.clip(shift - first, -126, 127))
 
 
-def dequantized(codes, scales) -> jax.Array:
-    """Codes ``[..., C]`` E4M3 with scales ``[..., C/32]`` -> exact fp32 values."""
+def _row_exponent(scales) -> jax.Array:
+    """The largest finite (not 0xFF) scale byte of each row, int32 ``[..., 1]``."""
+    s = scales.astype(jnp.int32)
+    return jnp.max(jnp.where(s == 0xFF, 0, s), axis=-1, keepdims=True)
+
+
+def _shifted(codes, scales, exponent) -> jax.Array:
+    """The operand's fp32 values times 2^(127 - exponent) (NaN scales stay NaN)."""
+    s = scales.astype(jnp.int32)
+    byte = jnp.where(s == 0xFF, 0xFF, s - exponent + 127)
+    return lax.bitcast_convert_type(fmt.scaled_to_bits(codes, jnp.repeat(byte, BLOCK, axis=-1)), jnp.float32)
+
+
+def _pow2(e) -> jax.Array:
+    """2^e as fp32 for integer ``e`` in [-126, 127], built from its bits."""
+    return lax.bitcast_convert_type(((e + 127).astype(jnp.uint32) << 23), jnp.float32)
+
+
+def dequantized(codes, scales, dtype=jnp.float32) -> jax.Array:
+    """Codes ``[..., C]`` E4M3 with scales ``[..., C/32]`` -> exact fp32 values (or ``dtype``,
+    rounded to nearest even, as ``mx.dequantize``)."""
     bits = fmt.scaled_to_bits(_codes(codes), jnp.repeat(_scale_bytes(scales), BLOCK, axis=-1))
-    return lax.bitcast_convert_type(bits, jnp.float32)
+    return fmt.f32_bits_to(bits, dtype)
+
+
+def as_bytes(codes) -> jax.Array:
+    """E4M3 codes as their uint8 bytes (bytes unchanged)."""
+    return codes if codes.dtype == jnp.uint8 else lax.bitcast_convert_type(_codes(codes), jnp.uint8)
 
 
 def _codes(x) -> jax.Array:
@@ -185,9 +227,11 @@ def quantize_tokens(x: jax.Array, rule: fmt.ScaleRule, *, rowwise: bool = True, 
     if mp != m:
         x = jnp.pad(x, ((0, 0), (0, mp - m), (0, 0)))
     t = quantize(x.reshape(b * mp, c), rowwise=rowwise, columnwise=columnwise, scale_rule=rule.value)
-    u8 = lambda q: lax.bitcast_convert_type(q, jnp.uint8)
-    row = (u8(t.rowwise_data).reshape(b, mp, c), t.rowwise_scale.reshape(b, mp, c // BLOCK)) if rowwise else None
-    col = (u8(t.columnwise_data).reshape(b, mp, c), t.columnwise_scale.reshape(b, mp // BLOCK, c)) if columnwise else None
+    row = col = None
+    if rowwise:
+        row = (as_bytes(t.rowwise_data).reshape(b, mp, c), t.rowwise_scale.reshape(b, mp, c // BLOCK))
+    if columnwise:
+        col = (as_bytes(t.columnwise_data).reshape(b, mp, c), t.columnwise_scale.reshape(b, mp // BLOCK, c))
     return Quantized(row, col, m)
 
 
@@ -211,10 +255,82 @@ def forward(x: jax.Array, w_row, mode: GemmMode) -> tuple[jax.Array, Quantized]:
     return y, dataclasses.replace(q, row=None)
 
 
-def backward(dy: jax.Array, x_col: Quantized, w_col_t, mode: GemmMode) -> tuple[jax.Array, jax.Array]:
+def backward(dy: jax.Array, x_col: Quantized, w_col_t, mode: GemmMode, *, order=None) -> tuple[jax.Array, jax.Array]:
     """``(dx, dW)`` in fp32 from ``dy [B, M, N]``, x's saved columnwise planes and W's
-    columnwise operand ``[B, K, N]`` (``weight_operand(columnwise=True)``)."""
-    q = quantize_tokens(dy, mode.scale_rule)
+    columnwise operand ``[B, K, N]`` (``weight_operand(columnwise=True)``). ``order=(p, b, s)``:
+    x's columnwise planes hold the tokens in the order ``[p, b, s]`` of dy's ``[b, p * s]``
+    (``gemm_operand``): dy's columnwise planes are made in that order, so the blocks pair up."""
+    if order is None:
+        q = quantize_tokens(dy, mode.scale_rule)
+        col = q
+    else:
+        q = quantize_tokens(dy, mode.scale_rule, columnwise=False)
+        p, b, s = order
+        bt, m, n = dy.shape
+        reordered = dy.reshape(b, p, s, n).transpose(1, 0, 2, 3).reshape(1, m, n)
+        col = quantize_tokens(reordered, mode.scale_rule, rowwise=False)
     dx = scaled_matmul(*q.rowwise(), *w_col_t, path=mode.path)
-    dw = scaled_matmul(*q.columnwise_t(), *x_col.columnwise_t(), path=mode.path)
+    dw = scaled_matmul(*col.columnwise_t(), *x_col.columnwise_t(), path=mode.path)
     return dx, dw
+
+
+# ------------------------------------------------------------------------------------------------
+# Activations that are MXFP8 already
+
+OPERAND = "mxfp8_gemm_operand"  # the name of the jitted call that marks one in a traced loss
+
+
+@jax.custom_vjp
+def straight_through(value: jax.Array, carrier: jax.Array) -> jax.Array:
+    """``value`` forward; its cotangent goes to ``carrier`` (same shape): a dequantized MXFP8
+    activation computed, the bf16 values it rounds differentiated."""
+    return value
+
+
+straight_through.defvjp(lambda value, carrier: (value, None), lambda _, ct: (None, ct.astype(jnp.bfloat16)))
+
+
+def gemm_operand(normed, codes, scales, columnwise=None, *, order: tuple[int, int, int] | None = None) -> jax.Array:
+    """The activation ``normed [..., K]`` bf16 as GEMMs read it, given its MXFP8 planes:
+    rowwise ``codes [..., K]`` (E4M3 or bytes) and ``scales [..., K/32]`` in ``normed``'s layout,
+    and optionally its columnwise planes ``(codes [M, K], scales [M/32, K])`` over the ``M``
+    rows, in ``normed``'s row order or, with ``order=(p, b, s)``, in the order ``[p, b, s]`` of
+    rows that ``normed`` holds as ``[b, p * s]`` (the rows a sequence-parallel all-gather
+    returns, before they are put back into sequences).
+
+    Returns the dequantized rowwise planes as bf16, differentiated as ``normed``. Inside an
+    ``FSDP(gemm="mxfp8")`` step, a unit GEMM reading it takes the planes directly (no quantize
+    of its own, no dequantize); anywhere else it is the value, as ``mx.dequantize`` gives it.
+    """
+    cq, cs = (None, None) if columnwise is None else columnwise
+    if order is not None and columnwise is None:
+        raise ValueError("order= describes the rows of the columnwise planes: pass columnwise=(codes, scales) too")
+    shape = np.zeros((*order, 0), np.uint8) if order is not None else np.zeros((0,), np.uint8)
+    return _operand(normed, codes, scales, cq, cs, shape)
+
+
+def _operand_value(normed, codes, scales, col_codes, col_scales, order):
+    value = dequantized(codes, scales, jnp.bfloat16)
+    return straight_through(lax.stop_gradient(value), normed)
+
+
+_operand_value.__name__ = OPERAND
+_operand = jax.jit(_operand_value)
+
+
+@dataclasses.dataclass(frozen=True)
+class GivenOperand:
+    """The planes of an activation marked by ``gemm_operand``, as a unit GEMM receives them:
+    ``arrays = (normed, codes, scales, col_codes, col_scales)`` (the last two may be None) and
+    the static row ``order`` of the columnwise planes (None: the value's)."""
+
+    arrays: tuple
+    order: tuple | None
+
+    @classmethod
+    def from_call(cls, ins) -> GivenOperand:
+        """From the operands of a ``gemm_operand`` call (its None planes are no operands)."""
+        normed, codes, scales, *col, order = ins
+        if not col:  # no columnwise planes: the GEMM makes x's own, in the value's order
+            return cls((normed, codes, scales, None, None), None)
+        return cls((normed, codes, scales, *col), tuple(order.shape[:-1]) if order.ndim == 4 else None)

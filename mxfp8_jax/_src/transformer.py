@@ -8,8 +8,10 @@ under ``nnx.remat``), a final RMSNorm and an ``nnx.Linear`` LM head. ``FSDP`` ke
 projection (and the head, when the vocabulary is a multiple of 32) as MXFP8 units.
 
 With ``norm="mxfp8"`` each block's two norms are MXFP8 RMSNorm + quantize ops whose output
-feeds the next GEMMs (dequantized: CPUs and Hopper have no MXFP8 GEMM), and the residual
-stream is bf16. Run by ``FSDP(..., tp_axis=cfg.tp_axis)`` on a 2-D ``(fsdp, tp)`` mesh, the
+feeds the next GEMMs (``mxfp8_gemm.gemm_operand``: read as its dequantized value by GEMMs on
+dequantized weights, as its planes by ``FSDP(gemm="mxfp8")``'s MXFP8 GEMMs), and the residual
+stream is bf16. ``gemm="mxfp8"`` asks the norms for the columnwise planes too, the wgrad's x.
+Run by ``FSDP(..., tp_axis=cfg.tp_axis)`` on a 2-D ``(fsdp, tp)`` mesh, the
 blocks are sequence- and tensor-parallel (Megatron-style): activations between blocks are
 split along the sequence over ``tp``; each norm is ``allgather_rmsnorm_quant`` over ``tp``
 (``norm_path="fused"``; ``"unfused"``: ``lax.all_gather`` + ``rmsnorm_quant``), whose
@@ -39,12 +41,12 @@ from jax import lax
 from mxfp8_jax._src import checks
 from mxfp8_jax._src.flax_layers import tensor_parallel
 from mxfp8_jax._src.fused import allgather_rmsnorm_quant_local
-from mxfp8_jax._src.quantize import dequantize
+from mxfp8_jax._src.mxfp8_gemm import gemm_operand
 from mxfp8_jax._src.rmsnorm import rmsnorm_quant
-from mxfp8_jax._src.tensor import MXFP8Tensor
 
 NORMS = ("nnx", "mxfp8")
 NORM_PATHS = ("fused", "unfused")
+GEMMS = ("dequantized", "mxfp8")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,6 +67,7 @@ class TransformerConfig:
     tp_axis: str = "tp"  # the mesh axis of sequence/tensor parallelism, when it is bound
     norm_path: str = "fused"  # under tp: "fused" allgather_rmsnorm_quant, or "unfused"
     strategy: str = "auto"  # the fused op's strategy
+    gemm: str = "dequantized"  # "mxfp8": the norms' columnwise planes too (FSDP(gemm="mxfp8")'s wgrad)
 
     def __post_init__(self):
         for name in ("vocab", "hidden", "heads", "head_dim", "mlp", "layers"):
@@ -75,6 +78,8 @@ class TransformerConfig:
             raise ValueError(f"TransformerConfig.norm={self.norm!r} must be one of {NORMS}")
         if self.norm_path not in NORM_PATHS:
             raise ValueError(f"TransformerConfig.norm_path={self.norm_path!r} must be one of {NORM_PATHS}")
+        if self.gemm not in GEMMS:
+            raise ValueError(f"TransformerConfig.gemm={self.gemm!r} must be one of {GEMMS}")
 
 
 def tp_size(axis: str) -> int:
@@ -84,16 +89,6 @@ def tp_size(axis: str) -> int:
         return int(lax.axis_size(axis))
     except NameError:  # unbound: no tensor parallelism here
         return 1
-
-
-@jax.custom_vjp
-def straight_through(value: jax.Array, carrier: jax.Array) -> jax.Array:
-    """``value`` forward; its cotangent goes to ``carrier`` (same shape): the dequantized MXFP8
-    activation computed, the bf16 ``normed`` it rounds differentiated."""
-    return value
-
-
-straight_through.defvjp(lambda value, carrier: (value, None), lambda _, ct: (None, ct.astype(jnp.bfloat16)))
 
 
 def rope(x: jax.Array, base: float) -> jax.Array:
@@ -169,25 +164,32 @@ class Block(nnx.Module):
         return x + self.mlp(self.mlp_norm(x)).astype(x.dtype)
 
     def _norm_quant(self, norm: nnx.RMSNorm, x: jax.Array) -> tuple[jax.Array, jax.Array]:
-        """``x [batch, seq, hidden]`` bf16 (this device's sequence shard under tp) -> the
-        dequantized MXFP8 RMSNorm of the whole sequence ``[batch, tp * seq, hidden]`` (its
-        gradient through ``normed``) and the skip connection ``[batch, seq, hidden]``."""
+        """``x [batch, seq, hidden]`` bf16 (this device's sequence shard under tp) -> the MXFP8
+        RMSNorm of the whole sequence ``[batch, tp * seq, hidden]`` as the next GEMMs' operand
+        (``gemm_operand``: its gradient through ``normed``) and the skip connection
+        ``[batch, seq, hidden]``."""
         cfg, tp = self.cfg, tp_size(self.cfg.tp_axis)
         b, s, h = x.shape
         rows = x.reshape(b * s, h).astype(jnp.bfloat16)
         gamma = norm.scale.get_value().astype(jnp.bfloat16)
+        col = cfg.gemm == "mxfp8"
         if tp == 1:
-            normed, q, scales = rmsnorm_quant(rows, gamma, eps=cfg.eps)
-            return _dequantized(q, scales, normed).reshape(b, s, h), rows.reshape(b, s, h)
+            normed, q, scales, *planes = rmsnorm_quant(rows, gamma, eps=cfg.eps, columnwise=col)
+            act = gemm_operand(*(a.reshape(b, s, -1) for a in (normed, q, scales)), tuple(planes) or None)
+            return act, rows.reshape(b, s, h)
         if cfg.norm_path == "fused":
-            normed, q, scales, residual = allgather_rmsnorm_quant_local(
-                rows, gamma, axis_name=cfg.tp_axis, eps=cfg.eps, strategy=cfg.strategy
+            normed, q, scales, residual, *planes = allgather_rmsnorm_quant_local(
+                rows, gamma, axis_name=cfg.tp_axis, eps=cfg.eps, strategy=cfg.strategy, columnwise=col
             )
         else:
             residual = lax.all_gather(rows, cfg.tp_axis, tiled=True)
-            normed, q, scales = rmsnorm_quant(residual, gamma, eps=cfg.eps)
-        # gathered rows are [tp, batch, seq]: the whole sequences are [batch, tp * seq]
-        act = _dequantized(q, scales, normed).reshape(tp, b, s, h).transpose(1, 0, 2, 3).reshape(b, tp * s, h)
+            normed, q, scales, *planes = rmsnorm_quant(residual, gamma, eps=cfg.eps, columnwise=col)
+        # gathered rows are [tp, batch, seq]: the whole sequences are [batch, tp * seq]; the
+        # columnwise planes stay in gathered order (their 32-row blocks), and say so
+        seqs = lambda a: a.reshape(tp, b, s, -1).transpose(1, 0, 2, 3).reshape(b, tp * s, -1)
+        act = gemm_operand(
+            seqs(normed), seqs(q), seqs(scales), tuple(planes) or None, order=(tp, b, s) if planes else None
+        )
         skip = lax.dynamic_index_in_dim(residual.reshape(tp, b, s, h), lax.axis_index(cfg.tp_axis), keepdims=False)
         return act, skip
 
@@ -200,16 +202,6 @@ class Block(nnx.Module):
             y = y.reshape(b, tp, s // tp, h).transpose(1, 0, 2, 3)
             y = lax.psum_scatter(y, self.cfg.tp_axis, scatter_dimension=0, tiled=False)
         return y.astype(jnp.bfloat16)
-
-
-def _dequantized(q: jax.Array, scales: jax.Array, normed: jax.Array) -> jax.Array:
-    """The MXFP8 activation as the GEMMs read it; differentiated as ``normed`` (the planes carry
-    no gradient)."""
-    q, scales = lax.stop_gradient(q), lax.stop_gradient(scales)
-    t = MXFP8Tensor(
-        rowwise_data=q, rowwise_scale=scales, columnwise_data=None, columnwise_scale=None, shape=tuple(q.shape)
-    )
-    return straight_through(dequantize(t, dtype=jnp.bfloat16), normed)
 
 
 class TransformerLM(nnx.Module):
