@@ -10,6 +10,10 @@
     state, loss = step(state, batch)
     model = fsdp.gather(state)
 
+``FSDP(..., gemm="mxfp8")`` runs the MXFP8 units' GEMMs in MXFP8 too (``gemm_paths()``: the
+path each platform takes); ``gemm_operand`` hands an activation that is MXFP8 already (an
+RMSNorm + quantize's planes) to those GEMMs as it is.
+
 See ``mxfp8_jax._src.flax_fsdp`` for what a step does and communicates, ``fsdp_plan`` for
 what each parameter becomes, and ``fsdp_unit`` for one unit's gathers.
 """
@@ -18,9 +22,12 @@ from mxfp8_jax._src.flax_fsdp import FSDP, TrainState, UnitPlanes
 from mxfp8_jax._src.flax_layers import Kernel, Linear, tensor_parallel
 from mxfp8_jax._src.fsdp_plan import KINDS, ROLES, ParamInfo
 from mxfp8_jax._src.fsdp_unit import PRECISIONS, UnitGeometry
+from mxfp8_jax._src.mxfp8_gemm import GEMM_PATHS, GEMMS, gemm_operand, gemm_paths
 
 __all__ = [
     "FSDP",
+    "GEMMS",
+    "GEMM_PATHS",
     "KINDS",
     "PRECISIONS",
     "ROLES",
@@ -30,5 +37,7 @@ __all__ = [
     "TrainState",
     "UnitGeometry",
     "UnitPlanes",
+    "gemm_operand",
+    "gemm_paths",
     "tensor_parallel",
 ]

@@ -286,6 +286,38 @@ MUTANTS = (
         ),
         ("tests/test_flax.py::test_sharded_gradients_match_single_device_reference",),
     ),
+    # -- MXFP8 GEMMs ----------------------------------------------------------------------------
+    Mutant(
+        "gemm-contraction-in-dot-order",
+        "MXFP8 GEMM: x's contracted axes kept in the layer's dot order, not the kernel's (blocks of K mismatched)",
+        (("_src/fsdp_unit.py", "return x if self.pc is None else x[..., np.argsort(self.pc)]", "return x"),),
+        ("tests/test_mxfp8_gemm.py::test_fsdp_mxfp8_einsum_kernels_of_several_axes",),
+    ),
+    Mutant(
+        "gemm-exact-unshifted",
+        "exact MXFP8 GEMM: operands dequantized without the row shift (tiny values flushed by the CPU dot)",
+        (
+            ("_src/mxfp8_gemm.py", "byte = jnp.where(s == 0xFF, 0xFF, s - exponent + 127)", "byte = s"),
+            (
+                "_src/mxfp8_gemm.py",
+                "shift = ea + jnp.swapaxes(ew, 1, 2) - 254",
+                "shift = 0 * (ea + jnp.swapaxes(ew, 1, 2))",
+            ),
+        ),
+        ("tests/test_mxfp8_gemm.py::test_operand_values_outside_the_fp32_normal_range_still_multiply",),
+    ),
+    Mutant(
+        "gemm-wgrad-rows-in-value-order",
+        "MXFP8 GEMM from the fused op: dy's columnwise planes made in the value's row order, x's in the gathered order",
+        (
+            (
+                "_src/mxfp8_gemm.py",
+                "    if order is None:\n        q = quantize_tokens(dy",
+                "    if True:\n        q = quantize_tokens(dy",
+            ),
+        ),
+        ("tests/test_tp.py::test_mxfp8_gemms_from_the_fused_op_match_fsdp_only",),
+    ),
 )
 
 

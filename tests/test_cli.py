@@ -173,6 +173,9 @@ def test_bench_quick_runs_every_case(tmp_path):
         (["--devices", "0"], "--devices=0 must be at least 1"),
         (["--layers", "0"], "--layers=0 must be at least 1"),
         (["--model", "cnn"], "invalid choice: 'cnn'"),
+        (["--gemm", "fp4"], "invalid choice: 'fp4'"),
+        (["--data", "images"], "invalid choice: 'images'"),
+        (["--model", "mlp", "--data", "text"], "data='text' is a language-modelling task"),
     ],
 )
 def test_demo_flag_errors(argv, message, capsys):
@@ -191,6 +194,8 @@ def test_demo_run_checks_arguments():
         demo.run(steps=1, model="cnn", show_progress=False)
     with pytest.raises(ValueError, match="layers=0 must be a positive int"):
         demo.run(steps=1, layers=0, show_progress=False)
+    with pytest.raises(ValueError, match="gemm='fp8' must be 'dequantized' or 'mxfp8'"):
+        demo.run(steps=1, gemm="fp8", show_progress=False)
 
 
 def test_hlo_collective_accounting():

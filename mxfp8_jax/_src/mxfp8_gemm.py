@@ -51,14 +51,18 @@ from mxfp8_jax._src import format as fmt
 from mxfp8_jax._src.format import BLOCK
 from mxfp8_jax._src.quantize import quantize
 
-PATHS = ("auto", "native", "exact")
+PATHS = GEMM_PATHS = ("auto", "native", "exact")
 NATIVE_PLATFORMS = ("cuda", "rocm")
-MODES = ("dequantized", "mxfp8")
+MODES = GEMMS = ("dequantized", "mxfp8")
 
 
 def gemm_paths() -> dict[str, str]:
-    """The path ``"auto"`` takes on each platform jax knows: ``{"cpu": "exact", "cuda":
-    "native", "rocm": "native"}``."""
+    """The path ``gemm_path="auto"`` takes on each platform.
+
+    Returns:
+      ``{"cpu": "exact", "cuda": "native", "rocm": "native"}``: native is the platform's
+      block-scaled GEMM (``jax.nn.scaled_matmul``), exact the dequantized fp32 product.
+    """
     return {p: ("native" if p in NATIVE_PLATFORMS else "exact") for p in ("cpu", *NATIVE_PLATFORMS)}
 
 
@@ -291,16 +295,25 @@ straight_through.defvjp(lambda value, carrier: (value, None), lambda _, ct: (Non
 
 
 def gemm_operand(normed, codes, scales, columnwise=None, *, order: tuple[int, int, int] | None = None) -> jax.Array:
-    """The activation ``normed [..., K]`` bf16 as GEMMs read it, given its MXFP8 planes:
-    rowwise ``codes [..., K]`` (E4M3 or bytes) and ``scales [..., K/32]`` in ``normed``'s layout,
-    and optionally its columnwise planes ``(codes [M, K], scales [M/32, K])`` over the ``M``
-    rows, in ``normed``'s row order or, with ``order=(p, b, s)``, in the order ``[p, b, s]`` of
-    rows that ``normed`` holds as ``[b, p * s]`` (the rows a sequence-parallel all-gather
-    returns, before they are put back into sequences).
+    """The activation ``normed`` as MXFP8 GEMMs read it, given its MXFP8 planes.
 
-    Returns the dequantized rowwise planes as bf16, differentiated as ``normed``. Inside an
-    ``FSDP(gemm="mxfp8")`` step, a unit GEMM reading it takes the planes directly (no quantize
-    of its own, no dequantize); anywhere else it is the value, as ``mx.dequantize`` gives it.
+    Inside an ``FSDP(gemm="mxfp8")`` step, a unit GEMM that reads the returned value itself
+    takes the planes directly: the rowwise ones as its x (no quantize of its own, no
+    dequantize), the columnwise ones as its wgrad's x. Anywhere else (other GEMMs, other ops,
+    outside FSDP) the value is what ``mx.dequantize`` gives.
+
+    Args:
+      normed: ``[..., K]`` bf16, the values the planes quantize; the gradient goes to it
+        (straight-through).
+      codes: rowwise E4M3 codes ``[..., K]`` (or their uint8 bytes), in ``normed``'s layout.
+      scales: rowwise E8M0 scales ``[..., K/32]`` uint8.
+      columnwise: optional ``(codes [M, K], scales [M/32, K])`` over ``normed``'s ``M`` rows.
+      order: ``(p, b, s)`` when the columnwise rows are in the order ``[p, b, s]`` of rows that
+        ``normed`` holds as ``[b, p * s]`` (what a sequence-parallel all-gather returns before
+        the rows are put back into sequences); None: ``normed``'s own row order.
+
+    Returns:
+      The dequantized rowwise planes, bf16, shaped like ``normed``.
     """
     cq, cs = (None, None) if columnwise is None else columnwise
     if order is not None and columnwise is None:

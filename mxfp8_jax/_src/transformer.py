@@ -67,7 +67,8 @@ class TransformerConfig:
     tp_axis: str = "tp"  # the mesh axis of sequence/tensor parallelism, when it is bound
     norm_path: str = "fused"  # under tp: "fused" allgather_rmsnorm_quant, or "unfused"
     strategy: str = "auto"  # the fused op's strategy
-    gemm: str = "dequantized"  # "mxfp8": the norms' columnwise planes too (FSDP(gemm="mxfp8")'s wgrad)
+    gemm: str = "dequantized"  # "mxfp8": the norms' columnwise planes too (FSDP(gemm="mxfp8")'s
+    # wgrad), where a device's gathered rows are whole 32-row blocks
 
     def __post_init__(self):
         for name in ("vocab", "hidden", "heads", "head_dim", "mlp", "layers"):
@@ -172,7 +173,9 @@ class Block(nnx.Module):
         b, s, h = x.shape
         rows = x.reshape(b * s, h).astype(jnp.bfloat16)
         gamma = norm.scale.get_value().astype(jnp.bfloat16)
-        col = cfg.gemm == "mxfp8"
+        # columnwise blocks need whole 32-row groups of the gathered rows; otherwise each GEMM
+        # quantizes ``normed`` along its tokens itself (zero-padded to 32)
+        col = cfg.gemm == "mxfp8" and (tp * b * s) % 32 == 0
         if tp == 1:
             normed, q, scales, *planes = rmsnorm_quant(rows, gamma, eps=cfg.eps, columnwise=col)
             act = gemm_operand(*(a.reshape(b, s, -1) for a in (normed, q, scales)), tuple(planes) or None)
