@@ -455,3 +455,30 @@ def test_layout_png_and_errors(tmp_path, capsys, monkeypatch):
             cli.main(["layout", *argv])
         assert e.value.code == 2
         assert message in capsys.readouterr().err
+
+
+def test_convergence_report_and_picture(tmp_path, capsys):
+    """bench.convergence's table and verdicts from a report of known curves, and its PNG."""
+    from mxfp8_jax.bench import convergence
+
+    def run(label, precision, end):
+        curve = [(0, 6.0), (100, 2.0), (200, 1.8), (300, end)]
+        return dict(label=label, precision=precision, gemm="-", seed=0, validation=curve, step_s=0.5, tokens_per_s=8.0)
+
+    report = dict(
+        description="test",
+        steps=300,
+        devices=8,
+        platform="cpu",
+        gemm_path="exact",
+        runs=[run("bf16 seed 0", "bf16", 1.50), run("bf16 seed 1", "bf16", 1.52), run("mxfp8 gemm", "mxfp8", 1.53)],
+    )
+    convergence.print_report(report)
+    out = capsys.readouterr().out
+    assert "step 100" in out and "step 300" in out and "1.5300" in out
+    assert "1.5000 .. 1.5200 (spread 0.0200)" in out
+    assert "mxfp8 gemm: 1.5300 (+0.0100 outside" in out
+    assert convergence.at(report["runs"][0]["validation"], 200) == 1.8
+    assert convergence.at(report["runs"][0]["validation"], 150) is None
+    convergence.draw(report, str(tmp_path / "c.png"))
+    assert (tmp_path / "c.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -155,31 +155,41 @@ def print_report(report: dict, console=None) -> None:
 
 
 def draw(report: dict, path: str) -> None:
-    """The validation curves as a PNG: bf16 seeds as a band and thin lines, MXFP8 runs on top."""
+    """The validation curves as a PNG: the whole run, and from step 100 on with the bf16 seeds'
+    range as a band (the MXFP8 runs are judged against it)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     import numpy as np
 
-    fig, ax = plt.subplots(figsize=(7, 4.2), dpi=120)
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2), dpi=120)
     bf16 = [r for r in report["runs"] if r["precision"] == "bf16"]
-    if bf16:
-        steps = [s for s, _ in bf16[0]["validation"]]
-        values = np.array([[v for _, v in r["validation"]] for r in bf16])
-        ax.fill_between(steps, values.min(0), values.max(0), color="0.8", label=f"bf16, {len(bf16)} seeds (range)")
-        for r in bf16:
-            ax.plot(steps, [v for _, v in r["validation"]], color="0.5", lw=0.8)
     colors = {"mxfp8 gather": "tab:blue", "mxfp8 gemm": "tab:red"}
-    for r in report["runs"]:
-        if r["precision"] == "mxfp8":
-            s, v = zip(*r["validation"])
-            ax.plot(s, v, color=colors.get(r["label"]), lw=1.6, label=r["label"])
-    ax.set_xlabel("step")
-    ax.set_ylabel("validation loss (nats/byte)")
-    ax.set_title(f"Held-out text, {report['devices']} {report['platform']} devices, GEMM path {report['gemm_path']}")
-    ax.grid(alpha=0.3)
-    ax.legend()
+    late = min(100, report["steps"] // 3)
+    for ax, start in zip(axes, (0, late)):
+        if bf16:
+            steps = np.array([s for s, _ in bf16[0]["validation"]])
+            values = np.array([[v for _, v in r["validation"]] for r in bf16])
+            keep = steps >= start
+            ax.fill_between(
+                steps[keep], values.min(0)[keep], values.max(0)[keep], color="0.82", label=f"bf16, {len(bf16)} seeds"
+            )
+            for row in values:
+                ax.plot(steps[keep], row[keep], color="0.55", lw=0.8)
+        for r in report["runs"]:
+            if r["precision"] == "mxfp8":
+                s, v = (np.array(a) for a in zip(*r["validation"]))
+                ax.plot(s[s >= start], v[s >= start], color=colors.get(r["label"]), lw=1.6, label=r["label"])
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+    axes[0].set_ylabel("validation loss (nats/byte)")
+    axes[0].set_title("whole run")
+    axes[1].set_title(f"from step {late}")
+    axes[1].legend()
+    fig.suptitle(
+        f"Held-out text: {report['devices']} {report['platform']} devices, MXFP8 GEMM path {report['gemm_path']}"
+    )
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
