@@ -357,6 +357,23 @@ def train(
     }
 
 
+def progress_bar(console=None, width: int = 6):
+    """A started rich progress display with one bar per training run (its label, the steps
+    done and the last loss); ``.stop()`` it when the runs are over."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    progress = Progress(
+        TextColumn(f"{{task.description:>{width}}}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("loss {task.fields[loss]:.4f}"),
+        TimeElapsedColumn(),
+        console=console,
+    )
+    progress.start()
+    return progress
+
+
 def _tail_mean(losses, n: int = 10):
     tail = losses[-n:]
     return sum(tail) / len(tail) if tail else None
@@ -422,19 +439,7 @@ def run(
         "quantize_path": "ffi" if _ffi.has_target("mxfp8_quantize", platform) else "pure-JAX reference",
         "runs": {},
     }
-    progress = None
-    if show_progress:
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
-        progress = Progress(
-            TextColumn("{task.description:>6}"),
-            BarColumn(),
-            MofNCompleteColumn(),
-            TextColumn("loss {task.fields[loss]:.4f}"),
-            TimeElapsedColumn(),
-            console=console,
-        )
-        progress.start()
+    progress = progress_bar(console) if show_progress else None
     try:
         for precision in ("mxfp8", "bf16"):
             mode = gemm if precision == "mxfp8" else "dequantized"

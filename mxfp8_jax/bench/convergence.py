@@ -59,18 +59,7 @@ def run(
     mesh = Mesh(np.array(devs), ("data",))
     plan = [(f"bf16 seed {s}", "bf16", "dequantized", s) for s in range(seeds)]
     plan += [("mxfp8 gather", "mxfp8", "dequantized", 0), ("mxfp8 gemm", "mxfp8", "mxfp8", 0)]
-    progress = None
-    if show_progress:
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
-        progress = Progress(
-            TextColumn("{task.description:>12}"),
-            BarColumn(),
-            MofNCompleteColumn(),
-            TextColumn("loss {task.fields[loss]:.4f}"),
-            TimeElapsedColumn(),
-        )
-        progress.start()
+    progress = demo.progress_bar(width=12) if show_progress else None
     works: dict[int, demo.Workload] = {}
     runs = []
     try:
