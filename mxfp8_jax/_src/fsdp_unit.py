@@ -31,10 +31,13 @@ A gather waits for the op's activation (forward) or cotangent (backward) by a da
 the start of the step. ``precision="bf16"`` units are the same with the master rows rounded to
 bf16 and gathered as 16-bit words, once for the forward and once for the backward.
 
-CPUs and Hopper have no MXFP8 GEMM: the gathered planes are dequantized (exact) and the GEMMs
+By default (``gemm="dequantized"``) the gathered planes are dequantized (exact) and the GEMMs
 run on the values as the layer wrote them; the backward GEMMs take fp32 operands (products of
-bf16 and dequantized MXFP8 values are exact in fp32) and accumulate in fp32. Quantization is
-the identity for the gradient (straight-through).
+bf16 and dequantized MXFP8 values are exact in fp32) and accumulate in fp32. With
+``gemm="mxfp8"`` an MXFP8 unit's GEMM is ``_mx_gemm``: the layer's ``dot_general`` rewritten as
+the canonical block-scaled product (``_Canonical``), forward, dgrad and wgrad on E4M3 operands
+(``mxfp8_gemm``), the gathered planes as the weight operands. Quantization is the identity for
+the gradient (straight-through).
 """
 
 from __future__ import annotations
