@@ -6,7 +6,7 @@ contraction ``C``, the last axis (``jax.nn.scaled_matmul``'s form). The product 
 
     y[b, m, n] = sum_c  a[b, m, c] 2^(sa[b, m, c/32] - 127)  *  w[b, n, c] 2^(sw[b, n, c/32] - 127)
 
-accumulated in fp32. Two paths compute it (``PATHS``):
+accumulated in fp32. Two paths compute it (``GEMM_PATHS``):
 
     native   ``jax.nn.scaled_matmul``: on CUDA one ``__op$block_scaled_dot`` custom call (cuDNN's
              MXFP8 GEMM on Blackwell, XLA's expansion on Hopper), on ROCm the ``xla.scaled_dot``
@@ -51,9 +51,9 @@ from mxfp8_jax._src import format as fmt
 from mxfp8_jax._src.format import BLOCK
 from mxfp8_jax._src.quantize import quantize
 
-PATHS = GEMM_PATHS = ("auto", "native", "exact")
+GEMM_PATHS = ("auto", "native", "exact")
 NATIVE_PLATFORMS = ("cuda", "rocm")
-MODES = GEMMS = ("dequantized", "mxfp8")
+GEMMS = ("dequantized", "mxfp8")
 
 
 def gemm_paths() -> dict[str, str]:
@@ -68,22 +68,22 @@ def gemm_paths() -> dict[str, str]:
 
 @dataclasses.dataclass(frozen=True)
 class GemmMode:
-    """How an MXFP8 unit's GEMMs run (static). ``path``: one of ``PATHS``; ``scale_rule``: the
+    """How an MXFP8 unit's GEMMs run (static). ``path``: one of ``GEMM_PATHS``; ``scale_rule``: the
     rule activations and gradients are quantized with (the weights' own)."""
 
     path: str = "auto"
     scale_rule: fmt.ScaleRule = fmt.ScaleRule.RCEIL
 
     def __post_init__(self):
-        if self.path not in PATHS:
-            raise ValueError(f"gemm_path={self.path!r} must be one of {PATHS}")
+        if self.path not in GEMM_PATHS:
+            raise ValueError(f"gemm_path={self.path!r} must be one of {GEMM_PATHS}")
         object.__setattr__(self, "scale_rule", fmt.ScaleRule.parse(self.scale_rule))
 
 
 def check_mode(gemm: str, path: str, scale_rule) -> GemmMode | None:
     """``FSDP(gemm=, gemm_path=)`` validated: a ``GemmMode`` for ``gemm="mxfp8"``, else None."""
-    if gemm not in MODES:
-        raise ValueError(f"gemm={gemm!r} must be one of {MODES}")
+    if gemm not in GEMMS:
+        raise ValueError(f"gemm={gemm!r} must be one of {GEMMS}")
     mode = GemmMode(path, scale_rule)
     if path == "native" and gemm == "mxfp8":
         require_native(jax.default_backend())
@@ -106,8 +106,8 @@ def require_native(platform: str) -> None:
 def scaled_matmul(a, a_scales, w, w_scales, *, path: str = "auto") -> jax.Array:
     """``a [B, M, C] x w [B, N, C] -> [B, M, N]`` fp32, both blocked along ``C`` (codes E4M3 or
     their uint8 bytes, scales uint8 or ``float8_e8m0fnu`` ``[B, *, C/32]``), by ``path``."""
-    if path not in PATHS:
-        raise ValueError(f"path={path!r} must be one of {PATHS}")
+    if path not in GEMM_PATHS:
+        raise ValueError(f"path={path!r} must be one of {GEMM_PATHS}")
     a, w = _codes(a), _codes(w)
     a_scales, w_scales = _scale_bytes(a_scales), _scale_bytes(w_scales)
     _check_operands(a, a_scales, w, w_scales)

@@ -41,12 +41,11 @@ from jax import lax
 from mxfp8_jax._src import checks
 from mxfp8_jax._src.flax_layers import tensor_parallel
 from mxfp8_jax._src.fused import allgather_rmsnorm_quant_local
-from mxfp8_jax._src.mxfp8_gemm import gemm_operand
+from mxfp8_jax._src.mxfp8_gemm import GEMMS, gemm_operand
 from mxfp8_jax._src.rmsnorm import rmsnorm_quant
 
 NORMS = ("nnx", "mxfp8")
 NORM_PATHS = ("fused", "unfused")
-GEMMS = ("dequantized", "mxfp8")
 
 
 @dataclasses.dataclass(frozen=True)
