@@ -1,24 +1,97 @@
-"""Test setup: 8 simulated CPU devices for every multi-device test, and shared helpers.
+"""Test setup: which devices the multi-device tests run on, and shared helpers.
 
-The device count must be fixed before jax initialises its backends, so it is set here, at the
-top of the first module pytest imports.
+Two environment variables choose the devices (they must be read before jax starts its
+backends, so this happens at the top of the first module pytest imports):
+
+- ``MXFP8_TEST_PLATFORM``: ``cpu`` (default) runs the multi-device tests on simulated CPU
+  devices; ``gpu`` (or ``cuda`` / ``rocm``) runs them on this host's accelerators, with the
+  same oracles. In GPU mode the tests that are not multi-device still run on the CPU (each
+  test's default device is chosen by its ``multidevice`` marker), ``tests/test_gpu.py`` is
+  collected, and asking for a GPU the host does not have stops the run with an error rather
+  than falling back to the CPU.
+- ``MXFP8_TEST_DEVICES``: how many simulated CPU devices the CPU run has (default 8).
+
+A multi-device test takes the ``devices`` fixture (all of the run's devices, at least 2) or calls
+``need_devices(n)``; either marks it ``multidevice`` (``-m multidevice`` selects them). A test
+that needs more devices than the run has is skipped with the count it needs, and the end-of-run
+"not run on this host" summary counts those tests, so nothing passes vacuously on a small host.
 """
 
+import collections
+import importlib.metadata
 import os
+import re
 
-# The GPU tests (test_gpu.py, run by bench/gpu_check.sh) need a GPU platform asked for in
-# JAX_PLATFORMS; without one they are not collected at all (rather than reported as skips).
-_GPU_REQUESTED = any(p in os.environ.get("JAX_PLATFORMS", "") for p in ("cuda", "rocm", "gpu"))
-collect_ignore = [] if _GPU_REQUESTED else ["test_gpu.py"]
+import pytest
 
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
+_PLATFORM_NAMES = {"cpu": "cpu", "gpu": "gpu", "cuda": "cuda", "rocm": "rocm"}
+
+
+def _read_env():
+    platform = os.environ.get("MXFP8_TEST_PLATFORM", "cpu").strip().lower() or "cpu"
+    if platform not in _PLATFORM_NAMES:
+        raise pytest.UsageError(
+            f"MXFP8_TEST_PLATFORM={platform!r}: must be one of cpu, gpu, cuda, rocm "
+            "(gpu picks whichever of CUDA or ROCm jax has a plugin for)"
+        )
+    raw = os.environ.get("MXFP8_TEST_DEVICES", "8").strip()
+    if not re.fullmatch(r"[0-9]+", raw) or int(raw) < 1:
+        raise pytest.UsageError(f"MXFP8_TEST_DEVICES={raw!r}: must be a whole number of CPU devices, 1 or more")
+    return platform, int(raw)
+
+
+def _installed_gpu_plugins() -> list[str]:
+    """The GPU platforms jax has a plugin package for (``cuda``, ``rocm``), from the installed
+    distributions, so that nothing is initialised before JAX_PLATFORMS is set."""
+    found = []
+    for dist in importlib.metadata.distributions():
+        name = (dist.metadata["Name"] or "").lower().replace("_", "-")
+        for platform in ("cuda", "rocm"):
+            if re.fullmatch(rf"jax-{platform}\d*-(plugin|pjrt)", name) and platform not in found:
+                found.append(platform)
+    return found
+
+
+_ASKED, CPU_DEVICES = _read_env()
+if _ASKED == "cpu":
+    PLATFORM = "cpu"
+else:
+    _plugins = _installed_gpu_plugins()
+    PLATFORM = _ASKED if _ASKED != "gpu" else (_plugins[0] if _plugins else "gpu")
+    if PLATFORM not in _plugins:
+        raise pytest.UsageError(
+            f"MXFP8_TEST_PLATFORM={_ASKED}: jax has no {PLATFORM if PLATFORM != 'gpu' else 'CUDA or ROCm'} "
+            f"plugin on this host (installed GPU plugins: {', '.join(_plugins) or 'none'}); "
+            "the suite does not fall back to CPU devices. Unset it to test on simulated CPU devices."
+        )
+    # Several pytest-xdist workers share the GPUs: none may take 75% of each up front.
+    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+    # One collective per op in the HLO, as on the CPU: the GPU combiners would merge the
+    # per-layer gathers that the tests count (bytes are unchanged either way).
+    os.environ["XLA_FLAGS"] = " ".join(
+        [
+            os.environ.get("XLA_FLAGS", ""),
+            "--xla_gpu_all_gather_combine_threshold_bytes=0",
+            "--xla_gpu_reduce_scatter_combine_threshold_bytes=0",
+            "--xla_gpu_all_reduce_combine_threshold_bytes=0",
+        ]
+    ).strip()
+
+GPU_MODE = PLATFORM != "cpu"
+_USER_JAX_PLATFORMS = os.environ.get("JAX_PLATFORMS")
+os.environ["JAX_PLATFORMS"] = f"{PLATFORM},cpu" if GPU_MODE else "cpu"
+# The GPU kernel tests (test_gpu.py, also run by bench/gpu_check.sh) are collected in GPU mode
+# only, rather than reported as skips on every CPU host.
+collect_ignore = [] if GPU_MODE else ["test_gpu.py"]
 
 import jax  # noqa: E402
 
-jax.config.update("jax_num_cpu_devices", 8)
+jax.config.update("jax_num_cpu_devices", CPU_DEVICES)
+if GPU_MODE:
+    # fp32 GEMMs on Hopper and later default to TF32; the references here are fp32 to the bit.
+    jax.config.update("jax_default_matmul_precision", "highest")
 
 import numpy as np  # noqa: E402
-import pytest  # noqa: E402
 from hypothesis import settings  # noqa: E402
 
 settings.register_profile("ci", max_examples=40, deadline=None, derandomize=True)
@@ -31,20 +104,108 @@ def as_bytes(a) -> np.ndarray:
     return np.ascontiguousarray(np.asarray(a)).view(np.uint8).reshape(-1)
 
 
+def _all_test_devices() -> list:
+    if not GPU_MODE:
+        return jax.devices("cpu")
+    try:
+        devices = jax.devices(PLATFORM)
+    except RuntimeError as err:
+        raise pytest.UsageError(
+            f"MXFP8_TEST_PLATFORM={_ASKED}: jax cannot start {PLATFORM} on this host ({err}); "
+            "the suite does not fall back to CPU devices"
+        ) from err
+    return devices
+
+
+_current = {"node": None}
+
+
+def need_devices(n: int) -> list:
+    """The first ``n`` of this run's devices, or skip the test saying it needs ``n``.
+
+    Only a test marked ``multidevice`` (directly, or through the ``devices`` fixture) may ask.
+    """
+    node = _current["node"]
+    if node is not None and node.get_closest_marker("multidevice") is None:
+        raise pytest.UsageError(f"{node.nodeid} asks for the test devices but is not marked multidevice")
+    have = _all_test_devices()
+    if len(have) < n:
+        pytest.skip(f"needs {n} devices; this run has {len(have)} ({describe_devices()})")
+    return have[:n]
+
+
+def device_count() -> int:
+    """How many devices the multi-device tests have in this run."""
+    return len(_all_test_devices())
+
+
+def describe_devices() -> str:
+    if GPU_MODE:
+        return f"{PLATFORM} devices"
+    return "simulated CPU devices"
+
+
+def cpu_only(what: str) -> None:
+    """Skip, in GPU mode, an assertion whose numbers were derived for XLA:CPU (memory budgets)."""
+    if GPU_MODE:
+        pytest.skip(f"CPU only: {what}")
+
+
 @pytest.fixture(scope="session")
-def cpu_devices():
-    devs = jax.devices("cpu")
-    assert len(devs) == 8, "tests expect 8 simulated CPU devices (jax_num_cpu_devices)"
-    return devs
+def devices():
+    """All of this run's devices for multi-device tests (at least 2: a collective among one
+    device proves nothing)."""
+    n = device_count()
+    return need_devices(max(n, 2))
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if "devices" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.multidevice)
+
+
+@pytest.fixture(autouse=True)
+def _test_platform(request):
+    """Remember the running test (for ``need_devices``) and, in GPU mode, give tests that are
+    not multi-device the CPU as their default device."""
+    _current["node"] = request.node
+    try:
+        if GPU_MODE and request.node.get_closest_marker("multidevice") is None:
+            with jax.default_device(jax.devices("cpu")[0]):
+                yield
+        else:
+            yield
+    finally:
+        _current["node"] = None
 
 
 def pytest_report_header(config):
-    if not _GPU_REQUESTED:
-        return (
-            "tests/test_gpu.py not collected: JAX_PLATFORMS asks for no GPU "
-            "(bench/gpu_check.sh runs it on a GPU machine)"
+    lines = [f"multi-device tests: {device_count()} {describe_devices()} (MXFP8_TEST_PLATFORM={_ASKED})"]
+    if _USER_JAX_PLATFORMS not in (None, "", os.environ["JAX_PLATFORMS"]):
+        lines.append(
+            f"JAX_PLATFORMS={_USER_JAX_PLATFORMS} replaced by {os.environ['JAX_PLATFORMS']}: "
+            "MXFP8_TEST_PLATFORM chooses the platform"
         )
-    return None
+    if not GPU_MODE:
+        lines.append("tests/test_gpu.py not collected: MXFP8_TEST_PLATFORM is cpu (bench/gpu_check.sh runs it on a GPU)")
+    return lines
+
+
+_not_run: collections.Counter = collections.Counter()
+_NEEDS = re.compile(r"needs (\d+) devices")
+
+
+def pytest_runtest_logreport(report):
+    """Count the tests skipped for lack of devices or for GPU mode (on the xdist controller too)."""
+    if not report.skipped or not isinstance(report.longrepr, tuple):
+        return
+    reason = str(report.longrepr[2])
+    m = _NEEDS.search(reason)
+    if m:
+        _not_run[f"multi-device tests that need {m.group(1)} devices"] += 1
+    elif "CPU only:" in reason:
+        _not_run["tests of numbers derived for XLA:CPU (memory budgets)"] += 1
 
 
 KNOWN_CPU_ISAS = ("baseline", "avx2", "avx512")  # the builds the CPU extension carries
@@ -55,14 +216,17 @@ def not_run_here() -> list[str]:
     import mxfp8_jax as mx
 
     lines = []
-    if not _GPU_REQUESTED:
-        lines.append("GPU tests: tests/test_gpu.py not collected (JAX_PLATFORMS asks for no GPU; bench/gpu_check.sh)")
+    if not GPU_MODE:
+        lines.append("GPU tests: tests/test_gpu.py not collected (MXFP8_TEST_PLATFORM is cpu; bench/gpu_check.sh)")
     if "cpu" not in mx.available_backends():
         lines.append("CPU kernels: the compiled extension is not installed; only the pure-JAX paths ran")
     else:
         missing = [isa for isa in KNOWN_CPU_ISAS if isa not in mx.cpu_isas()]
         if missing:
             lines.append(f"CPU kernel builds this CPU cannot run, so never tested here: {', '.join(missing)}")
+    for what, count in sorted(_not_run.items()):
+        where = f" (this run has {device_count()} {describe_devices()})" if "devices" in what else ""
+        lines.append(f"{what}: {count} not run{where}")
     return lines
 
 

@@ -23,9 +23,9 @@ SHAPES = [(64, 32), (96, 32), (40, 8)]  # PADDED and UNPADDED flat buffers diffe
 NAMES = ["blocks/0/w", "blocks/1/w", "head/b"]
 
 
-def _mesh(shape, names, cpu_devices):
+def _mesh(shape, names, devices):
     n = int(np.prod(shape))
-    return jax.make_mesh(shape, names, devices=cpu_devices[:n])
+    return jax.make_mesh(shape, names, devices=devices[:n])
 
 
 def _tensors(dtype=np.float32):
@@ -33,9 +33,9 @@ def _tensors(dtype=np.float32):
 
 
 @pytest.fixture(scope="module")
-def saved(tmp_path_factory, cpu_devices):
+def saved(tmp_path_factory, devices):
     """An UNPADDED 8-device f32 DBuffer and a PADDED bf16 one, saved."""
-    mesh = _mesh((8,), ("x",), cpu_devices)
+    mesh = _mesh((8,), ("x",), devices)
     root = tmp_path_factory.mktemp("ckpt")
     out = {}
     for key, dtype, layout in (("f32", np.float32, UNPADDED), ("bf16", ml_dtypes.bfloat16, PADDED)):
@@ -66,10 +66,10 @@ def test_read_metadata(saved):
         ("f32", (2, 4), [pl.Partial("sum"), ROW], PADDED),
     ],
 )
-def test_dbuffer_round_trip(saved, cpu_devices, key, mesh_shape, placements, layout):
+def test_dbuffer_round_trip(saved, devices, key, mesh_shape, placements, layout):
     directory, saved_layout = saved[key]
     dtype = np.float32 if key == "f32" else ml_dtypes.bfloat16
-    mesh = _mesh(mesh_shape, ("a", "b") if len(mesh_shape) == 2 else ("x",), cpu_devices)
+    mesh = _mesh(mesh_shape, ("a", "b") if len(mesh_shape) == 2 else ("x",), devices)
     got = DBuffer.restore(directory, mesh, placements, shard_layout=layout)
     assert got.placements == tuple(placements) and got.layout.shard_layout is layout
     if mesh_shape != (8,) or layout != saved_layout.shard_layout:
@@ -87,9 +87,9 @@ def test_dbuffer_round_trip(saved, cpu_devices, key, mesh_shape, placements, lay
         np.testing.assert_array_equal(as_bytes(s_got.data), as_bytes(s_ref.data))
 
 
-def test_restore_by_name_not_position(saved, cpu_devices):
+def test_restore_by_name_not_position(saved, devices):
     """Tensors listed in another order (two of them share a shape) land by name."""
-    mesh = _mesh((8,), ("x",), cpu_devices)
+    mesh = _mesh((8,), ("x",), devices)
     order = [NAMES[1], NAMES[2], NAMES[0]]
     got = DBuffer.restore(saved["f32"][0], mesh, [ROW], names=order)
     want = dict(zip(NAMES, _tensors()))
@@ -98,9 +98,9 @@ def test_restore_by_name_not_position(saved, cpu_devices):
         np.testing.assert_array_equal(as_bytes(g), as_bytes(want[name]), err_msg=name)
 
 
-def test_mismatches_name_the_path(saved, cpu_devices):
+def test_mismatches_name_the_path(saved, devices):
     directory = saved["f32"][0]
-    mesh = _mesh((8,), ("x",), cpu_devices)
+    mesh = _mesh((8,), ("x",), devices)
     renamed = [NAMES[0], "blocks/1/weight", NAMES[2]]
     with pytest.raises(
         ValueError, match=r"not in the checkpoint: 'blocks/1/weight'[\s\S]*not in the targets: 'blocks/1/w'"
@@ -128,8 +128,8 @@ def test_mismatches_name_the_path(saved, cpu_devices):
     np.testing.assert_array_equal(as_bytes(got["head/b"]), as_bytes(_tensors()[2]))
 
 
-def test_save_arguments(tmp_path, cpu_devices):
-    mesh = _mesh((8,), ("x",), cpu_devices)
+def test_save_arguments(tmp_path, devices):
+    mesh = _mesh((8,), ("x",), devices)
     x = jax.device_put(np.ones((8, 4), np.float32), NamedSharding(mesh, PartitionSpec("x")))
     with pytest.raises(TypeError, match="metadata must be JSON serializable"):
         ck.save_logical(tmp_path / "a", {"w": x}, {"rule": object()})
@@ -142,31 +142,31 @@ def test_save_arguments(tmp_path, cpu_devices):
         ck.read_metadata(tmp_path)
 
 
-def test_async_save(tmp_path, cpu_devices):
-    mesh = _mesh((8,), ("x",), cpu_devices)
+def test_async_save(tmp_path, devices):
+    mesh = _mesh((8,), ("x",), devices)
     buf = DBuffer.distribute_tensors(_tensors(), mesh, [ROW], shard_layout=UNPADDED)
     handle = buf.save(tmp_path / "async", names=NAMES, async_save=True)
     handle.wait()
     assert handle.done
-    got = DBuffer.restore(tmp_path / "async", _mesh((4,), ("x",), cpu_devices), [ROW])
+    got = DBuffer.restore(tmp_path / "async", _mesh((4,), ("x",), devices), [ROW])
     for g, want in zip(got.get_tensors(), _tensors()):
         np.testing.assert_array_equal(as_bytes(g), as_bytes(want))
 
 
-def test_quantized_round_trip(tmp_path, cpu_devices):
+def test_quantized_round_trip(tmp_path, devices):
     """Saved by the master on 8 devices UNPADDED; restored onto 4 PADDED: master exact and the
     planes equal quantizing the originals directly on the new layout."""
     shapes = [(64, 64), (32, 96), (96, 32)]
     master_np = [host_tensor(s, t, np.float32, finite=True) for t, s in enumerate(shapes)]
     names = ["attn/q", "attn/o", "mlp/up"]
-    mesh8 = _mesh((8,), ("x",), cpu_devices)
+    mesh8 = _mesh((8,), ("x",), devices)
     q = QuantizedDBuffer.empty(mesh8, [ROW], shapes, shard_layout=UNPADDED)
     master = DBuffer.distribute_tensors(master_np, mesh8, [ROW], layout=q.layout)
     q = q.quantize(master, scale_rule="floor")
     ck.save_quantized(tmp_path / "q", q, master, scale_rule="floor", names=names)
     assert ck.read_metadata(tmp_path / "q").metadata["scale_rule"] == "floor"
 
-    mesh4 = _mesh((4,), ("x",), cpu_devices)
+    mesh4 = _mesh((4,), ("x",), devices)
     m2, q2 = QuantizedDBuffer.restore(tmp_path / "q", mesh4, [ROW], shard_layout=PADDED)
     assert q2.layout.shard_layout is PADDED and q2.layout.rank_segment_offsets != q.layout.rank_segment_offsets
     for g, want in zip(m2.get_tensors(), master_np):
@@ -183,14 +183,14 @@ def test_quantized_round_trip(tmp_path, cpu_devices):
             np.testing.assert_array_equal(as_bytes(getattr(va, plane)), as_bytes(getattr(vb, plane)))
 
 
-def test_distribute_sharded_arrays_without_host_transfer(cpu_devices):
+def test_distribute_sharded_arrays_without_host_transfer(devices):
     """Sharded inputs (on another mesh of the same devices) pack device to device: with host
     transfers disallowed, and equal to the host packing of the same values."""
-    mesh24 = _mesh((2, 4), ("a", "b"), cpu_devices)
+    mesh24 = _mesh((2, 4), ("a", "b"), devices)
     values = _tensors()
     specs = [PartitionSpec("a"), PartitionSpec(("a", "b")), PartitionSpec(None, "b")]
     arrays = [jax.device_put(v, NamedSharding(mesh24, s)) for v, s in zip(values, specs)]
-    mesh8 = _mesh((8,), ("x",), cpu_devices)
+    mesh8 = _mesh((8,), ("x",), devices)
     for layout in (PADDED, UNPADDED):
         with jax.transfer_guard("disallow"):
             buf = DBuffer.distribute_tensors(arrays, mesh8, [ROW], shard_layout=layout)
@@ -207,15 +207,15 @@ def test_distribute_sharded_arrays_without_host_transfer(cpu_devices):
         ]
 
 
-def test_logical_sharding_rule(cpu_devices):
-    mesh = _mesh((2, 4), ("a", "b"), cpu_devices)
+def test_logical_sharding_rule(devices):
+    mesh = _mesh((2, 4), ("a", "b"), devices)
     assert logical_sharding(mesh, [ROW, ROW], (64, 3)).spec == PartitionSpec(("b", "a"), None)
     assert logical_sharding(mesh, [pl.Replicate(), ROW], (12,)).spec == PartitionSpec("b")
     assert logical_sharding(mesh, [ROW, ROW], (12, 3)).spec == PartitionSpec()  # 12 % 8: replicated
     assert logical_sharding(mesh, [pl.Replicate(), pl.Replicate()], (64,)).spec == PartitionSpec()
 
 
-def test_two_processes(tmp_path, cpu_devices):
+def test_two_processes(tmp_path, devices):
     """2 processes x 4 CPU devices: tensors made sharded across both (non-addressable from
     either), packed with no host transfer and saved, then restored here on 1 x 8 (and 4),
     bytes equal; and a checkpoint saved here restored onto (2, 4) across both processes."""
@@ -224,7 +224,7 @@ def test_two_processes(tmp_path, cpu_devices):
 
     from multiproc import run_processes
 
-    mesh8 = _mesh((8,), ("x",), cpu_devices)
+    mesh8 = _mesh((8,), ("x",), devices)
     here = DBuffer.distribute_tensors([host_tensor(s, t) for t, s in enumerate(W_SHAPES)], mesh8, [ROW])
     here.save(tmp_path / "here", names=W_NAMES)
     results = run_processes(
@@ -240,19 +240,19 @@ def test_two_processes(tmp_path, cpu_devices):
         assert restored["elements_checked"] == sum(int(np.prod(s)) for s in W_SHAPES)
     assert ck.read_metadata(tmp_path / "there").metadata["user"] == {"step": 7}
     for n in (8, 4):
-        mesh = _mesh((n,), ("x",), cpu_devices)
+        mesh = _mesh((n,), ("x",), devices)
         got = DBuffer.restore(tmp_path / "there", mesh, [ROW], names=W_NAMES)
         for t, (g, shape) in enumerate(zip(got.get_tensors(), W_SHAPES)):
             np.testing.assert_array_equal(as_bytes(g), as_bytes(host_tensor(shape, t)), err_msg=W_NAMES[t])
 
 
-def test_conversions_move_tensor_pieces_not_the_buffer(cpu_devices):
+def test_conversions_move_tensor_pieces_not_the_buffer(devices):
     """The compiled conversions move data device to device: one all-to-all per tensor (rows
     split evenly across the 8 shards; 40 % 8 == 0 splits the (40, 8) one too), each device
     exchanging messages of one tensor's size at most, never the whole buffer."""
     from mxfp8_jax._src import hlo
 
-    mesh = _mesh((8,), ("x",), cpu_devices)
+    mesh = _mesh((8,), ("x",), devices)
     buf = DBuffer.distribute_tensors(_tensors(), mesh, [ROW], shard_layout=UNPADDED)
     lay = buf.layout
     to_logical = jax.jit(lambda b: b.logical_tensors()).lower(buf).compile().as_text()

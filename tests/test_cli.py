@@ -14,6 +14,8 @@ import pytest
 import mxfp8_jax as mx
 from mxfp8_jax import cli, demo
 
+from conftest import need_devices
+
 
 def command():
     """The installed console script when it is on PATH, else the module."""
@@ -357,8 +359,9 @@ def as_row_runs(found: dict) -> dict:
     return runs
 
 
+@pytest.mark.multidevice
 @pytest.mark.parametrize(
-    "shapes, devices, shard_layout",
+    "shapes, n, shard_layout",
     [
         ([(128, 64), (32, 128)], 4, "padded"),
         ([(128, 64), (32, 128)], 4, "unpadded"),
@@ -366,18 +369,18 @@ def as_row_runs(found: dict) -> dict:
         ([(96, 64), (64, 96), (32, 32)], 8, "unpadded"),
     ],
 )
-def test_layout_prints_what_every_device_stores(shapes, devices, shard_layout, capsys, cpu_devices):
+def test_layout_prints_what_every_device_stores(shapes, n, shard_layout, capsys):
     """Oracle: a real QuantizedDBuffer (layout built by the buffer itself), filled with rows whose
     values name them: row g (counting rows over all tensors) is 2^(g - 100) everywhere, so its
     rceil scale byte is g - 100 - 8 + 127, and a column block's scale names its last row."""
     import jax
 
-    argv = ["layout", "--shapes", ",".join(f"{m}x{k}" for m, k in shapes), "--devices", str(devices)]
+    argv = ["layout", "--shapes", ",".join(f"{m}x{k}" for m, k in shapes), "--devices", str(n)]
     assert cli.main([*argv, "--shard-layout", shard_layout]) == 0
     printed = parse_layout_output(capsys.readouterr().out)
     assert set(printed) == {"data", "rowwise_scale", "columnwise_scale"}
 
-    mesh = jax.make_mesh((devices,), ("fsdp",), devices=cpu_devices[:devices])
+    mesh = jax.make_mesh((n,), ("fsdp",), devices=need_devices(n))
     placements = (mx.BlockAtomic(32),)
     q = mx.QuantizedDBuffer.empty(mesh, placements, shapes, shard_layout=mx.ShardLayout(shard_layout))
     first_row = np.cumsum([0] + [m for m, _ in shapes])
@@ -407,8 +410,8 @@ def test_layout_prints_what_every_device_stores(shapes, devices, shard_layout, c
     }
     for plane, (array, row_len, decode) in checks.items():
         shards = {s.device: np.asarray(s.data) for s in array.addressable_shards}
-        assert len(printed[plane]) == devices
-        for k in range(devices):
+        assert len(printed[plane]) == n
+        for k in range(n):
             local = shards[mesh.devices[k]]
             found, zeros = stored_rows(local, row_len, decode)
             n_stored, rows, pad = printed[plane][k]

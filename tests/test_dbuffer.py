@@ -70,8 +70,8 @@ def check_shards(buf, expected_global):
 
 
 @pytest.fixture(scope="module")
-def meshes(cpu_devices):
-    return {shape: make_mesh(shape, cpu_devices) for shape in NAMES}
+def meshes(devices):
+    return {shape: make_mesh(shape, devices) for shape in NAMES}
 
 
 # -- round trips ---------------------------------------------------------------------------------
@@ -154,8 +154,8 @@ def test_works_under_jit_and_as_a_pytree(meshes):
     np.testing.assert_array_equal(as_bytes(traced.data), as_bytes(buf.data))
 
 
-def test_explicit_axis_mesh(cpu_devices):
-    mesh = make_mesh((2, 4), cpu_devices, AxisType.Explicit)
+def test_explicit_axis_mesh(devices):
+    mesh = make_mesh((2, 4), devices, AxisType.Explicit)
     tensors = tensors_for(SHAPES, seed=5)
     buf = DBuffer.distribute_tensors(tensors, mesh, (S, S))
     half = buf.allgather(0)
@@ -390,11 +390,11 @@ def test_empty_buffer_is_refused_at_construction(meshes):
         DBuffer.zeros(m8, (R,), mx.GlobalLayout.build([], 8), jnp.float32)
 
 
-def test_wrong_mesh_errors_say_what_differs(meshes, cpu_devices):
+def test_wrong_mesh_errors_say_what_differs(meshes, devices):
     m8 = meshes[(8,)]
     buf = DBuffer.distribute_tensors(tensors_for(SHAPES), m8, (S,))
     # the same names, sizes and types, devices in reverse: the reprs alone look equal
-    rev = Mesh(np.array(cpu_devices[::-1]), ("x",), axis_types=m8.axis_types)
+    rev = Mesh(np.array(devices[::-1]), ("x",), axis_types=m8.axis_types)
     assert repr(rev) == repr(m8)
     moved = jax.device_put(buf.data, NamedSharding(rev, PartitionSpec("x")))
     with pytest.raises(ValueError, match=r"meshes differ in device order: mesh position \(0,\) holds device 7 vs 0"):
@@ -405,7 +405,7 @@ def test_wrong_mesh_errors_say_what_differs(meshes, cpu_devices):
     assert checks.mesh_difference(m24, m42) == "axis sizes (2, 4) vs (4, 2)"
     renamed = Mesh(m24.devices, ("a", "c"), axis_types=m24.axis_types)
     assert checks.mesh_difference(renamed, m24) == "axis names ('a', 'c') vs ('a', 'b')"
-    half = Mesh(np.array(cpu_devices[:4]), ("x",), axis_types=m8.axis_types)
+    half = Mesh(np.array(devices[:4]), ("x",), axis_types=m8.axis_types)
     assert checks.mesh_difference(half, m8).startswith("axis sizes (4,) vs (8,); devices (ids [] vs [4, 5, 6, 7]")
 
 

@@ -73,8 +73,8 @@ def make_batch(seed=1):
 
 
 @pytest.fixture(scope="module")
-def mesh(cpu_devices):
-    return Mesh(np.array(cpu_devices), ("data",))
+def mesh(devices):
+    return Mesh(np.array(devices), ("data",))
 
 
 def params_of(model):

@@ -28,10 +28,10 @@ def meshes(devs):
 
 
 @pytest.fixture(scope="module")
-def trained(cpu_devices, tmp_path_factory):
+def trained(devices, tmp_path_factory):
     """3 steps on 8 devices, saved."""
     model = make_net()
-    fsdp = FSDP(model, meshes(cpu_devices)["8"])
+    fsdp = FSDP(model, meshes(devices)["8"])
     state = fsdp.init(model, TX)
     step = fsdp.train_step(loss_fn, TX)
     for i in range(3):
@@ -43,9 +43,9 @@ def trained(cpu_devices, tmp_path_factory):
 
 
 @pytest.mark.parametrize("target", ["8", "4", "2x4"])
-def test_round_trip_exact_on_any_mesh(trained, cpu_devices, target):
+def test_round_trip_exact_on_any_mesh(trained, devices, target):
     fsdp8, state8, path = trained
-    fsdp = FSDP(make_net(seed=5), meshes(cpu_devices)[target])  # other values: nothing leaks in
+    fsdp = FSDP(make_net(seed=5), meshes(devices)[target])  # other values: nothing leaks in
     restored = fsdp.restore(path, TX)
     want, got = logical_content(fsdp8, state8), logical_content(fsdp, restored)
     assert want.keys() == got.keys() and any(k.startswith("opt/") and "mu" in k for k in want)
@@ -61,7 +61,7 @@ def test_round_trip_exact_on_any_mesh(trained, cpu_devices, target):
     assert int(restored.step) == 3
 
 
-def test_resume_on_the_same_mesh_is_exact_and_on_another_within_summation_order(trained, cpu_devices):
+def test_resume_on_the_same_mesh_is_exact_and_on_another_within_summation_order(trained, devices):
     """A checkpoint resumed on the mesh that wrote it continues bit for bit like the run that
     never stopped. Resumed on another mesh the state is the same bits (the round-trip test), but
     the step sums each gradient over the examples in another order (4 examples per device, then
@@ -86,10 +86,10 @@ def test_resume_on_the_same_mesh_is_exact_and_on_another_within_summation_order(
         resumed.append(float(loss))
     np.testing.assert_array_equal(resumed, losses[10:])
 
-    fsdp4 = FSDP(model, meshes(cpu_devices)["4"])
+    fsdp4 = FSDP(model, meshes(devices)["4"])
     loss4, grads4 = fsdp4.loss_and_grads(loss_fn)(fsdp4.restore(path, TX), batch(10))
     loss8, grads8 = fsdp8.loss_and_grads(loss_fn)(fsdp8.restore(path, TX), batch(10))
-    one = FSDP(model, Mesh(np.array(cpu_devices[:1]), ("fsdp",)))
+    one = FSDP(model, Mesh(np.array(devices[:1]), ("fsdp",)))
     loss_terms, grad_terms = per_example_terms(one, one.restore(path, TX), batch(10))
     assert_within_order_bound(float(loss4), float(loss8), loss_terms, "loss")
     g4, g8 = logical_grads(fsdp4, grads4), logical_grads(fsdp8, grads8)
@@ -98,9 +98,9 @@ def test_resume_on_the_same_mesh_is_exact_and_on_another_within_summation_order(
         assert_within_order_bound(g4[name], g8[name], grad_terms[name], name)
 
 
-def test_mismatches_are_named(trained, cpu_devices, tmp_path):
+def test_mismatches_are_named(trained, devices, tmp_path):
     _, _, path = trained
-    mesh = meshes(cpu_devices)["8"]
+    mesh = meshes(devices)["8"]
     renamed = FSDP(make_net(names=("layers", "head")), mesh)
     with pytest.raises(ValueError, match=r"not in the checkpoint: .*params/layers/up/kernel"):
         renamed.restore(path, TX)
@@ -118,7 +118,7 @@ def test_mismatches_are_named(trained, cpu_devices, tmp_path):
         FSDP(Wider(nnx.Rngs(0)), mesh).restore(path, TX)
 
 
-def test_swapped_layers_restore_by_name(cpu_devices, tmp_path):
+def test_swapped_layers_restore_by_name(devices, tmp_path):
     """Two layers of equal shape whose attribute order changed: values follow names, not order."""
 
     class Two(nnx.Module):
@@ -129,7 +129,7 @@ def test_swapped_layers_restore_by_name(cpu_devices, tmp_path):
         def __call__(self, x):
             return self.b(self.a(x))
 
-    mesh = meshes(cpu_devices)["8"]
+    mesh = meshes(devices)["8"]
     model = Two(nnx.Rngs(0))
     fsdp = FSDP(model, mesh)
     fsdp.save(fsdp.init(model, optax.sgd(0.1)), tmp_path / "two")
@@ -141,10 +141,10 @@ def test_swapped_layers_restore_by_name(cpu_devices, tmp_path):
         )
 
 
-def test_init_from_sharded_params(cpu_devices):
+def test_init_from_sharded_params(devices):
     """Parameters created sharded (jit with out_shardings) are placed without a host round trip:
     the state equals the one built from host values."""
-    mesh = meshes(cpu_devices)["8"]
+    mesh = meshes(devices)["8"]
     model = make_net()
     fsdp = FSDP(model, mesh)
     graphdef, params = nnx.split(model, nnx.Param)
@@ -157,7 +157,7 @@ def test_init_from_sharded_params(cpu_devices):
         np.testing.assert_array_equal(as_bytes(a), as_bytes(b))
 
 
-def test_two_processes_init_from_sharded_params_then_resume_here(cpu_devices, tmp_path):
+def test_two_processes_init_from_sharded_params_then_resume_here(devices, tmp_path):
     """2 processes x 4 CPU devices: FSDP built from parameters sharded across both processes
     (no host transfer allowed), the first step's gradients, 10 steps, checkpoints. What is
     bitwise is compared bit for bit: the two processes' losses, their initial state against
@@ -179,7 +179,7 @@ def test_two_processes_init_from_sharded_params_then_resume_here(cpu_devices, tm
         assert mine[key] == other[key], key
     assert mine["resumed_loss"] == mine["next_loss"]
 
-    mesh = meshes(cpu_devices)["8"]
+    mesh = meshes(devices)["8"]
     model = make_net()
     fsdp = FSDP(model, mesh)
     state = fsdp.init(model, TX)
@@ -189,7 +189,7 @@ def test_two_processes_init_from_sharded_params_then_resume_here(cpu_devices, tm
         np.testing.assert_array_equal(as_bytes(init_there[k]), as_bytes(init_here[k]), err_msg=k)
 
     loss, grads = fsdp.loss_and_grads(loss_fn)(state, batch(0))
-    one = FSDP(model, Mesh(np.array(cpu_devices[:1]), ("fsdp",)))
+    one = FSDP(model, Mesh(np.array(devices[:1]), ("fsdp",)))
     loss_terms, grad_terms = per_example_terms(one, one.init(model, TX), batch(0))
     assert_within_order_bound(mine["first_loss"], float(loss), loss_terms, "first loss")
     there, here = np.load(out / "first_grads.npz"), logical_grads(fsdp, grads)

@@ -58,8 +58,8 @@ def loss_fn(model, x):
 
 
 @pytest.fixture(scope="module")
-def mesh(cpu_devices):
-    return Mesh(np.array(cpu_devices), ("fsdp",))
+def mesh(devices):
+    return Mesh(np.array(devices), ("fsdp",))
 
 
 def _fsdp(mesh, *, depth=3, remat=False, tokens=16, gemm="mxfp8", **kw):

@@ -44,8 +44,8 @@ BATCH = (SDS((DEVICES * TOKENS // SEQ, SEQ), jnp.int32),) * 2
 
 
 @pytest.fixture(scope="module")
-def mesh(cpu_devices):
-    return Mesh(np.array(cpu_devices), ("fsdp",))
+def mesh(devices):
+    return Mesh(np.array(devices), ("fsdp",))
 
 
 @pytest.fixture(scope="module")

@@ -65,8 +65,8 @@ def make_batch(seed=1):
 
 
 @pytest.fixture(scope="module")
-def mesh(cpu_devices):
-    return Mesh(np.array(cpu_devices), ("fsdp",))
+def mesh(devices):
+    return Mesh(np.array(devices), ("fsdp",))
 
 
 def logical(fsdp, stored):
@@ -169,11 +169,11 @@ def test_stepping_with_another_optimizer_is_an_error(mesh):
         fsdp.train_step(loss_fn, optax.adam(1e-3))(state, make_batch())
 
 
-def test_scalar_and_integer_params_against_one_device(mesh, cpu_devices):
+def test_scalar_and_integer_params_against_one_device(mesh, devices):
     """The 0-D temperature trains (its gradient summed over devices), the int table stays."""
     model = make_net()
     grads = {}
-    for name, m in (("8", mesh), ("1", Mesh(np.array(cpu_devices[:1]), ("fsdp",)))):
+    for name, m in (("8", mesh), ("1", Mesh(np.array(devices[:1]), ("fsdp",)))):
         fsdp = FSDP(model, m)
         _, g = fsdp.loss_and_grads(loss_fn)(fsdp.init(model, optax.sgd(0.1)), make_batch())
         grads[name] = logical(fsdp, g)
@@ -216,12 +216,12 @@ def test_has_aux_returns_the_device_mean(mesh):
         fsdp.loss_and_grads(lambda m, b: (loss_fn(m, b), jnp.int32(1)), has_aux=True)(state2, make_batch())
 
 
-def test_state_of_another_plan_and_consumed_state(mesh, cpu_devices):
+def test_state_of_another_plan_and_consumed_state(mesh, devices):
     model = make_net()
     fsdp = FSDP(model, mesh)
     tx = optax.sgd(0.1)
     state = fsdp.init(model, tx)
-    other = FSDP(model, Mesh(np.array(cpu_devices[:4]), ("fsdp",)))  # other padding of the rows
+    other = FSDP(model, Mesh(np.array(devices[:4]), ("fsdp",)))  # other padding of the rows
     with pytest.raises(
         ValueError, match=r"not a state of this FSDP plan.*l1/kernel: \(256, 32\) float32, the plan stores \(128, 32\)"
     ):

@@ -75,8 +75,8 @@ def ce_loss(model, batch):
 
 
 @pytest.fixture(scope="module")
-def mesh(cpu_devices):
-    return Mesh(np.array(cpu_devices), ("data",))
+def mesh(devices):
+    return Mesh(np.array(devices), ("data",))
 
 
 def abstract(*args, **kwargs):
@@ -266,10 +266,10 @@ def fsdp_grads(mode, mesh, **fsdp_options):
 
 
 @pytest.fixture(scope="module")
-def grads_by_mode(mesh, cpu_devices):
+def grads_by_mode(mesh, devices):
     grads = {mode: fsdp_grads(mode, mesh) for mode in MODES}
     # the scanned model over a 2-D mesh: FSDP over both axes, every device its own 32-row blocks
-    grads["mesh-2x4"] = fsdp_grads("mesh-2x4", Mesh(np.array(cpu_devices).reshape(2, 4), ("a", "b")))
+    grads["mesh-2x4"] = fsdp_grads("mesh-2x4", Mesh(np.array(devices).reshape(2, 4), ("a", "b")))
     return grads
 
 

@@ -28,8 +28,8 @@ D, BATCH = 64, 64
 
 
 @pytest.fixture(scope="module")
-def mesh(cpu_devices):
-    return Mesh(np.array(cpu_devices), ("fsdp",))
+def mesh(devices):
+    return Mesh(np.array(devices), ("fsdp",))
 
 
 def mse(model, batch):
@@ -196,7 +196,7 @@ def test_checkpoints_record_each_parameters_precision(mesh, tmp_path):
 # Tensor parallelism: Linear-like kernels only
 
 
-def test_tensor_parallel_refuses_other_units(cpu_devices):
+def test_tensor_parallel_refuses_other_units(devices):
     class EinsumTP(nnx.Module):
         def __init__(self, rngs):
             self.q = tensor_parallel(nnx.Einsum("btd,dnh->btnh", (D, 2, 32), rngs=rngs), "column")
@@ -204,7 +204,7 @@ def test_tensor_parallel_refuses_other_units(cpu_devices):
         def __call__(self, x):
             return self.q(x).sum(-1)
 
-    mesh = Mesh(np.array(cpu_devices).reshape(4, 2), ("fsdp", "tp"))
+    mesh = Mesh(np.array(devices).reshape(4, 2), ("fsdp", "tp"))
     x = np.ones((8, 4, D), np.float32)
     with pytest.raises(
         ValueError, match=r"q/kernel: tensor_parallel applies to a Linear-like kernel \[\*layers, in, out\]"

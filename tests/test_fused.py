@@ -91,11 +91,11 @@ def _device_copies(out, case: Case):
     return [np.asarray(s.data) for s in shards]
 
 
-def _run(case: Case, strategy, cpu_devices, x, gamma):
+def _run(case: Case, strategy, devices, x, gamma):
     return mx.allgather_rmsnorm_quant(
         jnp.asarray(x),
         jnp.asarray(gamma),
-        mesh=_mesh(cpu_devices, case.n),
+        mesh=_mesh(devices, case.n),
         axis="x",
         eps=case.eps,
         weight_offset=case.offset,
@@ -108,9 +108,9 @@ def _run(case: Case, strategy, cpu_devices, x, gamma):
 
 
 @pytest.mark.parametrize("case", CASES, ids=str)
-def test_strategies_agree_and_match_oracles(case, cpu_devices):
+def test_strategies_agree_and_match_oracles(case, devices):
     x, gamma = _inputs(case)
-    outs = {s: _run(case, s, cpu_devices, x, gamma) for s in ("xla", "p2p")}
+    outs = {s: _run(case, s, devices, x, gamma) for s in ("xla", "p2p")}
     for a, b in zip(outs["xla"], outs["p2p"]):
         assert a.shape == b.shape and a.dtype == b.dtype
         np.testing.assert_array_equal(as_bytes(a), as_bytes(b))
@@ -159,11 +159,11 @@ def test_strategies_agree_and_match_oracles(case, cpu_devices):
             np.testing.assert_array_equal(as_bytes(copies[nm][k]), as_bytes(copies[nm][lead]))
 
 
-def _hlo(case: Case, strategy, cpu_devices, *, grad=False):
+def _hlo(case: Case, strategy, devices, *, grad=False):
     x, gamma = (jnp.asarray(a) for a in _inputs(case))
 
     def fwd(x, gamma):
-        return _run(case, strategy, cpu_devices, x, gamma)
+        return _run(case, strategy, devices, x, gamma)
 
     def loss(x, gamma):
         normed, _, _, residual = fwd(x, gamma)
@@ -173,31 +173,31 @@ def _hlo(case: Case, strategy, cpu_devices, *, grad=False):
     return jax.jit(f).lower(x, gamma).compile().as_text()
 
 
-def test_hlo_collectives(cpu_devices):
+def test_hlo_collectives(devices):
     case = Case(8, (3, 1, 2, 0, 3, 3, 0, 0), 64, group_size=4)
-    xla = _hlo(case, "xla", cpu_devices)
+    xla = _hlo(case, "xla", devices)
     assert "all-gather" in xla and "mxfp8_rmsnorm_quantize" in xla
     assert "replica_groups={{0,1,2,3},{4,5,6,7}}" in xla
     # the bf16 rows travel as 16-bit words (XLA:CPU would widen a bf16 gather to f32)
     assert [c.dtypes for c in hlo.collectives(xla) if c.op == "all-gather"] == [("u16",)]
-    p2p = _hlo(case, "p2p", cpu_devices)
+    p2p = _hlo(case, "p2p", devices)
     assert "mxfp8_allgather_rmsnorm_quantize" in p2p
     assert hlo.collectives(p2p) == []
     # backward: the transpose of the gather is a reduce-scatter over the group, for both
     for strategy in ("xla", "p2p"):
-        text = _hlo(case, strategy, cpu_devices, grad=True)
+        text = _hlo(case, strategy, devices, grad=True)
         assert "reduce-scatter" in text
         assert ("all-gather" in text) == (strategy == "xla")
 
 
-def test_auto_strategy_is_p2p_on_cpu(cpu_devices):
+def test_auto_strategy_is_p2p_on_cpu(devices):
     case = Case(4, (2,) * 4, 32)
-    auto = _hlo(case, "auto", cpu_devices)
+    auto = _hlo(case, "auto", devices)
     assert "mxfp8_allgather_rmsnorm_quantize" in auto and "all-gather" not in auto
 
 
-def test_per_device_form_in_user_shard_map(cpu_devices):
-    mesh = Mesh(np.array(cpu_devices).reshape(2, 4), ("dp", "tp"))
+def test_per_device_form_in_user_shard_map(devices):
+    mesh = Mesh(np.array(devices).reshape(2, 4), ("dp", "tp"))
     rng = np.random.default_rng(5)
     x = jnp.asarray((rng.standard_normal((8 * 3, 64))).astype(BF16))
     gamma = jnp.asarray(np.ones(64, BF16))

@@ -72,8 +72,8 @@ def _loss(f, w1, w2):
 
 @pytest.mark.parametrize("strategy", ["xla", "p2p"])
 @pytest.mark.parametrize("counts,group_size,offset", [(COUNTS, N, 0.0), (COUNTS_G, 2, 1.0)])
-def test_gradients_match_reference(cpu_devices, strategy, counts, group_size, offset):
-    mesh = Mesh(np.array(cpu_devices[:N]), ("x",))
+def test_gradients_match_reference(devices, strategy, counts, group_size, offset):
+    mesh = Mesh(np.array(devices[:N]), ("x",))
     rng = np.random.default_rng(1)
     m = max(counts)
     x = jnp.asarray((rng.standard_normal((N * m, H)) * 2).astype(BF16))
@@ -96,9 +96,9 @@ def test_gradients_match_reference(cpu_devices, strategy, counts, group_size, of
         assert c == 0 or gx[k, :c].any()
 
 
-def test_shared_gamma_gradient_sums_over_devices(cpu_devices):
+def test_shared_gamma_gradient_sums_over_devices(devices):
     """A replicated gamma [H] gets the sum of every device's contribution (one group)."""
-    mesh = Mesh(np.array(cpu_devices[:N]), ("x",))
+    mesh = Mesh(np.array(devices[:N]), ("x",))
     rng = np.random.default_rng(2)
     x = jnp.asarray(rng.standard_normal((N * 2, H)).astype(BF16))
     gamma = jnp.asarray((rng.standard_normal(H) + 1).astype(BF16))
@@ -119,10 +119,10 @@ def test_shared_gamma_gradient_sums_over_devices(cpu_devices):
         np.testing.assert_allclose(a, b, rtol=2e-2, atol=1e-2 * np.abs(b).max())
 
 
-def test_reference_passes_check_grads(cpu_devices):
+def test_reference_passes_check_grads(devices):
     """The fp32 reference the fused gradients are compared with agrees with finite
     differences (the fused op itself rounds to bf16, too coarse for finite differences)."""
-    mesh = Mesh(np.array(cpu_devices[:N]), ("x",))
+    mesh = Mesh(np.array(devices[:N]), ("x",))
     rng = np.random.default_rng(3)
     m = max(COUNTS_G)
     x = jnp.asarray(rng.standard_normal((N * m, H)), jnp.float32)
@@ -131,8 +131,8 @@ def test_reference_passes_check_grads(cpu_devices):
     check_grads(ref, (x, gamma), order=1, modes=("rev",), eps=1e-2, atol=2e-2, rtol=2e-2)
 
 
-def test_quant_and_scales_carry_no_gradient(cpu_devices):
-    mesh = Mesh(np.array(cpu_devices[:2]), ("x",))
+def test_quant_and_scales_carry_no_gradient(devices):
+    mesh = Mesh(np.array(devices[:2]), ("x",))
     x = jnp.asarray(np.ones((2, 32), BF16))
     gamma = jnp.asarray(np.ones(32, BF16))
 
@@ -146,11 +146,11 @@ def test_quant_and_scales_carry_no_gradient(cpu_devices):
 
 @pytest.mark.parametrize("strategy", ["xla", "p2p"])
 @pytest.mark.parametrize("gamma_spec", [P(), P("x")])
-def test_local_form_under_checked_shard_map(cpu_devices, strategy, gamma_spec):
+def test_local_form_under_checked_shard_map(devices, strategy, gamma_spec):
     """Inside a user's shard_map with its default varying-axes checking (check_vma=True), the
     per-device form traces, and its outputs and gradients are those of check_vma=False: a
     replicated (invariant) gamma gets the sum of the devices' cotangents either way."""
-    mesh = Mesh(np.array(cpu_devices[:N]), ("x",))
+    mesh = Mesh(np.array(devices[:N]), ("x",))
     rng = np.random.default_rng(4)
     x = jnp.asarray((rng.standard_normal((N * 4, H)) * 2).astype(BF16))
     gamma = jnp.asarray((rng.standard_normal((N * H,) if gamma_spec == P("x") else (H,)) * 0.5 + 1).astype(BF16))

@@ -32,8 +32,8 @@ def _x(seed, rows=8):
     return (np.random.default_rng(seed).standard_normal((rows, H)) * 2).astype(BF16)
 
 
-def test_64_independent_calls_with_groups_interleaved(cpu_devices):
-    mesh = _mesh(cpu_devices)
+def test_64_independent_calls_with_groups_interleaved(devices):
+    mesh = _mesh(devices)
     xs = np.stack([_x(k) for k in range(64)])  # [64, 8, H]: one row per device per call
     gamma = np.ones(H, BF16)
 
@@ -56,8 +56,8 @@ def test_64_independent_calls_with_groups_interleaved(cpu_devices):
         np.testing.assert_array_equal(as_bytes(out), as_bytes(want), err_msg=f"call {k}")
 
 
-def test_200_calls_in_a_scan(cpu_devices):
-    mesh = _mesh(cpu_devices)
+def test_200_calls_in_a_scan(devices):
+    mesh = _mesh(devices)
     steps = 200
     xs = jnp.asarray(np.stack([_x(1000 + k) for k in range(steps)]).reshape(steps, 8, H))
     gamma = jnp.asarray(np.ones(H, BF16))
@@ -88,8 +88,8 @@ def test_200_calls_in_a_scan(cpu_devices):
         )
 
 
-def test_missing_peers_fail_with_deadline_and_process_stays_usable(cpu_devices):
-    mesh = _mesh(cpu_devices)
+def test_missing_peers_fail_with_deadline_and_process_stays_usable(devices):
+    mesh = _mesh(devices)
     x = jnp.asarray(_x(7))
     gamma = jnp.asarray(np.ones(H, BF16))
 
@@ -110,11 +110,11 @@ def test_missing_peers_fail_with_deadline_and_process_stays_usable(cpu_devices):
 
 
 @pytest.mark.parametrize("timeout_s", [None, float("inf"), 1e10, 1e300])
-def test_no_deadline_and_huge_timeouts_gather_normally(cpu_devices, timeout_s):
+def test_no_deadline_and_huge_timeouts_gather_normally(devices, timeout_s):
     # None/inf mean no deadline; 1e10 s (past the int64 nanoseconds of the clock: once a
     # deadline in the past, DEADLINE_EXCEEDED with every peer present) and 1e300 s (past
     # int64 milliseconds) saturate to none instead of overflowing
-    mesh = _mesh(cpu_devices)
+    mesh = _mesh(devices)
     x = _x(11)
     gamma = np.ones(H, BF16)
     out = mx.allgather_rmsnorm_quant(x, gamma, mesh=mesh, axis="x", strategy="p2p", p2p_timeout_s=timeout_s)[0]
@@ -122,17 +122,17 @@ def test_no_deadline_and_huge_timeouts_gather_normally(cpu_devices, timeout_s):
 
 
 @pytest.mark.parametrize("timeout_s", [0, -1.0, float("nan"), float("-inf"), "10", True])
-def test_bad_timeouts_are_refused(cpu_devices, timeout_s):
+def test_bad_timeouts_are_refused(devices, timeout_s):
     x = jnp.zeros((8, H), jnp.bfloat16)
     with pytest.raises(ValueError, match=r"p2p_timeout_s=.* must be a positive number of seconds, or None"):
         mx.allgather_rmsnorm_quant(
-            x, jnp.ones(H, jnp.bfloat16), mesh=_mesh(cpu_devices), axis="x", p2p_timeout_s=timeout_s
+            x, jnp.ones(H, jnp.bfloat16), mesh=_mesh(devices), axis="x", p2p_timeout_s=timeout_s
         )
 
 
-def test_vmap_of_p2p_gathers_each_batch_element(cpu_devices):
+def test_vmap_of_p2p_gathers_each_batch_element(devices):
     # a batching rule (one rendezvous per element, in order), not JAX's NotImplementedError
-    mesh = _mesh(cpu_devices)
+    mesh = _mesh(devices)
     xs = np.stack([_x(20 + b, rows=16) for b in range(3)])  # [B, 16, H]: 2 rows per device
     gamma = np.ones(H, BF16)
     op = lambda strategy: lambda x: mx.allgather_rmsnorm_quant(x, gamma, mesh=mesh, axis="x", strategy=strategy)
@@ -175,8 +175,8 @@ def test_p2p_across_processes_is_refused():
         ((12, 64), BF16, {}, ValueError, r"12 rows.*8 devices"),
     ],
 )
-def test_errors(cpu_devices, shape, dtype, kwargs, err, match):
-    mesh = _mesh(cpu_devices)
+def test_errors(devices, shape, dtype, kwargs, err, match):
+    mesh = _mesh(devices)
     x = jnp.zeros(shape, dtype)
     gamma = jnp.ones(shape[1], jnp.bfloat16)
     if shape == (64, 64):  # R=64 is fine: this one must NOT raise
@@ -186,8 +186,8 @@ def test_errors(cpu_devices, shape, dtype, kwargs, err, match):
         mx.allgather_rmsnorm_quant(x, gamma, mesh=mesh, axis="x", **kwargs)
 
 
-def test_gamma_errors(cpu_devices):
-    mesh = _mesh(cpu_devices)
+def test_gamma_errors(devices):
+    mesh = _mesh(devices)
     x = jnp.zeros((8, 64), jnp.bfloat16)
     with pytest.raises(TypeError, match="gamma has dtype float32"):
         mx.allgather_rmsnorm_quant(x, jnp.ones(64), mesh=mesh, axis="x")

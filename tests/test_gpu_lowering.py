@@ -163,11 +163,11 @@ def test_allgather_rmsnorm_quantize_call(platform, columnwise):
 
 
 @pytest.mark.parametrize("platform", PLATFORMS)
-def test_public_p2p_lowers_to_the_gather_call(platform, cpu_devices):
+def test_public_p2p_lowers_to_the_gather_call(platform, devices):
     """The global wrapper with strategy="p2p": one gather call per device, no collective."""
     if not _ffi.has_target("mxfp8_allgather_rmsnorm_quantize", "cpu"):
         pytest.skip("the mesh is on CPU here, whose p2p handler is not installed")
-    mesh = Mesh(np.array(cpu_devices[:4]), ("x",))
+    mesh = Mesh(np.array(devices[:4]), ("x",))
     fn = lambda x, g: mx.allgather_rmsnorm_quant(x, g, mesh=mesh, axis="x", strategy="p2p", row_counts=(2, 0, 1, 2))
     text = _lower(fn, _spec((8, 64), jnp.bfloat16), _spec((64,), jnp.bfloat16), platform=platform)
     (call,) = _custom_calls(text, "mxfp8_allgather_rmsnorm_quantize")

@@ -540,8 +540,8 @@ R2 = np.where(W2_TINY, 1 / TINY, 1.0).astype(np.float32)
 
 
 @pytest.fixture(scope="module")
-def mesh(cpu_devices):
-    return Mesh(np.array(cpu_devices), ("fsdp",))
+def mesh(devices):
+    return Mesh(np.array(devices), ("fsdp",))
 
 
 class MLP(nnx.Module):

@@ -89,9 +89,9 @@ KEPT = {
 
 
 @_with_partitioners(KEPT)
-def test_quantize_keeps_sharding(case, cpu_devices, partitioner):
+def test_quantize_keeps_sharding(case, devices, partitioner):
     mesh_shape, spec, shape, rowwise, columnwise, (m_axes, k_axes) = KEPT[case]
-    mesh = _mesh(cpu_devices, mesh_shape)
+    mesh = _mesh(devices, mesh_shape)
     x = _random(shape)
     xs = jax.device_put(x, NamedSharding(mesh, spec))
     fn = jax.jit(lambda a: mx.quantize(a, rowwise=rowwise, columnwise=columnwise, backend="ffi"))
@@ -130,9 +130,9 @@ RESHARDED = {
 
 
 @_with_partitioners(RESHARDED)
-def test_quantize_reshards_split_blocks(case, cpu_devices, partitioner):
+def test_quantize_reshards_split_blocks(case, devices, partitioner):
     mesh_shape, spec, shape, rowwise, columnwise, local = RESHARDED[case]
-    mesh = _mesh(cpu_devices, mesh_shape)
+    mesh = _mesh(devices, mesh_shape)
     x = _random(shape, seed=1)
     xs = jax.device_put(x, NamedSharding(mesh, spec))
     fn = jax.jit(lambda a: mx.quantize(a, rowwise=rowwise, columnwise=columnwise, backend="ffi"))
@@ -148,10 +148,10 @@ def test_quantize_reshards_split_blocks(case, cpu_devices, partitioner):
 
 
 @pytest.mark.parametrize("backend", ["auto", "ffi"])
-def test_issue_example_memory(backend, cpu_devices):
+def test_issue_example_memory(backend, devices):
     """Row-sharded [4096, 1024] bf16 over 8 devices: each device holds 1/8 of the planes and no
     copy of the whole input (before the rule: 8.25 MiB of planes and 24 MiB of temp each)."""
-    mesh = _mesh(cpu_devices, (8,))
+    mesh = _mesh(devices, (8,))
     xs = jax.device_put(jnp.zeros((4096, 1024), jnp.bfloat16), NamedSharding(mesh, P("x")))
     compiled = jax.jit(lambda a: mx.quantize(a, backend=backend)).lower(xs).compile()
     assert hlo.counts_by_op(compiled.as_text()) == {}
@@ -175,9 +175,9 @@ NORM = {
 
 
 @_with_partitioners(NORM)
-def test_rmsnorm_keeps_rows(case, cpu_devices, partitioner):
+def test_rmsnorm_keeps_rows(case, devices, partitioner):
     mesh_shape, spec, shape, columnwise, local, gathers = NORM[case]
-    mesh = _mesh(cpu_devices, mesh_shape)
+    mesh = _mesh(devices, mesh_shape)
     x, gamma = _random(shape, seed=2), _random(shape[-1:], seed=3)
     xs = jax.device_put(x, NamedSharding(mesh, spec))
     fn = jax.jit(lambda a, g: mx.rmsnorm_quant(a, g, eps=1e-5, columnwise=columnwise, backend="ffi"))
@@ -200,11 +200,11 @@ def test_rmsnorm_keeps_rows(case, cpu_devices, partitioner):
 
 
 @pytest.mark.parametrize("partitioner", ["shardy", "gspmd"], indirect=True)
-def test_segments_are_replicated(cpu_devices, partitioner):
+def test_segments_are_replicated(devices, partitioner):
     """The descriptor addresses the whole segment, so a sharded segment is gathered and each
     device runs the full call; the bytes are the single-device call's. (QuantizedDBuffer calls
     it per device inside shard_map, where no rule applies.)"""
-    mesh = _mesh(cpu_devices, (4, 2))
+    mesh = _mesh(devices, (4, 2))
     s = 4096
     x = _random((s,), seed=4)
     desc = jnp.asarray([[0, 64, 32], [2048, 32, 64], [s, 0, 32]], jnp.int32)
@@ -213,7 +213,7 @@ def test_segments_are_replicated(cpu_devices, partitioner):
     text = fn.lower(xs, desc).compile().as_text()
     assert _local_calls(text, "mxfp8_quantize_segments") == [[(s,), (3, 3)]]
     got = jax.tree.leaves(fn(xs, desc))
-    with jax.default_device(cpu_devices[0]):
+    with jax.default_device(devices[0]):
         want = jax.tree.leaves(fn(x, desc))
     for a, b in zip(got, want, strict=True):
         np.testing.assert_array_equal(as_bytes(a), as_bytes(b))
@@ -244,8 +244,8 @@ def _lowered(fn, args, shardings, platform):
 
 
 @pytest.mark.parametrize("platform", ["cuda", "rocm"])
-def test_gpu_lowering_carries_the_rule(platform, cpu_devices):
-    mesh = _mesh(cpu_devices, (8,))
+def test_gpu_lowering_carries_the_rule(platform, devices):
+    mesh = _mesh(devices, (8,))
     sds = jax.ShapeDtypeStruct
     rows = NamedSharding(mesh, P("x"))
 

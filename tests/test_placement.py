@@ -26,8 +26,8 @@ def suffix_placements(ndim):
             yield (*head, *([S, B32] * ndim)[:k])
 
 
-def test_partition_spec_innermost_shard_axis_major(cpu_devices):
-    m8, m24, m222 = (make_mesh(s, cpu_devices) for s in [(8,), (2, 4), (2, 2, 2)])
+def test_partition_spec_innermost_shard_axis_major(devices):
+    m8, m24, m222 = (make_mesh(s, devices) for s in [(8,), (2, 4), (2, 2, 2)])
     assert mx.partition_spec(m8, [S]) == P("x")
     assert mx.partition_spec(m8, [R]) == P(None)
     assert mx.partition_spec(m24, [R, S]) == P("b")
@@ -40,9 +40,9 @@ def test_partition_spec_innermost_shard_axis_major(cpu_devices):
 
 
 @pytest.mark.parametrize("shape", list(MESHES))
-def test_shard_index_matches_jax_sharding(shape, cpu_devices):
+def test_shard_index_matches_jax_sharding(shape, devices):
     """The shard a device holds under jax's own reading of the spec is ``shard_index``'s."""
-    mesh = make_mesh(shape, cpu_devices)
+    mesh = make_mesh(shape, devices)
     n = 8 * 3
     for placements in suffix_placements(len(shape)):
         nshards = pl.num_shards(mesh, placements)
@@ -65,12 +65,12 @@ def test_placements_are_frozen_values():
     assert len({R, mx.Replicate(), S, B32, mx.BlockAtomic(32)}) == 3
 
 
-def test_errors_name_the_rule(cpu_devices):
-    mesh = make_mesh((2, 4), cpu_devices)
+def test_errors_name_the_rule(devices):
+    mesh = make_mesh((2, 4), devices)
     with pytest.raises(ValueError, match=r"must form a suffix"):
         pl.validate_placements(mesh, [S, R])
     with pytest.raises(ValueError, match=r"must form a suffix"):
-        mx.partition_spec(make_mesh((2, 2, 2), cpu_devices), [S, R, S])
+        mx.partition_spec(make_mesh((2, 2, 2), devices), [S, R, S])
     with pytest.raises(ValueError, match=r"has 1 entries but the mesh has 2 axes \('a', 'b'\)"):
         mx.partition_spec(mesh, [S])
     with pytest.raises(TypeError, match=r"placements\[1\]='Shard' is not a placement"):

@@ -64,13 +64,13 @@ def test_rmsnorm_quant_follows_the_scale_rule(rule, backend):
 
 @pytest.mark.parametrize("rule", ["floor", "rceil"])
 @pytest.mark.parametrize("strategy", ["xla", "p2p"])
-def test_allgather_rmsnorm_quant_follows_the_scale_rule(cpu_devices, rule, strategy):
+def test_allgather_rmsnorm_quant_follows_the_scale_rule(devices, rule, strategy):
     x, gamma = _data(1)  # 4 devices x 8 rows: the gathered [32, H] is the whole x
     normed, planes = _expected(x, gamma, rule)
     outs = mx.allgather_rmsnorm_quant(
         jnp.asarray(x),
         jnp.asarray(gamma),
-        mesh=Mesh(np.array(cpu_devices[:4]), ("x",)),
+        mesh=Mesh(np.array(devices[:4]), ("x",)),
         axis="x",
         columnwise=True,
         strategy=strategy,

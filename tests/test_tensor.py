@@ -188,8 +188,8 @@ def test_scale_e8m0_is_a_bitcast():
 # varying manual axes
 
 
-def test_vma_helpers_under_checked_and_unchecked_shard_map(cpu_devices):
-    mesh = Mesh(np.array(cpu_devices).reshape(2, 4), ("a", "b"))
+def test_vma_helpers_under_checked_and_unchecked_shard_map(devices):
+    mesh = Mesh(np.array(devices).reshape(2, 4), ("a", "b"))
     x = jnp.arange(8.0)
     assert vma.varying_axes(x) == frozenset()  # outside shard_map nothing is tracked
 

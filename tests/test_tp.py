@@ -53,15 +53,15 @@ def losses(model, fsdp, batches, steps):
 
 
 @pytest.fixture(scope="module")
-def runs(model, cpu_devices, task_batches):
+def runs(model, devices, task_batches):
     return {
-        "4x2": losses(*plan(model, cpu_devices, (4, 2)), task_batches, 10),
-        "8x1": losses(*plan(model, cpu_devices, (8,)), task_batches, 10),
+        "4x2": losses(*plan(model, devices, (4, 2)), task_batches, 10),
+        "8x1": losses(*plan(model, devices, (8,)), task_batches, 10),
     }
 
 
-def test_plan_splits_the_projections(model, cpu_devices):
-    _, fsdp = plan(model, cpu_devices, (4, 2))
+def test_plan_splits_the_projections(model, devices):
+    _, fsdp = plan(model, devices, (4, 2))
     roles = {p.name: p.tp for p in fsdp.units}
     assert roles == {
         **{f"blocks/attn/{n}/kernel": "column" for n in "qkv"},
@@ -87,22 +87,22 @@ def test_loss_trajectory_matches_fsdp_only(runs):
     np.testing.assert_allclose(got, want, rtol=2e-3)
 
 
-def test_mxfp8_gemms_from_the_fused_op_match_fsdp_only(cpu_devices, task_batches):
+def test_mxfp8_gemms_from_the_fused_op_match_fsdp_only(devices, task_batches):
     """FSDP(gemm="mxfp8") with the norms' planes as the q/k/v and gate/up GEMMs' operands (the
     fused op's rowwise planes for the forward, its columnwise ones for the wgrad): the (4, 2)
     run follows the (8,) run as the dequantized-GEMM runs do (the same bf16 partial sums)."""
     cfg = models.TransformerConfig(**{**CFG.__dict__, "gemm": "mxfp8"})
     example = dict(loss_fn=models.next_token_loss, example_batch=task_batches[0], gemm="mxfp8")
-    got = losses(*plan(None, cpu_devices, (4, 2), cfg, **example), task_batches, 6)
-    want = losses(*plan(None, cpu_devices, (8,), cfg, **example), task_batches, 6)
+    got = losses(*plan(None, devices, (4, 2), cfg, **example), task_batches, 6)
+    want = losses(*plan(None, devices, (8,), cfg, **example), task_batches, 6)
     assert want[-1] < 0.95 * want[0]  # it learns
     np.testing.assert_allclose(got, want, rtol=2e-3)
 
 
-def test_gradients_match_one_device(model, cpu_devices, task_batches):
+def test_gradients_match_one_device(model, devices, task_batches):
     grads = {}
     for name, shape in (("4x2", (4, 2)), ("1", (1,))):
-        m, fsdp = plan(model, cpu_devices, shape)
+        m, fsdp = plan(model, devices, shape)
         _, g = fsdp.loss_and_grads(models.next_token_loss)(fsdp.init(m, TX), task_batches[0])
         grads[name] = {p.name: np.asarray(fsdp.to_logical(p, g[p.name])) for p in fsdp.trained}
     assert grads["4x2"].keys() == grads["1"].keys()
@@ -111,8 +111,8 @@ def test_gradients_match_one_device(model, cpu_devices, task_batches):
         assert err < 2e-2, (k, err)  # bf16 partial sums over tp, GEMM order
 
 
-def test_hlo_fused_call_in_the_loop_and_no_activation_gather(model, cpu_devices):
-    _, fsdp = plan(model, cpu_devices, (4, 2))
+def test_hlo_fused_call_in_the_loop_and_no_activation_gather(model, devices):
+    _, fsdp = plan(model, devices, (4, 2))
     batch = (jax.ShapeDtypeStruct((BATCH, SEQ), np.int32),) * 2
     text = fsdp.lower_train_step(models.next_token_loss, TX, fsdp.abstract_state(TX), batch).compile().as_text()
     loops = hlo.while_loops(text)
@@ -139,15 +139,15 @@ def test_hlo_fused_call_in_the_loop_and_no_activation_gather(model, cpu_devices)
     assert len(scatters) >= 2 * 2
 
 
-def test_fused_and_unfused_blocks_give_identical_losses(model, cpu_devices, task_batches):
+def test_fused_and_unfused_blocks_give_identical_losses(model, devices, task_batches):
     """The same state through the fused op and through all_gather + rmsnorm_quant: the forward
     is byte-identical, so the losses are equal; the gradients differ only in where the tp
     partial sums are rounded to bf16 (inside the fused op's VJP in fp32, after the unfused
     norm's VJP in bf16)."""
     import dataclasses
 
-    _, fused = plan(model, cpu_devices, (4, 2))
-    _, unfused = plan(None, cpu_devices, (4, 2), cfg=dataclasses.replace(CFG, norm_path="unfused"))
+    _, fused = plan(model, devices, (4, 2))
+    _, unfused = plan(None, devices, (4, 2), cfg=dataclasses.replace(CFG, norm_path="unfused"))
     state = fused.init(model, TX)
     for b in task_batches[:2]:
         (l1, g1), (l2, g2) = (f.loss_and_grads(models.next_token_loss)(state, b) for f in (fused, unfused))

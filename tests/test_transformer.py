@@ -16,8 +16,8 @@ SEQ, BATCH, STEPS = 32, 64, 50
 
 
 @pytest.fixture(scope="module")
-def mesh(cpu_devices):
-    return Mesh(np.array(cpu_devices), ("data",))
+def mesh(devices):
+    return Mesh(np.array(devices), ("data",))
 
 
 @pytest.fixture(scope="module")
