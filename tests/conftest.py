@@ -88,15 +88,26 @@ import jax  # noqa: E402
 
 jax.config.update("jax_num_cpu_devices", CPU_DEVICES)
 if GPU_MODE:
+    try:  # start the backends now: a GPU that cannot start stops the run here, before collection
+        jax.devices(PLATFORM)
+    except RuntimeError as err:
+        raise pytest.UsageError(
+            f"MXFP8_TEST_PLATFORM={_ASKED}: jax cannot start {PLATFORM} on this host ({err}); "
+            "the suite does not fall back to CPU devices"
+        ) from err
     # fp32 GEMMs on Hopper and later default to TF32; the references here are fp32 to the bit.
     jax.config.update("jax_default_matmul_precision", "highest")
 
 import numpy as np  # noqa: E402
-from hypothesis import settings  # noqa: E402
 
-settings.register_profile("ci", max_examples=40, deadline=None, derandomize=True)
-settings.register_profile("dev", max_examples=15, deadline=None)
-settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+try:  # a GPU image may lack hypothesis: the modules that use it then fail to collect, alone
+    from hypothesis import settings
+except ImportError:
+    settings = None
+if settings is not None:
+    settings.register_profile("ci", max_examples=40, deadline=None, derandomize=True)
+    settings.register_profile("dev", max_examples=15, deadline=None)
+    settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 
 def as_bytes(a) -> np.ndarray:
@@ -105,16 +116,7 @@ def as_bytes(a) -> np.ndarray:
 
 
 def _all_test_devices() -> list:
-    if not GPU_MODE:
-        return jax.devices("cpu")
-    try:
-        devices = jax.devices(PLATFORM)
-    except RuntimeError as err:
-        raise pytest.UsageError(
-            f"MXFP8_TEST_PLATFORM={_ASKED}: jax cannot start {PLATFORM} on this host ({err}); "
-            "the suite does not fall back to CPU devices"
-        ) from err
-    return devices
+    return jax.devices(PLATFORM)
 
 
 _current = {"node": None}
@@ -159,6 +161,12 @@ def devices():
     return need_devices(max(n, 2))
 
 
+def pytest_configure(config):
+    config.addinivalue_line(
+        "markers", "multidevice: runs on several devices (MXFP8_TEST_PLATFORM and MXFP8_TEST_DEVICES choose which)"
+    )
+
+
 def pytest_collection_modifyitems(config, items):
     for item in items:
         if "devices" in getattr(item, "fixturenames", ()):
@@ -168,10 +176,11 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(autouse=True)
 def _test_platform(request):
     """Remember the running test (for ``need_devices``) and, in GPU mode, give tests that are
-    not multi-device the CPU as their default device."""
+    not multi-device (nor GPU kernel tests) the CPU as their default device."""
     _current["node"] = request.node
+    on_gpu = any(request.node.get_closest_marker(m) is not None for m in ("multidevice", "gpu"))
     try:
-        if GPU_MODE and request.node.get_closest_marker("multidevice") is None:
+        if GPU_MODE and not on_gpu:
             with jax.default_device(jax.devices("cpu")[0]):
                 yield
         else:
@@ -188,7 +197,7 @@ def pytest_report_header(config):
             "MXFP8_TEST_PLATFORM chooses the platform"
         )
     if not GPU_MODE:
-        lines.append("tests/test_gpu.py not collected: MXFP8_TEST_PLATFORM is cpu (bench/gpu_check.sh runs it on a GPU)")
+        lines.append("tests/test_gpu.py not collected: MXFP8_TEST_PLATFORM is cpu (bench/gpu_check.sh runs it)")
     return lines
 
 

@@ -1,9 +1,9 @@
 """The GPU kernels (CUDA or ROCm) byte for byte against the references, on a GPU.
 
-Run by bench/gpu_check.sh on a machine with a GPU (JAX_PLATFORMS must include it; without a
-GPU platform in JAX_PLATFORMS conftest does not collect this file). Every test is marked ``gpu``
-and skipped, saying why, when jax still sees no GPU or the installed extension has no handler
-for it. References run on the CPU backend: the pure-JAX
+Run by bench/gpu_check.sh on a machine with a GPU (``MXFP8_TEST_PLATFORM=gpu``; in a CPU run
+conftest does not collect this file, and in GPU mode a GPU jax cannot start stops the run). Every
+test is marked ``gpu`` and skipped, saying why, when the installed extension has no handler for
+the GPU. References run on the CPU backend: the pure-JAX
 quantize reference (integer code, exact there), the independent numpy quantize oracle, and the
 numpy oracle of the canonical RMSNorm order (tests/rmsnorm_oracle.py). The compiled GPU program
 is checked to contain the custom call, so no test can pass through a silent fallback.
@@ -35,7 +35,7 @@ TARGETS = ("mxfp8_quantize", "mxfp8_quantize_segments", "mxfp8_rmsnorm_quantize"
 
 pytestmark = [
     pytest.mark.gpu,
-    pytest.mark.skipif(PLATFORM is None, reason="no GPU visible to jax (JAX_PLATFORMS=cuda,cpu?)"),
+    pytest.mark.skipif(PLATFORM is None, reason="no GPU visible to jax (MXFP8_TEST_PLATFORM=gpu?)"),
     pytest.mark.skipif(
         PLATFORM is not None and not all(_ffi.has_target(t, PLATFORM) for t in TARGETS),
         reason=f"the installed extension has no {PLATFORM} handlers (build with MXFP8_CUDA=ON)",
@@ -286,7 +286,7 @@ quiet_p2p = pytest.mark.filterwarnings("ignore::mxfp8_jax.ExperimentalGpuP2PWarn
 def _gpus(n):
     gpus = [d for d in jax.devices() if d.platform != "cpu"]
     if len(gpus) < n:
-        pytest.skip(f"needs {n} GPUs in this process, jax sees {len(gpus)}")
+        pytest.skip(f"needs {n} devices; jax sees {len(gpus)} GPUs in this process")
     return gpus[:n]
 
 

@@ -31,3 +31,5 @@ def test_readme_keeps_the_two_commands():
     assert 'pip install -e ".[test]" && python -m pytest -q -n 2' in text
     ci = (ROOT / ".ci" / "run").read_text()
     assert 'pip install -e ".[test]" && python -m pytest -q -n 2' in ci
+    four = "MXFP8_TEST_DEVICES=4 python -m pytest -q -n 2 -m multidevice"
+    assert four in text and four in ci
