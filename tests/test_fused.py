@@ -1,10 +1,14 @@
 """All-gather + RMSNorm + MXFP8 quantize across devices: strategies agree byte for byte.
 
 Every case runs the "xla" (lax.all_gather + local kernel) and "p2p" (in-process rendezvous)
-strategies on simulated CPU devices and checks, on every device's copy: normed against the
+strategies on the run's devices and checks, on every device's copy: normed against the
 numpy oracle of the canonical order (bytes) and float64 (1 ulp); quant/scales against the
 pure-JAX quantize of normed; residual against the gathered input bits; equality of the two
 strategies on all outputs; identical outputs on the devices of a group.
+
+The cases are written for the run's device count n (MXFP8_TEST_DEVICES): besides two fixed
+2-device cases, each spans all n devices, with ragged row counts and two groups of n // 2
+(groups of one device at n = 2) derived from n, so that every feature runs at every count.
 """
 
 import dataclasses
@@ -19,7 +23,7 @@ from jax.sharding import Mesh
 import mxfp8_jax as mx
 from mxfp8_jax._src import hlo
 
-from conftest import as_bytes
+from conftest import as_bytes, device_count, need_devices
 from rmsnorm_oracle import BF16, canonical, float64, within_one_bf16_ulp
 
 pytestmark = pytest.mark.skipif("cpu" not in mx.available_backends(), reason="needs the compiled CPU extension")
@@ -38,16 +42,37 @@ class Case:
     quantize_from: str = "normed"
 
 
-CASES = [
-    Case(2, (1, 1), 32),
-    Case(4, (0, 1, 2, 17), 96, per_device_gamma=True, offset=1.0, eps=1e-5),
-    Case(8, (128,) * 8, 64),
-    Case(8, (17, 0, 2, 1, 0, 17, 1, 2), 8192, group_size=4, offset=1.0),
-    Case(8, (2,) * 8, 256, group_size=4, per_device_gamma=True),
-    Case(4, (32, 0, 16, 16), 160, columnwise=True, quantize_from="fp32", per_device_gamma=True),
-    Case(8, (1,) * 8, 6144),
-    Case(2, (0, 0), 32),
-]
+def _cycle(pattern, n):
+    """``pattern`` repeated over ``n`` devices."""
+    return tuple(pattern[k % len(pattern)] for k in range(n))
+
+
+def _two_groups(pattern, n):
+    """Row counts for two groups of ``n // 2`` devices that gather the same number of rows: the
+    first group cycles ``pattern``, the second swaps its neighbours pairwise (the same total).
+    At n = 8 and pattern (17, 0, 2, 1): (17, 0, 2, 1, 0, 17, 1, 2)."""
+    first = _cycle(pattern, n // 2)
+    second = tuple(first[k ^ 1] if (k ^ 1) < len(first) else first[k] for k in range(len(first)))
+    return first + second
+
+
+def _cases(n):
+    """The cases of a run with n devices (the even part of it: two groups need an even count)."""
+    n = max(2, n // 2 * 2)
+    return [
+        Case(2, (1, 1), 32),
+        Case(n, _cycle((0, 17, 2, 1), n), 96, per_device_gamma=True, offset=1.0, eps=1e-5),
+        Case(n, (128,) * n, 64),
+        Case(n, _two_groups((17, 0, 2, 1), n), 8192, group_size=n // 2, offset=1.0),
+        Case(n, (2,) * n, 256, group_size=n // 2, per_device_gamma=True),
+        # pairs (32, 0) and (16, 16): R = 32 per pair, a multiple of 32 as columnwise needs
+        Case(n, _cycle((32, 0, 16, 16), n), 160, columnwise=True, quantize_from="fp32", per_device_gamma=True),
+        Case(n, (1,) * n, 6144),
+        Case(2, (0, 0), 32),
+    ]
+
+
+CASES = _cases(device_count())
 
 
 @functools.partial(jax.jit, static_argnums=1)
@@ -174,10 +199,14 @@ def _hlo(case: Case, strategy, devices, *, grad=False):
 
 
 def test_hlo_collectives(devices):
-    case = Case(8, (3, 1, 2, 0, 3, 3, 0, 0), 64, group_size=4)
+    """Two groups of n // 2 devices (one group of both at n = 2: a group of one gathers nothing)."""
+    n = len(devices) // 2 * 2
+    g = n // 2 if n >= 4 else n
+    case = Case(n, _two_groups((3, 1, 2, 0), n) if g < n else (3, 1), 64, group_size=g)
     xla = _hlo(case, "xla", devices)
     assert "all-gather" in xla and "mxfp8_rmsnorm_quantize" in xla
-    assert "replica_groups={{0,1,2,3},{4,5,6,7}}" in xla
+    groups = ",".join("{" + ",".join(str(d) for d in range(k, k + g)) + "}" for k in range(0, n, g))
+    assert f"replica_groups={{{groups}}}" in xla  # at 8 devices: {{0,1,2,3},{4,5,6,7}}
     # the bf16 rows travel as 16-bit words (XLA:CPU would widen a bf16 gather to f32)
     assert [c.dtypes for c in hlo.collectives(xla) if c.op == "all-gather"] == [("u16",)]
     p2p = _hlo(case, "p2p", devices)
@@ -191,15 +220,23 @@ def test_hlo_collectives(devices):
 
 
 def test_auto_strategy_is_p2p_on_cpu(devices):
-    case = Case(4, (2,) * 4, 32)
-    auto = _hlo(case, "auto", devices)
-    assert "mxfp8_allgather_rmsnorm_quantize" in auto and "all-gather" not in auto
+    """The strategy "auto" is "p2p" on CPU devices and "xla" on GPUs (MXFP8_TEST_PLATFORM=gpu)."""
+    n = len(devices)
+    auto = _hlo(Case(n, (2,) * n, 32), "auto", devices)
+    if devices[0].platform == "cpu":
+        assert "mxfp8_allgather_rmsnorm_quantize" in auto and "all-gather" not in auto
+    else:
+        assert "mxfp8_allgather_rmsnorm_quantize" not in auto and "all-gather" in auto
 
 
 def test_per_device_form_in_user_shard_map(devices):
-    mesh = Mesh(np.array(devices).reshape(2, 4), ("dp", "tp"))
+    """The per-device form gathers over one axis ("tp") of a (2, n // 2) mesh: both axes cut, so
+    4 devices at least."""
+    need_devices(4)
+    tp = len(devices) // 2
+    mesh = Mesh(np.array(devices[: 2 * tp]).reshape(2, tp), ("dp", "tp"))
     rng = np.random.default_rng(5)
-    x = jnp.asarray((rng.standard_normal((8 * 3, 64))).astype(BF16))
+    x = jnp.asarray((rng.standard_normal((2 * tp * 3, 64))).astype(BF16))  # 3 rows a device
     gamma = jnp.asarray(np.ones(64, BF16))
     from jax.sharding import PartitionSpec as P
 
@@ -221,5 +258,5 @@ def test_per_device_form_in_user_shard_map(devices):
         outs.append(f(x, gamma))
     for a, b in zip(*outs):
         np.testing.assert_array_equal(as_bytes(a), as_bytes(b))
-    # the dp row d gathers devices (d, 0..3): rows [12 d, 12 d + 12) of x
+    # the dp row d gathers devices (d, 0..tp-1): rows [3 tp d, 3 tp (d + 1)) of x
     np.testing.assert_array_equal(as_bytes(outs[1][1]), as_bytes(x))

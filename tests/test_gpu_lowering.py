@@ -162,17 +162,36 @@ def test_allgather_rmsnorm_quantize_call(platform, columnwise):
         assert attr in attrs, attr
 
 
+def _lowering_mesh_devices() -> list:
+    """The run's simulated CPU devices, for a mesh that is only lowered for CUDA/ROCm.
+
+    CPU devices in GPU mode too (MXFP8_TEST_PLATFORM=gpu still gives the run its
+    MXFP8_TEST_DEVICES CPU devices): the test checks what a CPU-only machine hands a GPU, with
+    the strategy resolved for the mesh's platform, and needs a mesh of neither a real GPU count
+    nor a GPU runtime (lowering for ROCm on CUDA devices is not what the test is about)."""
+    cpus = jax.devices("cpu")
+    if len(cpus) < 2:
+        pytest.skip(f"needs 2 devices; this run has {len(cpus)} simulated CPU devices")
+    return cpus
+
+
+@pytest.mark.multidevice
 @pytest.mark.parametrize("platform", PLATFORMS)
-def test_public_p2p_lowers_to_the_gather_call(platform, devices):
-    """The global wrapper with strategy="p2p": one gather call per device, no collective."""
+def test_public_p2p_lowers_to_the_gather_call(platform):
+    """The global wrapper with strategy="p2p" over all n of the run's CPU devices, lowered for
+    the GPU: one gather call per device on its local rows, no collective."""
     if not _ffi.has_target("mxfp8_allgather_rmsnorm_quantize", "cpu"):
         pytest.skip("the mesh is on CPU here, whose p2p handler is not installed")
-    mesh = Mesh(np.array(devices[:4]), ("x",))
-    fn = lambda x, g: mx.allgather_rmsnorm_quant(x, g, mesh=mesh, axis="x", strategy="p2p", row_counts=(2, 0, 1, 2))
-    text = _lower(fn, _spec((8, 64), jnp.bfloat16), _spec((64,), jnp.bfloat16), platform=platform)
+    devices = _lowering_mesh_devices()
+    n = len(devices)
+    counts = tuple((2, 0, 1, 2)[k % 4] for k in range(n))  # ragged, rows_max = 2: (2, 0, 1, 2) at n = 4
+    mesh = Mesh(np.array(devices), ("x",))
+    fn = lambda x, g: mx.allgather_rmsnorm_quant(x, g, mesh=mesh, axis="x", strategy="p2p", row_counts=counts)
+    text = _lower(fn, _spec((2 * n, 64), jnp.bfloat16), _spec((64,), jnp.bfloat16), platform=platform)
     (call,) = _custom_calls(text, "mxfp8_allgather_rmsnorm_quantize")
     assert call[0] == ["tensor<2x64xbf16>", "tensor<64xbf16>", "tensor<3xi32>"]
-    assert call[1][0] == call[1][-1] == "tensor<5x64xbf16>"  # normed and residual: R = 5 rows
+    r = sum(counts)  # normed and residual: the R gathered valid rows
+    assert call[1][0] == call[1][-1] == f"tensor<{r}x64xbf16>"
     assert "all_gather" not in text
 
 

@@ -1,12 +1,13 @@
 """The kernels' partitioning rules: under jit a sharded input stays sharded (docs/design.md §7).
 
-Every case runs the kernel (backend="ffi") on 8 CPU devices and checks, from what XLA compiled,
+Every case runs the kernel (backend="ffi") on the run's n devices, on a line ``(n,)`` or a grid
+``(n // 2, 2)`` mesh, with shapes derived from the mesh, and checks, from what XLA compiled,
 the shape each device's custom call sees and the collectives around it; the planes' bytes are
 compared with an independent numpy oracle (quantize) or with the single-device call (RMSNorm,
 segments), and the planes' shardings with the input's. Both partitioners are covered: Shardy
 (jax's default; the rule's ``sdy.sharding_rule``) and GSPMD (its callbacks). The CUDA/ROCm part
-is HLO only: the lowered module carries the same rule, and the per-shard body lowers to the GPU
-call on the local shape.
+is HLO only, on CPU devices: the lowered module carries the same rule, and the per-shard body
+lowers to the GPU call on the local shape.
 """
 
 import re
@@ -23,7 +24,7 @@ from mxfp8_jax._src import ffi_calls, hlo
 
 import numpy_oracle as oracle
 import rmsnorm_oracle
-from conftest import as_bytes
+from conftest import as_bytes, cpu_only, need_devices
 
 pytestmark = pytest.mark.skipif("cpu" not in mx.available_backends(), reason="needs the compiled CPU extension")
 
@@ -31,7 +32,7 @@ PLANES = ("rowwise_data", "rowwise_scale", "columnwise_data", "columnwise_scale"
 
 
 # Every case runs under Shardy (jax's default); one of each kind under GSPMD as well.
-GSPMD_CASES = {"rows", "rows-and-columns-4x2", "n-d-leading-axes", "longest-prefix-kept", "h-cut-is-gathered"}
+GSPMD_CASES = {"rows", "rows-and-columns", "n-d-leading-axes", "longest-prefix-kept", "h-cut-is-gathered"}
 
 
 def _with_partitioners(cases):
@@ -53,8 +54,19 @@ def partitioner(request):
     jax.config.update("jax_use_shardy_partitioner", old)
 
 
-def _mesh(devices, shape):
-    return Mesh(np.array(devices).reshape(shape), ("x", "y")[: len(shape)])
+# The meshes of a case, and the devices each needs: "line" is all n devices on one axis x;
+# "grid" is (n // 2, 2) with both axes cut, so 4 devices at least; "grid-x4" is the grid with an
+# x of 4 or more devices, which has a proper sub-axis (8 devices at least).
+NEEDS = {"line": 2, "grid": 4, "grid-x4": 8}
+
+
+def _mesh(devices, kind):
+    """The case's mesh over the run's devices (skips, counted, where the run has too few)."""
+    need_devices(NEEDS[kind])
+    n = len(devices)
+    if kind == "line":
+        return Mesh(np.array(devices), ("x",))
+    return Mesh(np.array(devices[: n // 2 * 2]).reshape(n // 2, 2), ("x", "y"))
 
 
 def _random(shape, seed=0):
@@ -77,21 +89,27 @@ def _local_calls(compiled_text, target):
 
 
 KEPT = {
-    # name: (mesh shape, input spec, input shape, rowwise, columnwise, (M axes, K axes) of the planes)
-    "rows": ((8,), P("x"), (256, 64), True, True, ("x", None)),
-    "columns": ((8,), P(None, "x"), (32, 256), True, True, (None, "x")),  # K/8 = 32: one block each
-    "rows-and-columns-4x2": ((4, 2), P("x", "y"), (128, 128), True, True, ("x", "y")),
-    "rows-over-both-axes": ((4, 2), P(("x", "y")), (256, 64), True, True, (("x", "y"), None)),
-    "n-d-leading-axes": ((4, 2), P("x", "y", None), (4, 64, 64), True, True, (("x", "y"), None)),
-    "rowwise-3-rows-a-shard": ((8,), P("x"), (24, 64), True, False, ("x", None)),
-    "columnwise-k-cut": ((8,), P(None, "x"), (32, 256), False, True, (None, "x")),
+    # name: (mesh, input spec, input shape for the mesh's shape s, rowwise, columnwise,
+    #        (M axes, K axes) of the planes)
+    # one columnwise block of 32 rows a device
+    "rows": ("line", P("x"), lambda s: (32 * s[0], 64), True, True, ("x", None)),
+    # one block of 32 columns a device
+    "columns": ("line", P(None, "x"), lambda s: (32, 32 * s[0]), True, True, (None, "x")),
+    # [32, 64] a device
+    "rows-and-columns": ("grid", P("x", "y"), lambda s: (32 * s[0], 64 * s[1]), True, True, ("x", "y")),
+    "rows-over-both-axes": ("grid", P(("x", "y")), lambda s: (32 * s[0] * s[1], 64), True, True, (("x", "y"), None)),
+    # [1, 32, 64] a device: the M view [32, 64] cut over both axes
+    "n-d-leading-axes": ("grid", P("x", "y", None), lambda s: (s[0], 32 * s[1], 64), True, True, (("x", "y"), None)),
+    "rowwise-3-rows-a-shard": ("line", P("x"), lambda s: (3 * s[0], 64), True, False, ("x", None)),
+    "columnwise-k-cut": ("line", P(None, "x"), lambda s: (32, 32 * s[0]), False, True, (None, "x")),
 }
 
 
 @_with_partitioners(KEPT)
 def test_quantize_keeps_sharding(case, devices, partitioner):
-    mesh_shape, spec, shape, rowwise, columnwise, (m_axes, k_axes) = KEPT[case]
-    mesh = _mesh(devices, mesh_shape)
+    kind, spec, shape_for, rowwise, columnwise, (m_axes, k_axes) = KEPT[case]
+    mesh = _mesh(devices, kind)
+    shape = shape_for(tuple(mesh.shape.values()))
     x = _random(shape)
     xs = jax.device_put(x, NamedSharding(mesh, spec))
     fn = jax.jit(lambda a: mx.quantize(a, rowwise=rowwise, columnwise=columnwise, backend="ffi"))
@@ -116,23 +134,32 @@ def test_quantize_keeps_sharding(case, devices, partitioner):
 # quantize: a cut that splits blocks is undone, and only that one
 
 RESHARDED = {
-    # name: (mesh shape, input spec, input shape, rowwise, columnwise, shape each device's call sees)
-    # 8 rows a shard: no whole columnwise block, so the rows are gathered (K was not cut)
-    "columnwise-8-rows-a-shard": ((8,), P("x"), (64, 128), True, True, (64, 128)),
+    # name: (mesh, input spec, input shape for the mesh's shape s, rowwise, columnwise,
+    #        shape each device's call sees)
+    # 16 rows a shard: no whole columnwise block, so the rows are gathered (K was not cut)
+    "columnwise-16-rows-a-shard": ("line", P("x"), lambda s: (16 * s[0], 128), True, True, lambda s: (16 * s[0], 128)),
     # 16 columns a shard: no whole rowwise block, so K is gathered, rows stay cut
-    "rowwise-16-columns-a-shard": ((4, 2), P("x", "y"), (128, 32), True, False, (32, 32)),
-    # 8-way rows of 16: too few; the first axis alone (4-way, 32 rows) is kept
-    "longest-prefix-kept": ((4, 2), P(("x", "y")), (128, 64), True, True, (32, 64)),
-    # 2 blocks of rows over 8 devices: propagation may cut 2 of the 4 of axis x, which no
-    # PartitionSpec names: the rows are gathered
-    "unnamed-sub-axis": ((4, 2), P(("x", "y")), (64, 256), True, True, (64, 256)),
+    "rowwise-16-columns-a-shard": (
+        "grid",
+        P("x", "y"),
+        lambda s: (32 * s[0], 16 * s[1]),
+        True,
+        False,
+        lambda s: (32, 16 * s[1]),
+    ),
+    # rows of 16 over both axes: too few; the first axis alone (32 rows a device) is kept
+    "longest-prefix-kept": ("grid", P(("x", "y")), lambda s: (32 * s[0], 64), True, True, lambda s: (32, 64)),
+    # 2 blocks of rows over an x of 4 or more: propagation may cut 2 of the devices of axis x,
+    # a sub-axis no PartitionSpec names: the rows are gathered
+    "unnamed-sub-axis": ("grid-x4", P(("x", "y")), lambda s: (64, 256), True, True, lambda s: (64, 256)),
 }
 
 
 @_with_partitioners(RESHARDED)
 def test_quantize_reshards_split_blocks(case, devices, partitioner):
-    mesh_shape, spec, shape, rowwise, columnwise, local = RESHARDED[case]
-    mesh = _mesh(devices, mesh_shape)
+    kind, spec, shape_for, rowwise, columnwise, local_for = RESHARDED[case]
+    mesh = _mesh(devices, kind)
+    shape, local = shape_for(tuple(mesh.shape.values())), local_for(tuple(mesh.shape.values()))
     x = _random(shape, seed=1)
     xs = jax.device_put(x, NamedSharding(mesh, spec))
     fn = jax.jit(lambda a: mx.quantize(a, rowwise=rowwise, columnwise=columnwise, backend="ffi"))
@@ -149,16 +176,19 @@ def test_quantize_reshards_split_blocks(case, devices, partitioner):
 
 @pytest.mark.parametrize("backend", ["auto", "ffi"])
 def test_issue_example_memory(backend, devices):
-    """Row-sharded [4096, 1024] bf16 over 8 devices: each device holds 1/8 of the planes and no
-    copy of the whole input (before the rule: 8.25 MiB of planes and 24 MiB of temp each)."""
-    mesh = _mesh(devices, (8,))
+    """Row-sharded [4096, 1024] bf16 over the run's n devices: each device holds 1/n of the planes
+    and no copy of the whole input (before the rule, at 8 devices: 8.25 MiB of planes and 24 MiB
+    of temp each)."""
+    cpu_only("XLA:CPU's memory_analysis of the partitioned quantize")
+    mesh = _mesh(devices, "line")
+    n = len(devices)
     xs = jax.device_put(jnp.zeros((4096, 1024), jnp.bfloat16), NamedSharding(mesh, P("x")))
     compiled = jax.jit(lambda a: mx.quantize(a, backend=backend)).lower(xs).compile()
     assert hlo.counts_by_op(compiled.as_text()) == {}
     mem = compiled.memory_analysis()
     planes = 4096 * 1024 * 2 + 4096 * 32 + 128 * 1024  # both codes planes and both scales
-    assert mem.output_size_in_bytes <= planes // 8 + 1024
-    assert mem.temp_size_in_bytes < 4096 * 1024 * 2 // 8
+    assert mem.output_size_in_bytes <= planes // n + 1024
+    assert mem.temp_size_in_bytes < 4096 * 1024 * 2 // n  # less than one device's share of x
 
 
 # ------------------------------------------------------------------------------------------------
@@ -166,18 +196,21 @@ def test_issue_example_memory(backend, devices):
 
 
 NORM = {
-    # name: (mesh shape, input spec, input shape, columnwise, shape each call sees, collectives?)
-    "rows": ((8,), P("x"), (256, 256), True, (32, 256), False),
-    "rows-rowwise-4-a-shard": ((8,), P("x"), (32, 64), False, (4, 64), False),
-    "h-cut-is-gathered": ((4, 2), P("x", "y"), (128, 256), True, (32, 256), True),
-    "columnwise-8-rows-a-shard": ((8,), P("x"), (64, 64), True, (64, 64), True),
+    # name: (mesh, input spec, input shape for the mesh's shape s, columnwise,
+    #        shape each call sees, collectives?)
+    "rows": ("line", P("x"), lambda s: (32 * s[0], 256), True, lambda s: (32, 256), False),
+    "rows-rowwise-4-a-shard": ("line", P("x"), lambda s: (4 * s[0], 64), False, lambda s: (4, 64), False),
+    "h-cut-is-gathered": ("grid", P("x", "y"), lambda s: (32 * s[0], 256), True, lambda s: (32, 256), True),
+    # 16 rows a shard: no whole columnwise block, so the rows are gathered
+    "columnwise-16-rows-a-shard": ("line", P("x"), lambda s: (16 * s[0], 64), True, lambda s: (16 * s[0], 64), True),
 }
 
 
 @_with_partitioners(NORM)
 def test_rmsnorm_keeps_rows(case, devices, partitioner):
-    mesh_shape, spec, shape, columnwise, local, gathers = NORM[case]
-    mesh = _mesh(devices, mesh_shape)
+    kind, spec, shape_for, columnwise, local_for, gathers = NORM[case]
+    mesh = _mesh(devices, kind)
+    shape, local = shape_for(tuple(mesh.shape.values())), local_for(tuple(mesh.shape.values()))
     x, gamma = _random(shape, seed=2), _random(shape[-1:], seed=3)
     xs = jax.device_put(x, NamedSharding(mesh, spec))
     fn = jax.jit(lambda a, g: mx.rmsnorm_quant(a, g, eps=1e-5, columnwise=columnwise, backend="ffi"))
@@ -203,8 +236,10 @@ def test_rmsnorm_keeps_rows(case, devices, partitioner):
 def test_segments_are_replicated(devices, partitioner):
     """The descriptor addresses the whole segment, so a sharded segment is gathered and each
     device runs the full call; the bytes are the single-device call's. (QuantizedDBuffer calls
-    it per device inside shard_map, where no rule applies.)"""
-    mesh = _mesh(devices, (4, 2))
+    it per device inside shard_map, where no rule applies.) The segment is cut over both axes
+    of the (n // 2, 2) mesh: n ways (at 2 devices x has one device, y still cuts it)."""
+    n = len(devices)
+    mesh = Mesh(np.array(devices[: n // 2 * 2]).reshape(n // 2, 2), ("x", "y"))
     s = 4096
     x = _random((s,), seed=4)
     desc = jnp.asarray([[0, 64, 32], [2048, 32, 64], [s, 0, 32]], jnp.int32)
@@ -243,19 +278,36 @@ def _lowered(fn, args, shardings, platform):
     return jax.jit(fn, in_shardings=shardings).trace(*args).lower(lowering_platforms=(platform,)).as_text()
 
 
+def _lowering_mesh_devices() -> list:
+    """The run's simulated CPU devices, for a mesh that is only lowered for CUDA/ROCm.
+
+    CPU devices in GPU mode too (MXFP8_TEST_PLATFORM=gpu still gives the run its
+    MXFP8_TEST_DEVICES CPU devices): the test checks what a CPU-only machine hands a GPU and
+    needs neither a real GPU count nor a GPU runtime (nor a ROCm lowering of CUDA devices)."""
+    cpus = jax.devices("cpu")
+    if len(cpus) < 2:
+        pytest.skip(f"needs 2 devices; this run has {len(cpus)} simulated CPU devices")
+    return cpus
+
+
+@pytest.mark.multidevice
 @pytest.mark.parametrize("platform", ["cuda", "rocm"])
-def test_gpu_lowering_carries_the_rule(platform, devices):
-    mesh = _mesh(devices, (8,))
+def test_gpu_lowering_carries_the_rule(platform):
+    devices = _lowering_mesh_devices()
+    n = len(devices)
+    mesh = Mesh(np.array(devices), ("x",))
     sds = jax.ShapeDtypeStruct
     rows = NamedSharding(mesh, P("x"))
 
     call = ffi_calls._quantize_call(1, True, True)
-    x = sds((256, 64), jnp.bfloat16)
+    x = sds((32 * n, 64), jnp.bfloat16)  # one block of 32 rows a device
     text = _lowered(lambda a: ffi_calls.quantize(a, scale_rule=1, rowwise=True, columnwise=True), (x,), rows, platform)
-    # [M, K] = [(blocks, 32), (blocks, 32)]; scales on the blocks factors; never split a block
+    # [M, K] = [(blocks, 32), (blocks, 32)]: M / 32 = n and K / 32 = 2 blocks; scales on the
+    # blocks factors; never split a block
     assert re.search(
         r"@CustomSPMDPartitioning\(.*sdy\.sharding_rule = #sdy\.op_sharding_rule<\(\[ij, kl\]\)->"
-        r"\(\[ij, kl\], \[ij, k\], \[ij, kl\], \[i, kl\]\) \{i=8, j=32, k=2, l=32\} need_replication=\{j, l\}",
+        r"\(\[ij, kl\], \[ij, k\], \[ij, kl\], \[i, kl\]\) "
+        rf"\{{i={n}, j=32, k=2, l=32\}} need_replication=\{{j, l\}}",
         text,
     ), text
     # the partitioner's callback keeps the rows cut; its body is the GPU call on the local shape
@@ -269,7 +321,7 @@ def test_gpu_lowering_carries_the_rule(platform, devices):
         lambda a, b: ffi_calls.rmsnorm_quantize(
             a, b, eps=1e-6, weight_offset=0.0, quantize_from_fp32=False, columnwise=False, scale_rule=1
         ),
-        (sds((64, 256), jnp.bfloat16), g),
+        (sds((32 * n, 256), jnp.bfloat16), g),
         (NamedSharding(mesh, P("x", None)), NamedSharding(mesh, P())),
         platform,
     )

@@ -6,6 +6,8 @@ tests/numpy_oracle.py for their MXFP8 planes. Floor and rceil differ on the bloc
 in ``[448, 512) * 2^k``; the data has enough of them that a path dropping the rule cannot pass.
 """
 
+import math
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -23,9 +25,9 @@ pytestmark = pytest.mark.skipif("cpu" not in mx.available_backends(), reason="ne
 R, H = 32, 96
 
 
-def _data(seed=0):
+def _data(seed=0, rows=R):
     rng = np.random.default_rng(seed)
-    x = (rng.standard_normal((R, H)) * 3.0).astype(BF16)
+    x = (rng.standard_normal((rows, H)) * 3.0).astype(BF16)
     gamma = (rng.standard_normal(H) * 0.5 + 1.0).astype(BF16)
     return x, gamma
 
@@ -65,12 +67,14 @@ def test_rmsnorm_quant_follows_the_scale_rule(rule, backend):
 @pytest.mark.parametrize("rule", ["floor", "rceil"])
 @pytest.mark.parametrize("strategy", ["xla", "p2p"])
 def test_allgather_rmsnorm_quant_follows_the_scale_rule(devices, rule, strategy):
-    x, gamma = _data(1)  # 4 devices x 8 rows: the gathered [32, H] is the whole x
+    # all n devices of the run, each holding rows / n of x: the gathered [rows, H] is the whole x,
+    # whole columnwise blocks (rows = R = 32 for n = 2, 4, 8)
+    x, gamma = _data(1, rows=math.lcm(R, len(devices)))
     normed, planes = _expected(x, gamma, rule)
     outs = mx.allgather_rmsnorm_quant(
         jnp.asarray(x),
         jnp.asarray(gamma),
-        mesh=Mesh(np.array(devices[:4]), ("x",)),
+        mesh=Mesh(np.array(devices), ("x",)),
         axis="x",
         columnwise=True,
         strategy=strategy,
