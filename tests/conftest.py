@@ -148,7 +148,8 @@ def describe_devices() -> str:
 
 
 def cpu_only(what: str) -> None:
-    """Skip, in GPU mode, an assertion whose numbers were derived for XLA:CPU (memory budgets)."""
+    """Skip, in GPU mode, a test that only holds on the CPU: numbers derived for XLA:CPU (memory
+    budgets), or a comparison with multi-process runs, which are CPU-only."""
     if GPU_MODE:
         pytest.skip(f"CPU only: {what}")
 
@@ -214,7 +215,7 @@ def pytest_runtest_logreport(report):
     if m:
         _not_run[f"multi-device tests that need {m.group(1)} devices"] += 1
     elif "CPU only:" in reason:
-        _not_run["tests of numbers derived for XLA:CPU (memory budgets)"] += 1
+        _not_run["CPU-only tests (memory budgets derived for XLA:CPU, multi-process comparisons)"] += 1
 
 
 KNOWN_CPU_ISAS = ("baseline", "avx2", "avx512")  # the builds the CPU extension carries

@@ -16,7 +16,8 @@ processes and ``jax.process_index()`` its rank. Every wait is bounded (``timeout
 all; ``grace`` more for the others once one fails), every process is killed before the call
 returns, and a failure raises ``LaunchError`` carrying each process's stdout/stderr.
 
-Worker files must not import ``conftest`` (it fixes 8 devices for the pytest process).
+The processes run on CPU devices whatever ``MXFP8_TEST_PLATFORM`` says (gloo collectives). Worker
+files must not import ``conftest`` (it fixes the pytest process's own devices).
 """
 
 from __future__ import annotations

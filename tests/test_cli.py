@@ -14,7 +14,7 @@ import pytest
 import mxfp8_jax as mx
 from mxfp8_jax import cli, demo
 
-from conftest import need_devices
+from conftest import cpu_only, device_count, need_devices
 
 
 def command():
@@ -73,18 +73,24 @@ def test_demo_end_to_end(tmp_path):
     assert mxfp8["reduce_scatter_bytes"] > 0 and bf16["reduce_scatter_bytes"] > 0
 
 
-def test_demo_mlp_in_process():
-    """The MLP (64 -> 32, two 32x32 blocks, a 32 -> 10 head) on 2 devices: its bytes gathered per
-    step, by element type. MXFP8 units store whole 32-row blocks per device (32 rows -> 64), bf16
-    units rows padded to the device count; the first layer's dgrad is never gathered (its input
-    is the data); the 10-class head is a bf16 unit in both runs."""
-    report = demo.run(steps=2, devices=2, hidden=32, seed=1, show_progress=False, model="mlp")
-    assert report["model"] == "mlp" and len(report["runs"]["mxfp8"]["losses"]) == 2
+def test_demo_mlp_in_process(devices):
+    """The MLP (64 -> 32, two 32x32 blocks, a 32 -> 10 head) on the run's n devices: its bytes
+    gathered per step, by element type. MXFP8 units store whole 32-row blocks per device (32 rows
+    -> 32 n), bf16 units rows padded to a multiple of n (10 -> 10, 12, 16 on 2, 4, 8 devices); the
+    first layer's dgrad is never gathered (its input is the data); the 10-class head is a bf16
+    unit in both runs."""
+    n = len(devices)
+    mx_rows = lambda r: -(-r // (32 * n)) * 32 * n
+    bf_rows = lambda r: -(-r // n) * n
+    report = demo.run(steps=2, devices=n, hidden=32, seed=1, show_progress=False, model="mlp")
+    assert report["model"] == "mlp" and report["devices"] == n and len(report["runs"]["mxfp8"]["losses"]) == 2
     m, b = report["runs"]["mxfp8"], report["runs"]["bf16"]
     codes_and_scales = 1 + 1 / 32
-    assert m["mxfp8_gather_bytes"] == codes_and_scales * (64 * 64 + 2 * 2 * 64 * 32)
-    assert m["bf16_gather_bytes"] == 2 * 2 * 10 * 32  # the head, forward and backward
-    assert b["mxfp8_gather_bytes"] == 0 and b["bf16_gather_bytes"] == 2 * (32 * 64 + 2 * 2 * 32 * 32 + 2 * 10 * 32)
+    # [out, in] weights: the first layer once (forward), each block twice (forward and dgrad)
+    assert m["mxfp8_gather_bytes"] == codes_and_scales * (mx_rows(32) * 64 + 2 * 2 * mx_rows(32) * 32)
+    assert m["bf16_gather_bytes"] == 2 * 2 * bf_rows(10) * 32  # the head, forward and backward
+    assert b["mxfp8_gather_bytes"] == 0
+    assert b["bf16_gather_bytes"] == 2 * (bf_rows(32) * 64 + 2 * 2 * bf_rows(32) * 32 + 2 * bf_rows(10) * 32)
     assert (m["mxfp8_units"], m["bf16_units"], b["mxfp8_units"], b["bf16_units"]) == (3, 1, 0, 4)
     assert report["weight_gather_ratio"] == m["weight_all_gather_bytes"] / b["weight_all_gather_bytes"]
 
@@ -188,10 +194,17 @@ def test_demo_flag_errors(argv, message, capsys):
 
 
 def test_demo_run_checks_arguments():
+    import jax
+
     with pytest.raises(ValueError, match="hidden=40 must be a positive multiple of 32"):
         demo.run(steps=1, hidden=40, show_progress=False)
-    with pytest.raises(ValueError, match="--devices=99: must be between 1 and the 8 cpu devices"):
-        demo.run(steps=1, devices=99, show_progress=False)
+    visible = jax.devices()  # what the demo runs on: this process's default platform
+    too_many = len(visible) + 1
+    with pytest.raises(
+        ValueError,
+        match=f"--devices={too_many}: must be between 1 and the {len(visible)} {visible[0].platform} devices",
+    ):
+        demo.run(steps=1, devices=too_many, show_progress=False)
     with pytest.raises(ValueError, match="model='cnn' must be one of"):
         demo.run(steps=1, model="cnn", show_progress=False)
     with pytest.raises(ValueError, match="layers=0 must be a positive int"):
@@ -263,10 +276,13 @@ def test_hlo_loops_count_their_collectives_per_iteration():
     assert hlo.while_loops(text) == [("inner", 3), ("loose", None), ("outer", 5)]
 
 
-def test_fsdp_benchmark_measures_every_variant(capsys):
+def test_fsdp_benchmark_measures_every_variant(capsys, devices):
+    """On the run's n devices, width 32 lcm(8, n) (256 up to 8 devices): whole 32-row blocks on
+    every device, so the MXFP8 and bf16 units store the same rows and their bytes compare exactly."""
     from mxfp8_jax.bench import fsdp as bench
 
-    payload = bench.run(depths=(2,), width=256, devices=8, timed=False, progress=False)
+    n = len(devices)
+    payload = bench.run(depths=(2,), width=32 * math.lcm(8, n), devices=n, timed=False, progress=False)
     got = {r["variant"]: r for r in payload["results"]}
     assert set(got) == set(bench.VARIANTS)
     assert got["mxfp8"]["all_gather_types"] == ["u8"] and got["bf16"]["all_gather_types"] == ["u16"]
@@ -278,8 +294,14 @@ def test_fsdp_benchmark_measures_every_variant(capsys):
 
 def test_demo_two_processes(tmp_path):
     """``demo --processes 2``: two local processes of one jax.distributed job (1 CPU device
-    each, gloo); process 0 prints and writes the report; the losses match one process with
-    the same 2 devices."""
+    each, gloo); process 0 prints and writes the report; the losses match this process on 2 of
+    its devices.
+
+    Not marked multidevice: both sides use 2 devices whatever the run has, so a second pass of
+    the multi-device tests at another count would repeat it (a minute of subprocesses) as is."""
+    cpu_only("the processes run on CPU devices (gloo), so the in-process side must too")
+    if device_count() < 2:  # before the subprocesses: the comparison runs here
+        pytest.skip(f"needs 2 devices; this run has {device_count()}")
     out = tmp_path / "report.json"
     argv = ["--model", "mlp", "--steps", "2", "--hidden", "32", "--seed", "1"]
     proc = subprocess.run(
@@ -361,19 +383,25 @@ def as_row_runs(found: dict) -> dict:
 
 @pytest.mark.multidevice
 @pytest.mark.parametrize(
-    "shapes, n, shard_layout",
+    "shapes, devices_used, shard_layout",
     [
-        ([(128, 64), (32, 128)], 4, "padded"),
-        ([(128, 64), (32, 128)], 4, "unpadded"),
-        ([(96, 64), (64, 96), (32, 32)], 4, "padded"),
-        ([(96, 64), (64, 96), (32, 32)], 8, "unpadded"),
+        ([(128, 64), (32, 128)], "half", "padded"),
+        ([(128, 64), (32, 128)], "half", "unpadded"),
+        ([(96, 64), (64, 96), (32, 32)], "half", "padded"),
+        ([(96, 64), (64, 96), (32, 32)], "all", "unpadded"),
     ],
 )
-def test_layout_prints_what_every_device_stores(shapes, n, shard_layout, capsys):
+def test_layout_prints_what_every_device_stores(shapes, devices_used, shard_layout, capsys):
     """Oracle: a real QuantizedDBuffer (layout built by the buffer itself), filled with rows whose
     values name them: row g (counting rows over all tensors) is 2^(g - 100) everywhere, so its
-    rceil scale byte is g - 100 - 8 + 127, and a column block's scale names its last row."""
+    rceil scale byte is g - 100 - 8 + 127, and a column block's scale names its last row.
+
+    On n devices of the run ("all") or n/2 ("half", at least 2): with 8, that is 4 (the worked
+    example's count: PADDED, its last device holds only padding) and 8 (more devices than the 6
+    row blocks of the last case)."""
     import jax
+
+    n = device_count() if devices_used == "all" else max(2, device_count() // 2)
 
     argv = ["layout", "--shapes", ",".join(f"{m}x{k}" for m, k in shapes), "--devices", str(n)]
     assert cli.main([*argv, "--shard-layout", shard_layout]) == 0

@@ -1,4 +1,8 @@
-"""DBuffer on 8 simulated CPU devices: round trips, local rows, transitions, HLO, errors.
+"""DBuffer on the run's devices: round trips, local rows, transitions, HLO, errors.
+
+With ``n`` devices the meshes are ``(n,)``, ``(2, n/2)``, ``(n/2, 2)`` and ``(2, 2, n/4)``; a
+mesh that would have an axis of size 1 is skipped as needing more devices (4 for the 2-D ones,
+8 for the 3-D one), since its point is that every axis really splits the data.
 
 Oracles are independent of the code under test: the physical buffer is packed here in numpy from
 the layout's offsets and bounds (whose properties test_layout checks), and which slice a device
@@ -25,17 +29,30 @@ from mxfp8_jax import DBuffer, ShardLayout
 from mxfp8_jax._src import checks, hlo
 from mxfp8_jax._src import placement as pl
 
-from conftest import as_bytes
+from conftest import as_bytes, need_devices
 
 R, S, B2 = mx.Replicate(), mx.RowAtomic(), mx.BlockAtomic(2)
 PSUM, PAVG = mx.Partial("sum"), mx.Partial("avg")
 
-NAMES = {(8,): ("x",), (2, 4): ("a", "b"), (4, 2): ("a", "b"), (2, 2, 2): ("a", "b", "c")}
+# The meshes, by key: axis names, and the fewest devices that give every axis a size of 2 or more.
+MESHES = {"x": (("x",), 2), "ab": (("a", "b"), 4), "ba": (("a", "b"), 4), "abc": (("a", "b", "c"), 8)}
 SHAPES = [(6, 4), (2, 6), (4,), (8, 3), (4, 2, 3), (2, 5)]  # dim 0 even: BlockAtomic(2) fits
 
 
-def make_mesh(shape, devices, axis_type=AxisType.Auto):
-    return Mesh(np.array(devices).reshape(shape), NAMES[shape], axis_types=(axis_type,) * len(shape))
+def mesh_shape(key, n):
+    """The mesh ``key`` on ``n`` devices: (n,), (2, n/2), (n/2, 2) or (2, 2, n/4)."""
+    return {"x": (n,), "ab": (2, n // 2), "ba": (n // 2, 2), "abc": (2, 2, n // 4)}[key]
+
+
+def make_mesh(key, devices, axis_type=AxisType.Auto):
+    """The mesh ``key`` over the first of ``devices``; skips the test (counted as needing more
+    devices) when one of its axes would have size 1."""
+    names, fewest = MESHES[key]
+    shape = mesh_shape(key, len(devices))
+    if min(shape) < 2:
+        need_devices(fewest)  # skips: this run has fewer
+    used = devices[: int(np.prod(shape))]
+    return Mesh(np.array(used).reshape(shape), names, axis_types=(axis_type,) * len(shape))
 
 
 def rs_placements(ndim):
@@ -64,72 +81,84 @@ def physical_oracle(layout, tensors):
 def check_shards(buf, expected_global):
     """Every device's local buffer is the slice of ``expected_global`` jax says it holds."""
     index_map = buf.sharding.devices_indices_map(expected_global.shape)
-    assert len(buf.data.addressable_shards) == 8
+    assert len(buf.data.addressable_shards) == buf.mesh.size
     for shard in buf.data.addressable_shards:
         np.testing.assert_array_equal(as_bytes(shard.data), as_bytes(expected_global[index_map[shard.device]]))
 
 
+class _Meshes:
+    """``meshes[key]``: the mesh ``key`` over the run's devices (built once), or a skip."""
+
+    def __init__(self, devices):
+        self.devices, self._built = devices, {}
+
+    def __getitem__(self, key):
+        if key not in self._built:
+            self._built[key] = make_mesh(key, self.devices)
+        return self._built[key]
+
+
 @pytest.fixture(scope="module")
 def meshes(devices):
-    return {shape: make_mesh(shape, devices) for shape in NAMES}
+    return _Meshes(devices)
 
 
 # -- round trips ---------------------------------------------------------------------------------
 
 
 def round_trip_cases():
-    """Every Replicate/Shard mix with UNPADDED (fully sharded only on (4, 2), which repeats
-    (2, 4)'s axes at other sizes); PADDED fully sharded. Compiles are the cost."""
-    for shape in NAMES:
-        mixes = rs_placements(len(shape))
-        for placements in mixes if shape != (4, 2) else mixes[-1:]:
-            yield shape, placements, ShardLayout.UNPADDED
-        yield shape, mixes[-1], ShardLayout.PADDED
+    """Every Replicate/Shard mix with UNPADDED (fully sharded only on (n/2, 2), which repeats
+    (2, n/2)'s axes at other sizes); PADDED fully sharded. Compiles are the cost."""
+    for key, (names, _) in MESHES.items():
+        mixes = rs_placements(len(names))
+        for placements in mixes if key != "ba" else mixes[-1:]:
+            yield key, placements, ShardLayout.UNPADDED
+        yield key, mixes[-1], ShardLayout.PADDED
 
 
-@pytest.mark.parametrize("mesh_shape, placements, shard_layout", list(round_trip_cases()))
-def test_distribute_allgather_get_tensor_round_trip(mesh_shape, placements, shard_layout, meshes):
-    mesh = meshes[mesh_shape]
-    tensors = tensors_for(SHAPES, seed=len(mesh_shape))
+@pytest.mark.parametrize("mesh_key, placements, shard_layout", list(round_trip_cases()))
+def test_distribute_allgather_get_tensor_round_trip(mesh_key, placements, shard_layout, meshes):
+    mesh = meshes[mesh_key]
+    tensors = tensors_for(SHAPES, seed=len(mesh.axis_names))
     buf = DBuffer.distribute_tensors(tensors, mesh, placements, shard_layout=shard_layout, block_size=2)
-    assert buf.layout.dp_size == 8 and buf.layout.shard_layout is shard_layout
+    assert buf.layout.dp_size == mesh.size and buf.layout.shard_layout is shard_layout
     assert buf.data.shape == (buf.layout.physical_size,) and buf.dtype == jnp.bfloat16
     expected = physical_oracle(buf.layout, tensors)
     check_shards(buf, expected)
     full = buf.allgather()
-    assert full.placements == (R,) * len(mesh_shape)
+    assert full.placements == (R,) * len(mesh.axis_names)
     np.testing.assert_array_equal(as_bytes(full.data), as_bytes(expected))
-    if pl.num_shards(mesh, placements) in (1, 8):
+    if pl.num_shards(mesh, placements) in (1, mesh.size):
         for got, t in zip(full.get_tensors(), tensors):
             np.testing.assert_array_equal(as_bytes(got), as_bytes(t))
-    if pl.num_shards(mesh, placements) == 8:
+    if pl.num_shards(mesh, placements) == mesh.size:
         np.testing.assert_array_equal(as_bytes(buf.get_tensor(4)), as_bytes(tensors[4]))
 
 
+@pytest.mark.parametrize("mesh_key, placements", [("x", (S,)), ("ab", (R, S)), ("abc", (R, S, B2))])
 @pytest.mark.parametrize("shard_layout", list(ShardLayout))
-def test_local_tensor_holds_the_rows_the_layout_says(shard_layout, meshes):
+def test_local_tensor_holds_the_rows_the_layout_says(shard_layout, mesh_key, placements, meshes):
     tensors = tensors_for(SHAPES, seed=7)
-    for mesh_shape, placements in [((8,), (S,)), ((2, 4), (R, S)), ((2, 2, 2), (R, S, B2))]:
-        mesh = meshes[mesh_shape]
-        buf = DBuffer.distribute_tensors(tensors, mesh, placements, shard_layout=shard_layout, block_size=2)
-        lay = buf.layout
-        cap = lay.segment_capacity
-        index_map = buf.sharding.devices_indices_map((lay.physical_size,))
-        for dev in mesh.devices.flat:
-            sl = index_map[dev][0]
-            first, stop = (sl.start or 0) // cap, (sl.stop or lay.physical_size) // cap
-            lo, hi = lay.rank_segment_offsets[first], lay.rank_segment_offsets[stop]
-            for i, t in enumerate(tensors):
-                off, rs = lay.tensor_to_offset[i], int(np.prod(t.shape[1:]))
-                a, b = max(off, lo), min(off + t.size, hi)
-                rows = t[(a - off) // rs : (b - off) // rs] if a < b else t[:0]
-                got = buf.local_tensor(i, dev)
-                assert got.shape == rows.shape
-                np.testing.assert_array_equal(as_bytes(got), as_bytes(rows))
+    mesh = meshes[mesh_key]
+    buf = DBuffer.distribute_tensors(tensors, mesh, placements, shard_layout=shard_layout, block_size=2)
+    lay = buf.layout
+    cap = lay.segment_capacity
+    index_map = buf.sharding.devices_indices_map((lay.physical_size,))
+    for dev in mesh.devices.flat:
+        sl = index_map[dev][0]
+        first, stop = (sl.start or 0) // cap, (sl.stop or lay.physical_size) // cap
+        lo, hi = lay.rank_segment_offsets[first], lay.rank_segment_offsets[stop]
+        for i, t in enumerate(tensors):
+            off, rs = lay.tensor_to_offset[i], int(np.prod(t.shape[1:]))
+            a, b = max(off, lo), min(off + t.size, hi)
+            rows = t[(a - off) // rs : (b - off) // rs] if a < b else t[:0]
+            got = buf.local_tensor(i, dev)
+            assert got.shape == rows.shape
+            np.testing.assert_array_equal(as_bytes(got), as_bytes(rows))
 
 
 def test_works_under_jit_and_as_a_pytree(meshes):
-    mesh = meshes[(2, 4)]
+    mesh = meshes["ab"]
     tensors = tensors_for(SHAPES, seed=3)
     buf = DBuffer.distribute_tensors(tensors, mesh, (S, S), shard_layout=ShardLayout.UNPADDED, block_size=2)
     assert jax.tree.leaves(buf) == [buf.data]
@@ -155,7 +184,7 @@ def test_works_under_jit_and_as_a_pytree(meshes):
 
 
 def test_explicit_axis_mesh(devices):
-    mesh = make_mesh((2, 4), devices, AxisType.Explicit)
+    mesh = make_mesh("ab", devices, AxisType.Explicit)
     tensors = tensors_for(SHAPES, seed=5)
     buf = DBuffer.distribute_tensors(tensors, mesh, (S, S))
     half = buf.allgather(0)
@@ -166,7 +195,7 @@ def test_explicit_axis_mesh(devices):
 
 
 def test_empty_and_cast(meshes):
-    mesh = meshes[(4, 2)]
+    mesh = meshes["ba"]
     buf = DBuffer.empty(mesh, (R, mx.BlockAtomic(4)), [(8, 4), (4,)], jnp.float32)
     assert buf.layout.block_size == 4  # lcm(block_size=1, BlockAtomic(4))
     assert buf.sharding.is_equivalent_to(NamedSharding(mesh, mx.partition_spec(mesh, buf.placements)), 1)
@@ -182,17 +211,16 @@ def test_empty_and_cast(meshes):
 # -- transitions ---------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("mesh_shape", [(8,), (2, 4), (2, 2, 2)])
-def test_shard_replicate_transitions(mesh_shape, meshes):
+@pytest.mark.parametrize("mesh_key", ["x", "ab", "abc"])
+def test_shard_replicate_transitions(mesh_key, meshes):
     """Every ordered pair of Replicate/Shard mixes; view too where it is allowed."""
-    mesh = meshes[mesh_shape]
+    mesh = meshes[mesh_key]
+    ndim = len(mesh.axis_names)
     tensors = tensors_for(SHAPES, seed=1)
-    base = DBuffer.distribute_tensors(
-        tensors, mesh, (R,) * len(mesh_shape), shard_layout=ShardLayout.UNPADDED, block_size=2
-    )
+    base = DBuffer.distribute_tensors(tensors, mesh, (R,) * ndim, shard_layout=ShardLayout.UNPADDED, block_size=2)
     expected = physical_oracle(base.layout, tensors)
     cache = {}
-    for old, new in itertools.permutations(rs_placements(len(mesh_shape)), 2):
+    for old, new in itertools.permutations(rs_placements(ndim), 2):
         src = cache.setdefault(old, base.redistribute(old))
         out = src.redistribute(new)
         assert out.placements == new
@@ -232,25 +260,25 @@ def from_locals(mesh, placements, layout, seed):
 
 
 PARTIAL_CASES = [
-    ((8,), (PSUM,), (R,), {"all-reduce": 1}),
-    ((8,), (PSUM,), (S,), {"reduce-scatter": 1}),
-    ((2, 4), (PSUM, S), (R, S), {"all-reduce": 1}),
-    ((2, 4), (PAVG, S), (R, S), {"all-reduce": 1}),
-    ((2, 4), (PSUM, S), (B2, S), {"reduce-scatter": 1}),
-    ((4, 2), (PSUM, B2), (S, S), {"reduce-scatter": 1}),
-    ((4, 2), (PAVG, R), (S, S), {"reduce-scatter": 1}),
-    ((2, 2, 2), (PSUM, R, S), (S, S, S), {"reduce-scatter": 1}),
-    ((2, 2, 2), (R, PSUM, S), (S, S, S), {"reduce-scatter": 1}),
-    ((2, 2, 2), (PSUM, PSUM, S), (S, S, S), {"reduce-scatter": 1}),
-    ((2, 2, 2), (PSUM, PAVG, R), (R, S, S), {"reduce-scatter": 1, "all-reduce": 1}),
-    ((2, 2, 2), (PSUM, S, S), (R, R, R), {"all-reduce": 1, "all-gather": 1}),
+    ("x", (PSUM,), (R,), {"all-reduce": 1}),
+    ("x", (PSUM,), (S,), {"reduce-scatter": 1}),
+    ("ab", (PSUM, S), (R, S), {"all-reduce": 1}),
+    ("ab", (PAVG, S), (R, S), {"all-reduce": 1}),
+    ("ab", (PSUM, S), (B2, S), {"reduce-scatter": 1}),
+    ("ba", (PSUM, B2), (S, S), {"reduce-scatter": 1}),
+    ("ba", (PAVG, R), (S, S), {"reduce-scatter": 1}),
+    ("abc", (PSUM, R, S), (S, S, S), {"reduce-scatter": 1}),
+    ("abc", (R, PSUM, S), (S, S, S), {"reduce-scatter": 1}),
+    ("abc", (PSUM, PSUM, S), (S, S, S), {"reduce-scatter": 1}),
+    ("abc", (PSUM, PAVG, R), (R, S, S), {"reduce-scatter": 1, "all-reduce": 1}),
+    ("abc", (PSUM, S, S), (R, R, R), {"all-reduce": 1, "all-gather": 1}),
 ]
 
 
-@pytest.mark.parametrize("mesh_shape, old, new, collectives", PARTIAL_CASES)
-def test_partial_reductions(mesh_shape, old, new, collectives, meshes):
-    mesh = meshes[mesh_shape]
-    layout = mx.GlobalLayout.build(SHAPES, 8, block_size=2, shard_layout=ShardLayout.UNPADDED)
+@pytest.mark.parametrize("mesh_key, old, new, collectives", PARTIAL_CASES)
+def test_partial_reductions(mesh_key, old, new, collectives, meshes):
+    mesh = meshes[mesh_key]
+    layout = mx.GlobalLayout.build(SHAPES, mesh.size, block_size=2, shard_layout=ShardLayout.UNPADDED)
     buf, value = from_locals(mesh, old, layout, seed=len(PARTIAL_CASES))
     compiled = jax.jit(lambda b: b.redistribute(new)).lower(buf).compile()
     assert collective_counts(compiled) == collectives
@@ -260,9 +288,9 @@ def test_partial_reductions(mesh_shape, old, new, collectives, meshes):
 
 
 def test_distribute_as_partial_keeps_the_value(meshes):
-    mesh = meshes[(2, 4)]
+    mesh = meshes["ab"]
     tensors = tensors_for(SHAPES, seed=2)
-    expected = physical_oracle(mx.GlobalLayout.build(SHAPES, 8), tensors)
+    expected = physical_oracle(mx.GlobalLayout.build(SHAPES, mesh.size), tensors)
     psum = DBuffer.distribute_tensors(tensors, mesh, (PSUM, S))
     index_map = psum.sharding.devices_indices_map(expected.shape)
     for shard in psum.data.addressable_shards:  # sum: the first device along "a" holds the data
@@ -290,18 +318,18 @@ WIRE_TYPE = {jnp.bfloat16: "u16", jnp.float8_e4m3fn: "u8", jnp.uint8: "u8", jnp.
 
 
 @pytest.mark.parametrize(
-    "mesh_shape, placements, axes, dtype",
+    "mesh_key, placements, axes, dtype",
     [
-        ((8,), (S,), "x", jnp.bfloat16),
-        ((2, 4), (S, S), "a", jnp.uint8),
-        ((2, 4), (R, B2), "b", jnp.float8_e4m3fn),
-        ((4, 2), (S, S), ("a", "b"), jnp.bfloat16),
-        ((2, 2, 2), (S, S, S), (0, 1), jnp.float32),
-        ((2, 2, 2), (R, S, S), None, jnp.bfloat16),
+        ("x", (S,), "x", jnp.bfloat16),
+        ("ab", (S, S), "a", jnp.uint8),
+        ("ab", (R, B2), "b", jnp.float8_e4m3fn),
+        ("ba", (S, S), ("a", "b"), jnp.bfloat16),
+        ("abc", (S, S, S), (0, 1), jnp.float32),
+        ("abc", (R, S, S), None, jnp.bfloat16),
     ],
 )
-def test_allgather_hlo_is_one_all_gather(mesh_shape, placements, axes, dtype, meshes):
-    mesh = meshes[mesh_shape]
+def test_allgather_hlo_is_one_all_gather(mesh_key, placements, axes, dtype, meshes):
+    mesh = meshes[mesh_key]
     buf = DBuffer.empty(mesh, placements, SHAPES, dtype, shard_layout=ShardLayout.UNPADDED, block_size=2)
     compiled = jax.jit(lambda b: b.allgather(axes)).lower(buf).compile()
     gathered_local = buf.allgather(axes).local_size
@@ -312,18 +340,18 @@ def test_allgather_hlo_is_one_all_gather(mesh_shape, placements, axes, dtype, me
 
 
 @pytest.mark.parametrize(
-    "mesh_shape, old, new",
+    "mesh_key, old, new",
     [
-        ((8,), (R,), (S,)),
-        ((2, 4), (R, S), (B2, S)),
-        ((2, 4), (S, S), (B2, B2)),
-        ((2, 2, 2), (R, R, R), (R, B2, S)),
-        ((2, 2, 2), (PSUM, R, S), (PSUM, B2, S)),
+        ("x", (R,), (S,)),
+        ("ab", (R, S), (B2, S)),
+        ("ab", (S, S), (B2, B2)),
+        ("abc", (R, R, R), (R, B2, S)),
+        ("abc", (PSUM, R, S), (PSUM, B2, S)),
     ],
 )
-def test_view_hlo_has_no_collective(mesh_shape, old, new, meshes):
-    mesh = meshes[mesh_shape]
-    layout = mx.GlobalLayout.build(SHAPES, 8, block_size=2)
+def test_view_hlo_has_no_collective(mesh_key, old, new, meshes):
+    mesh = meshes[mesh_key]
+    layout = mx.GlobalLayout.build(SHAPES, mesh.size, block_size=2)
     buf = DBuffer.zeros(mesh, old, layout, jnp.float32)
     assert collective_ops(jax.jit(lambda b: b.view(new)).lower(buf).compile()) == []
     assert buf.view(new).placements == new
@@ -332,20 +360,25 @@ def test_view_hlo_has_no_collective(mesh_shape, old, new, meshes):
 # -- errors ---------------------------------------------------------------------------------------
 
 
-def test_errors(meshes):
-    m24, m8 = meshes[(2, 4)], meshes[(8,)]
+def test_errors_on_a_flat_mesh(meshes):
+    m = meshes["x"]
+    n = m.size
+    with pytest.raises(ValueError, match=r"tensor_shapes\[1\]=\(\) is 0-D"):
+        DBuffer.empty(m, (S,), [(4,), ()], jnp.float32)
+    with pytest.raises(ValueError, match=r"dim 0 \(3\) must be divisible by block_size=2"):
+        DBuffer.empty(m, (B2,), [(4, 4), (3, 4)], jnp.float32)
+    with pytest.raises(ValueError, match=rf"layout.dp_size={n // 2} must equal mesh.size={n}"):
+        DBuffer.zeros(m, (S,), mx.GlobalLayout.build(SHAPES, n // 2), jnp.float32)
+    with pytest.raises(ValueError, match=r"BlockAtomic\(n=2\).*multiple of 2, got block_size=1"):
+        DBuffer.zeros(m, (B2,), mx.GlobalLayout.build([(3, 2)], n), jnp.float32)
+
+
+def test_errors_on_a_2d_mesh(meshes):
+    m24 = meshes["ab"]
     with pytest.raises(ValueError, match=r"must form a suffix"):
         DBuffer.empty(m24, (S, R), SHAPES, jnp.float32)
     with pytest.raises(ValueError, match=r"has 1 entries but the mesh has 2 axes"):
         DBuffer.empty(m24, (S,), SHAPES, jnp.float32)
-    with pytest.raises(ValueError, match=r"tensor_shapes\[1\]=\(\) is 0-D"):
-        DBuffer.empty(m8, (S,), [(4,), ()], jnp.float32)
-    with pytest.raises(ValueError, match=r"dim 0 \(3\) must be divisible by block_size=2"):
-        DBuffer.empty(m8, (B2,), [(4, 4), (3, 4)], jnp.float32)
-    with pytest.raises(ValueError, match=r"layout.dp_size=4 must equal mesh.size=8"):
-        DBuffer.zeros(m8, (S,), mx.GlobalLayout.build(SHAPES, 4), jnp.float32)
-    with pytest.raises(ValueError, match=r"BlockAtomic\(n=2\).*multiple of 2, got block_size=1"):
-        DBuffer.zeros(m8, (B2,), mx.GlobalLayout.build([(3, 2)], 8), jnp.float32)
 
     tensors = tensors_for(SHAPES)
     buf = DBuffer.distribute_tensors(tensors, m24, (S, S))
@@ -381,32 +414,39 @@ def test_errors(meshes):
 
 def test_empty_buffer_is_refused_at_construction(meshes):
     # a layout of no tensor is a valid layout, but a DBuffer of it could never be gathered
-    m8 = meshes[(8,)]
+    m = meshes["x"]
     with pytest.raises(ValueError, match=r"layout holds no tensor: a DBuffer packs at least one"):
-        DBuffer.empty(m8, (S,), [], jnp.float32)
+        DBuffer.empty(m, (S,), [], jnp.float32)
     with pytest.raises(ValueError, match=r"layout holds no tensor"):
-        DBuffer.distribute_tensors([], m8, (S,))
+        DBuffer.distribute_tensors([], m, (S,))
     with pytest.raises(ValueError, match=r"layout holds no tensor"):
-        DBuffer.zeros(m8, (R,), mx.GlobalLayout.build([], 8), jnp.float32)
+        DBuffer.zeros(m, (R,), mx.GlobalLayout.build([], m.size), jnp.float32)
 
 
-def test_wrong_mesh_errors_say_what_differs(meshes, devices):
-    m8 = meshes[(8,)]
-    buf = DBuffer.distribute_tensors(tensors_for(SHAPES), m8, (S,))
+def test_wrong_mesh_errors_say_what_differs(meshes):
+    m = meshes["x"]
+    n, ids = m.size, [d.id for d in m.devices.flat]
+    buf = DBuffer.distribute_tensors(tensors_for(SHAPES), m, (S,))
     # the same names, sizes and types, devices in reverse: the reprs alone look equal
-    rev = Mesh(np.array(devices[::-1]), ("x",), axis_types=m8.axis_types)
-    assert repr(rev) == repr(m8)
+    rev = Mesh(m.devices[::-1], ("x",), axis_types=m.axis_types)
+    assert repr(rev) == repr(m)
     moved = jax.device_put(buf.data, NamedSharding(rev, PartitionSpec("x")))
-    with pytest.raises(ValueError, match=r"meshes differ in device order: mesh position \(0,\) holds device 7 vs 0"):
-        DBuffer(moved, m8, (S,), buf.layout)
-    # each difference is named, and only those
-    m24, m42 = meshes[(2, 4)], meshes[(4, 2)]
-    assert checks.mesh_difference(m8, m8) == ""
-    assert checks.mesh_difference(m24, m42) == "axis sizes (2, 4) vs (4, 2)"
-    renamed = Mesh(m24.devices, ("a", "c"), axis_types=m24.axis_types)
-    assert checks.mesh_difference(renamed, m24) == "axis names ('a', 'c') vs ('a', 'b')"
-    half = Mesh(np.array(devices[:4]), ("x",), axis_types=m8.axis_types)
-    assert checks.mesh_difference(half, m8).startswith("axis sizes (4,) vs (8,); devices (ids [] vs [4, 5, 6, 7]")
+    with pytest.raises(
+        ValueError, match=rf"meshes differ in device order: mesh position \(0,\) holds device {ids[-1]} vs {ids[0]}"
+    ):
+        DBuffer(moved, m, (S,), buf.layout)
+    # each difference is named, and only those (any two axis sizes; a size-1 axis is fine here)
+    even = m.devices[: 2 * (n // 2)]
+    two_rows = Mesh(even.reshape(2, -1), ("a", "b"), axis_types=(AxisType.Auto,) * 2)
+    one_row = Mesh(even.reshape(1, -1), ("a", "b"), axis_types=(AxisType.Auto,) * 2)
+    assert checks.mesh_difference(m, m) == ""
+    assert checks.mesh_difference(two_rows, one_row) == f"axis sizes (2, {n // 2}) vs (1, {2 * (n // 2)})"
+    renamed = Mesh(two_rows.devices, ("a", "c"), axis_types=two_rows.axis_types)
+    assert checks.mesh_difference(renamed, two_rows) == "axis names ('a', 'c') vs ('a', 'b')"
+    half = Mesh(m.devices[: n // 2], ("x",), axis_types=m.axis_types)
+    assert checks.mesh_difference(half, m).startswith(
+        f"axis sizes ({n // 2},) vs ({n},); devices (ids [] vs {sorted(ids[n // 2 :])}"
+    )
 
 
 def test_constructor_checks_the_mesh_under_two_processes():

@@ -1,4 +1,7 @@
-"""QuantizedDBuffer on 8 simulated CPU devices: local quantize == global quantize, byte for byte.
+"""QuantizedDBuffer on the run's devices: local quantize == global quantize, byte for byte.
+
+With ``n`` devices the meshes are ``(n,)``, ``(2, n/2)`` and ``(n/2, 2)``; the 2-D ones need 4
+devices (with 2, one axis would have size 1 and split nothing).
 
 Oracle: each logical tensor quantized whole on the host by tests/numpy_oracle.py (written from the
 design doc, sharing no code with the package), i.e. what ``mx.quantize`` gives on one device. The sharded
@@ -16,35 +19,54 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from jax.sharding import Mesh
 
 import mxfp8_jax as mx
 from mxfp8_jax._src import _ffi, hlo
 
 import numpy_oracle
-from conftest import as_bytes
+from conftest import PLATFORM, as_bytes, device_count, need_devices
+
+pytestmark = pytest.mark.multidevice  # every test quantizes a buffer on a mesh of the run's devices
 
 PLANE_NAMES = ("rowwise_data", "rowwise_scale", "columnwise_data", "columnwise_scale")  # MXFP8Tensor
 BUFFER_PLANES = ("rowwise_data", "columnwise_data", "rowwise_scale", "columnwise_scale")  # .planes
-HAS_KERNEL = _ffi.has_target("mxfp8_quantize_segments", "cpu")
-needs_kernel = pytest.mark.skipif(not HAS_KERNEL, reason="the compiled CPU extension is not installed")
+HAS_KERNEL = _ffi.has_target("mxfp8_quantize_segments", PLATFORM)  # on the test devices' platform
+needs_kernel = pytest.mark.skipif(not HAS_KERNEL, reason=f"the compiled {PLATFORM} extension is not installed")
 BACKEND = "ffi" if HAS_KERNEL else "jax"
 
-# mesh shape, axis names, placements: one Shard axis; [Replicate, Shard] (each device holds two
-# consecutive layout segments); [Shard, Shard] with the innermost axis the major shard index.
+# mesh shape on n devices, axis names, placements: one Shard axis ("n": (n,)); [Replicate, Shard]
+# ("2xh": (2, n/2), each device holds two consecutive layout segments); [Shard, Shard] with the
+# innermost axis the major shard index ("hx2": (n/2, 2)).
 MESHES = {
-    "8": ((8,), ("x",), (mx.BlockAtomic(32),)),
-    "2x4": ((2, 4), ("a", "b"), (mx.Replicate(), mx.BlockAtomic(32))),
-    "4x2": ((4, 2), ("a", "b"), (mx.RowAtomic(), mx.BlockAtomic(32))),
+    "n": (lambda n: (n,), ("x",), (mx.BlockAtomic(32),)),
+    "2xh": (lambda n: (2, n // 2), ("a", "b"), (mx.Replicate(), mx.BlockAtomic(32))),
+    "hx2": (lambda n: (n // 2, 2), ("a", "b"), (mx.RowAtomic(), mx.BlockAtomic(32))),
 }
 LAYOUTS = (mx.ShardLayout.PADDED, mx.ShardLayout.UNPADDED)
-# PADDED on 8 ranks leaves most ranks empty; (256, 64) and (96, 160) are cut across ranks.
+# PADDED leaves ranks empty from 4 ranks up (6 of 8); (96, 160) is cut across ranks (but for
+# UNPADDED on 2), (256, 64) too on UNPADDED layouts of 4 ranks or more.
 SHAPES = [(256, 64), (32, 96), (64, 32), (96, 160)]
 
 
 @functools.cache
+def _mesh_of(key, n):
+    shape_of, names, placements = MESHES[key]
+    shape = shape_of(n)
+    return jax.make_mesh(shape, names, devices=need_devices(int(np.prod(shape)))), placements
+
+
+def fits(key, n):
+    """Whether the mesh ``key`` has every axis of size 2 or more on ``n`` devices."""
+    return min(MESHES[key][0](n)) >= 2
+
+
 def mesh_of(key):
-    shape, names, placements = MESHES[key]
-    return jax.make_mesh(shape, names, devices=jax.devices("cpu")[: np.prod(shape)]), placements
+    """(mesh, placements) of ``key`` on the run's devices; a 2-D mesh needs 4 (no axis of size 1)."""
+    n = device_count()
+    if not fits(key, n):
+        need_devices(len(MESHES[key][0](1)) * 2)  # skips: 2 devices for a 1-D mesh, 4 for a 2-D one
+    return _mesh_of(key, n)
 
 
 def oracle(x, rule="rceil") -> mx.MXFP8Tensor:
@@ -125,7 +147,7 @@ def test_quantize_matches_single_device(mesh_key, layout_kind):
     qq = q.quantize(w, backend=BACKEND)
     assert_gathered_matches(qq, tensors)
     # each device's planes are the quantized rows of its own master shard
-    i = 3  # (96, 160): cut across ranks, and some ranks hold none of it
+    i = 3  # (96, 160): mostly cut across ranks, and on 4 or more some ranks hold none of it
     for dev in q.mesh.devices.flat:
         rows = w.local_tensor(i, dev)
         got = qq.local_tensor_view(i, dev)
@@ -137,7 +159,7 @@ def test_quantize_matches_single_device(mesh_key, layout_kind):
 @needs_kernel
 def test_pure_jax_path_writes_the_same_bytes_without_collectives():
     # [Replicate, Shard]: each local buffer holds two UNPADDED segments of unequal fill.
-    q, w, tensors = build("2x4", mx.ShardLayout.UNPADDED, SHAPES, dtype=jnp.bfloat16)
+    q, w, tensors = build("2xh", mx.ShardLayout.UNPADDED, SHAPES, dtype=jnp.bfloat16)
     compiled = jax.jit(lambda q, w: q.quantize(w, scale_rule="floor", backend="jax")).lower(q, w).compile()
     assert hlo.collectives(compiled.as_text()) == []
     qj = compiled(q, w)
@@ -150,7 +172,7 @@ def test_pure_jax_path_writes_the_same_bytes_without_collectives():
 @needs_kernel
 @settings(max_examples=4)
 @given(
-    mesh_key=st.sampled_from(list(MESHES)),
+    mesh_key=st.sampled_from([k for k in MESHES if fits(k, device_count())] or ["n"]),  # the meshes this run has
     layout_kind=st.sampled_from(LAYOUTS),
     shapes=st.lists(
         st.tuples(st.sampled_from([32, 64, 96, 160, 256]), st.sampled_from([32, 64, 96])),
@@ -166,7 +188,7 @@ def test_quantize_property(mesh_key, layout_kind, shapes, rule, dtype):
 
 
 def test_quantize_under_jit_and_released_planes():
-    q, w, tensors = build("2x4", mx.ShardLayout.UNPADDED, SHAPES)
+    q, w, tensors = build("2xh", mx.ShardLayout.UNPADDED, SHAPES)
     with pytest.raises(ValueError, match="no plane is allocated"):
         jax.jit(lambda q, w: q.quantize(w))(q.release_storage(), w)
     out = jax.jit(lambda q, w: q.quantize(w))(q.release_storage(rowwise_only=True), w)
@@ -184,18 +206,18 @@ def test_quantize_under_jit_and_released_planes():
 
 @needs_kernel
 def test_quantize_hlo_is_one_local_kernel_call():
-    q, w, _ = build("4x2", mx.ShardLayout.PADDED, SHAPES)
+    q, w, _ = build("hx2", mx.ShardLayout.PADDED, SHAPES)
     text = hlo_text(lambda q, w: q.quantize(w, backend="ffi"), q, w)
     assert hlo.collectives(text) == []
     assert text.count('custom_call_target="mxfp8_quantize_segments"') == 1
 
 
-@pytest.mark.parametrize("mesh_key", ["8", "4x2"])
+@pytest.mark.parametrize("mesh_key", ["n", "hx2"])
 def test_allgather_moves_only_selected_planes(mesh_key):
     q, w, _ = build(mesh_key, mx.ShardLayout.UNPADDED, SHAPES)
     q = q.quantize(w)
     n = q.layout.physical_size
-    axes = q.mesh.axis_names[-1:] if mesh_key == "8" else q.mesh.axis_names
+    axes = q.mesh.axis_names[-1:] if mesh_key == "n" else q.mesh.axis_names
     for rowwise, columnwise in ((True, False), (False, True), (True, True)):
         fn = lambda q: q.allgather(axes, rowwise=rowwise, columnwise=columnwise)
         gathers = [c for c in hlo.collectives(hlo_text(fn, q)) if c.op == "all-gather"]
@@ -223,7 +245,7 @@ def test_allgather_moves_only_selected_planes(mesh_key):
 
 
 def test_release_reallocate_and_planes():
-    mesh, placements = mesh_of("8")
+    mesh, placements = mesh_of("n")
     q = mx.QuantizedDBuffer.empty(mesh, placements, [(64, 64)])
     assert q.is_rowwise_allocated and q.is_columnwise_allocated
     assert all(isinstance(p, mx.DBuffer) for p in q.planes)
@@ -254,7 +276,7 @@ def test_release_reallocate_and_planes():
 
 
 def test_update_mxfp8_tensor_with_views():
-    q, w, tensors = build("8", mx.ShardLayout.PADDED, SHAPES)
+    q, w, tensors = build("n", mx.ShardLayout.PADDED, SHAPES)
     both = views(q.quantize(w).allgather())[1]
     row_only = q.release_storage().reallocate_storage(columnwise=False).quantize(w)
     src = views(row_only.allgather(columnwise=False))[1]
@@ -270,7 +292,7 @@ def test_update_mxfp8_tensor_with_views():
 
 
 def test_get_tensor_pads_scales_for_te():
-    q, w, tensors = build("8", mx.ShardLayout.UNPADDED, SHAPES)
+    q, w, tensors = build("n", mx.ShardLayout.UNPADDED, SHAPES)
     full = q.quantize(w).allgather()
     t, view = jax.jit(lambda f: (f.get_tensor(3), f.get_tensor_view(3)))(full)  # (96, 160)
     assert t.rowwise_scale.shape == (128, 8)  # [ceil128(96), ceil4(160/32)]
@@ -284,7 +306,7 @@ def test_get_tensor_pads_scales_for_te():
 
 
 def test_get_tensor_view_needs_a_gathered_buffer():
-    q, w, _ = build("8", mx.ShardLayout.PADDED, SHAPES)
+    q, w, _ = build("n", mx.ShardLayout.PADDED, SHAPES)
     with pytest.raises(ValueError, match="no allocated plane is gathered"):
         q.quantize(w).get_tensor_view(0)
     with pytest.raises(ValueError, match="tensor index 4"):
@@ -296,7 +318,7 @@ def test_get_tensor_view_needs_a_gathered_buffer():
 
 
 def test_view_and_redistribute_round_trips():
-    q, w, tensors = build("2x4", mx.ShardLayout.UNPADDED, SHAPES)
+    q, w, tensors = build("2xh", mx.ShardLayout.UNPADDED, SHAPES)
     mesh = q.mesh
     sharded_pl = (mx.RowAtomic(), mx.BlockAtomic(32))
     qs = q.redistribute(sharded_pl).quantize(w.redistribute(sharded_pl))  # [Shard, Shard]
@@ -343,29 +365,31 @@ def test_view_and_redistribute_round_trips():
 
 
 def test_bad_shapes_and_layouts():
-    mesh, placements = mesh_of("8")
+    mesh, placements = mesh_of("n")
     with pytest.raises(ValueError, match=r"M=48 and K=64 must both be multiples of 32"):
         mx.QuantizedDBuffer.empty(mesh, placements, [(64, 64), (48, 64)])
     with pytest.raises(ValueError, match=r"K=40"):
         mx.QuantizedDBuffer.empty(mesh, placements, [(64, 40)])
     with pytest.raises(ValueError, match="2-D tensors"):
         mx.QuantizedDBuffer.empty(mesh, placements, [(64, 32, 32)])
-    layout64 = mx.GlobalLayout.build([(64, 64)], 8, block_size=64)
+    layout64 = mx.GlobalLayout.build([(64, 64)], mesh.size, block_size=64)
     with pytest.raises(ValueError, match="block_size=64: an MXFP8 buffer needs block_size == 32"):
         mx.QuantizedDBuffer.zeros(mesh, placements, layout64)
     with pytest.raises(ValueError, match="BlockAtomic\\(n\\) needs n dividing 32"):
         mx.QuantizedDBuffer.empty(mesh, (mx.BlockAtomic(64),), [(64, 64)])
-    with pytest.raises(ValueError, match="bytes, not addends"):
-        mx.QuantizedDBuffer.empty(mesh_of("2x4")[0], (mx.Partial("sum"), mx.RowAtomic()), [(64, 64)])
+    with pytest.raises(ValueError, match=r"placements\[0\]=Partial.*bytes, not addends"):
+        mx.QuantizedDBuffer.empty(mesh, (mx.Partial("sum"),), [(64, 64)])
 
 
 def test_master_weight_must_match():
-    q, w, tensors = build("8", mx.ShardLayout.PADDED, [(64, 64), (32, 96)])
-    mesh, placements = mesh_of("8")
-    other_mesh = jax.make_mesh((8,), ("x",), devices=jax.devices("cpu")[::-1])
+    q, w, tensors = build("n", mx.ShardLayout.PADDED, [(64, 64), (32, 96)])
+    mesh, placements = mesh_of("n")
+    devs = list(mesh.devices.flat)
+    other_mesh = Mesh(np.array(devs[::-1]), ("x",), axis_types=mesh.axis_types)
     w_mesh = mx.DBuffer.distribute_tensors(tensors, other_mesh, placements, layout=q.layout)
     # the two meshes print alike; the error says where they differ
-    with pytest.raises(ValueError, match=r"main_weight.mesh .*device order: mesh position \(0,\) holds device 7 vs 0"):
+    order = rf"device order: mesh position \(0,\) holds device {devs[-1].id} vs {devs[0].id}"
+    with pytest.raises(ValueError, match=rf"main_weight.mesh .*{order}"):
         q.quantize(w_mesh)
     plane = mx.DBuffer.zeros(other_mesh, q.rowwise_data.placements, q.rowwise_data.layout, jnp.uint8)
     with pytest.raises(ValueError, match=r"rowwise_data is on another mesh than the buffer: device order"):
@@ -386,8 +410,8 @@ def test_master_weight_must_match():
 
 
 def test_local_tensor_view_of_a_released_buffer_raises():
-    q, _, _ = build("8", mx.ShardLayout.PADDED, [(64, 64)])
-    dev = jax.devices("cpu")[0]
+    q, _, _ = build("n", mx.ShardLayout.PADDED, [(64, 64)])
+    dev = q.mesh.devices.flat[0]
     with pytest.raises(ValueError, match=r"local_tensor_view\(0\): every plane is released"):
         q.release_storage().local_tensor_view(0, dev)
     # one direction released: the other one's rows, the released planes None
