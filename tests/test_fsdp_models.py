@@ -1,5 +1,5 @@
-"""FSDP on models written the ways Flax users write them (``mxfp8_jax._src.model_styles``), 8
-simulated CPU devices, adam.
+"""FSDP on models written the ways Flax users write them (``mxfp8_jax._src.model_styles``), on all
+of the run's devices (``n``), adam; one sequence per device.
 
 The styles: (mha) ``nnx.MultiHeadAttention`` + ``nnx.Linear`` MLP, scanned; (gemma) ``nnx.Einsum``
 projections with stacked kernels, a tied ``nnx.Embed`` (lookup + attend), blocks in an
@@ -32,15 +32,20 @@ from mxfp8_jax._src import hlo
 from mxfp8_jax._src import model_styles as ms
 from mxfp8_jax.flax import FSDP
 
-from summation import order_bound
+from conftest import cpu_only
+from summation import gamma, order_bound
 
 # one xdist group per style: its tests share the compiled steps cached on one worker
 STYLES = [pytest.param(s, marks=pytest.mark.xdist_group(f"style-{s}"), id=s) for s in ms.STYLES]
 LOOPS = [p for p in STYLES if p.values[0] in ("gemma", "einsum", "dropout")]  # an nnx.List run by a Python loop
 TOKENS = 16  # per device: activations small beside a layer
-SEQ, DEVICES = 16, 8
+SEQ = 16
 SDS = jax.ShapeDtypeStruct
-BATCH = (SDS((DEVICES * TOKENS // SEQ, SEQ), jnp.int32),) * 2
+
+
+def sequences(devices: int) -> int:
+    """The batch's sequences: ``TOKENS`` per device."""
+    return devices * TOKENS // SEQ
 
 
 @pytest.fixture(scope="module")
@@ -53,12 +58,14 @@ def compiled(mesh):
     """``(style, depth, remat) -> (fsdp, temp bytes, HLO text)`` of the compiled adam step on
     abstract state (nothing is materialised), cached for the module."""
 
+    batch = (SDS((sequences(mesh.size), SEQ), jnp.int32),) * 2
+
     @functools.cache
     def get(style, depth, remat=False):
         model = ms.abstract(style, ms.StyleConfig(depth=depth, remat=remat))
-        fsdp = FSDP(model, mesh, loss_fn=ms.loss_fn, example_batch=BATCH)
+        fsdp = FSDP(model, mesh, loss_fn=ms.loss_fn, example_batch=batch)
         tx = optax.adam(1e-3)
-        step = fsdp.lower_train_step(ms.loss_fn, tx, fsdp.abstract_state(tx), BATCH).compile()
+        step = fsdp.lower_train_step(ms.loss_fn, tx, fsdp.abstract_state(tx), batch).compile()
         return fsdp, step.memory_analysis().temp_size_in_bytes, step.as_text()
 
     return get
@@ -78,7 +85,7 @@ def unsharded_temp(style: str, depth: int) -> int:
     def grads(params, rest, batch):
         return jax.grad(lambda p: ms.loss_fn(nnx.merge(graphdef, p, rest, copy=True), batch))(params)
 
-    local = (SDS((1, SEQ), jnp.int32),) * 2
+    local = (SDS((sequences(1), SEQ), jnp.int32),) * 2
     return jax.jit(grads).lower(params, rest, local).compile().memory_analysis().temp_size_in_bytes
 
 
@@ -133,22 +140,32 @@ def test_stacked_plain_parameters_split_within_a_layer(compiled):
 # Memory: flat in depth, in scans and in Python loops
 
 
+# Beyond the fp32 gradient shard (1/n of the model), the step's temp memory may hold this much of
+# the fp32 model at depth 16: 0.4x on 8 devices, less their 1/8 shard. The rest (one device's
+# activations, two gathered units) does not depend on the device count.
+BEYOND_THE_SHARD = 0.4 - 1 / 8
+
+
 @pytest.mark.parametrize("style", STYLES)
-def test_step_memory_is_flat_in_depth(style, compiled):
+def test_step_memory_is_flat_in_depth(style, compiled, mesh):
     """Temp memory of the step within what it must hold: the fp32 gradient shard, what the
     model itself saves and works with (its unsharded step on one device's batch) and two units'
-    gathered fp32 weights; at depth 16 at most 0.4x the fp32 model, growing from depth 4 by at
-    most 0.4x the model's growth (a whole-model gather holds more than 1x)."""
+    gathered fp32 weights; at depth 16 at most the shard (1/n of the fp32 model) plus 0.275x,
+    0.4x on 8 devices, growing from depth 4 by at most as much of the model's growth (a
+    whole-model gather holds more than 1x beside the shard)."""
+    cpu_only("temp memory budgets from XLA:CPU's memory_analysis()")
+    n = mesh.size
     temps, models = {}, {}
     for depth in (4, 16):
         fsdp, temp, _ = compiled(style, depth)
-        shard = sum(int(np.prod(p.stored_shape)) * 4 for p in fsdp.trained) / DEVICES
+        shard = sum(int(np.prod(p.stored_shape)) * 4 for p in fsdp.trained) / n
         unit = max(int(np.prod(p.unit.padded_shape(p.unit.stack[p.unit.level :]))) * 4 for p in fsdp.units)
         budget = shard + unsharded_temp(style, depth) + 2 * unit
         assert temp <= budget, (depth, temp / 2**20, budget / 2**20)
         temps[depth], models[depth] = temp, model_bytes(fsdp)
-    assert temps[16] <= 0.4 * models[16], (temps, models)
-    assert temps[16] - temps[4] <= 0.4 * (models[16] - models[4]), (temps, models)
+    ratio = 1 / n + BEYOND_THE_SHARD
+    assert temps[16] <= ratio * models[16], (n, temps, models)
+    assert temps[16] - temps[4] <= ratio * (models[16] - models[4]), (n, temps, models)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -244,23 +261,24 @@ def unsharded_step(graphdef):
     return loss_and_grads
 
 
-def per_device_reference(model, batch, rest_of=lambda i: None):
-    """The data-parallel step computed by the unsharded model on one device: each device's slice
-    of the batch on its own (an MoE routes within its slice, as each device does; ``rest_of(i)``:
-    the RNG streams device ``i`` draws from), then the mean over devices in float64. Returns
-    (loss, gradients by parameter name, the devices' parts ``[device, ...]``)."""
+def per_device_reference(model, batch, devices, rest_of=lambda i: None):
+    """The data-parallel step of ``devices`` devices computed by the unsharded model on one
+    device: each device's slice of the batch on its own (an MoE routes within its slice, as
+    each device does; ``rest_of(i)``: the RNG streams device ``i`` draws from), then the mean
+    over devices in float64. Returns (loss, gradients by parameter name, the devices' parts
+    ``[device, ...]``)."""
     graphdef, params, model_rest = nnx.split(model, nnx.Param, ...)
     loss_and_grads = unsharded_step(graphdef)
     x, y = batch
-    per = len(x) // DEVICES
+    per = len(x) // devices
     losses, parts = [], []
-    for i in range(DEVICES):
+    for i in range(devices):
         rest = rest_of(i)
         slice_ = (x[i * per : (i + 1) * per], y[i * per : (i + 1) * per])
         loss, grads = loss_and_grads(params, model_rest if rest is None else rest, slice_)
         losses.append(float(loss))
         parts.append({"/".join(map(str, k)): np.asarray(v) for k, v in nnx.to_flat_state(grads)})
-    terms = {k: np.stack([g[k] for g in parts]).astype(np.float64) / DEVICES for k in parts[0]}
+    terms = {k: np.stack([g[k] for g in parts]).astype(np.float64) / devices for k in parts[0]}
     return np.mean(losses), {k: t.sum(0) for k, t in terms.items()}, terms
 
 
@@ -269,18 +287,35 @@ def fsdp_loss_and_grads(fsdp, state, batch):
     return float(loss), {p.name: np.asarray(fsdp.to_logical(p, grads[p.name])) for p in fsdp.trained}
 
 
-def assert_grads_close(got, want, terms, label):
+# Within a device, FSDP's step and the unsharded model's are two programs whose GEMMs, reductions
+# and elementwise functions XLA evaluates in orders and fusions of its choosing: allowed gamma(512)
+# of each gradient's scale, the size of the fp32 error bound of one sum of these models' longest
+# contraction (the MLP's hidden features, the vocabulary), whatever the device count.
+WITHIN_A_DEVICE = gamma(max(ms.StyleConfig().mlp, ms.StyleConfig().vocab))
+
+
+def gradient_scale(w: np.ndarray, layers: int) -> np.ndarray:
+    """Each column's largest |value| (the last axis); for a vector (fewer than two axes of its
+    own once the ``layers`` leading scan axes are set aside), each layer's vector's largest."""
+    a = np.abs(w)
+    if w.ndim - layers >= 2:
+        return a.reshape(-1, w.shape[-1]).max(0)
+    return a.reshape(*w.shape[:layers], -1).max(-1).reshape(w.shape[:layers] + (1,) * (w.ndim - layers))
+
+
+def assert_grads_close(fsdp, got, want, terms, label):
     """FSDP's gradients against the per-device reference: within the bound of summing the
-    devices' parts in another order (``summation.order_bound``), plus 1e-5 of the gradient's
-    scale (each column's largest; a vector's largest) for the same within a device, whose GEMMs
-    and reductions sum in an order of XLA's choosing. A gradient that is zero up to rounding
-    (an attention key bias: softmax ignores it) has the scale of 1% of the model's largest."""
+    devices' parts in another order (``summation.order_bound``), plus ``WITHIN_A_DEVICE`` of the
+    gradient's scale (each column's largest; a vector's largest, per layer for a scanned stack
+    of vectors) for the same within a device. A gradient that is zero up to rounding (an
+    attention key bias: softmax ignores it) has the scale of 1% of the model's largest."""
     assert got.keys() == want.keys()
+    layers = {p.name: p.unit.level if p.unit is not None else p.level for p in fsdp.trained}
     floor = 1e-2 * max(np.abs(w).max() for w in want.values())
     for k in want:
         g, w = np.asarray(got[k], np.float64), want[k]
-        scale = np.abs(w).max() if w.ndim < 2 else np.abs(w).reshape(-1, w.shape[-1]).max(0)  # [last]
-        allowed = order_bound(terms[k]) + 1e-5 * np.maximum(scale, floor)
+        scale = gradient_scale(w, layers[k])
+        allowed = order_bound(terms[k]) + WITHIN_A_DEVICE * np.maximum(scale, floor)
         assert (np.abs(g - w) <= allowed).all(), (label, k, float(np.abs(g - w).max()), float(allowed.max()))
 
 
@@ -288,13 +323,13 @@ def assert_grads_close(got, want, terms, label):
 def test_gradients_match_the_unsharded_model(style, mesh):
     cfg = ms.StyleConfig(depth=1)  # one block: the plumbing of every op; depth is the other tests'
     model = exact_values(ms.build(style, cfg))
-    batch = ms.make_batch(cfg, DEVICES * TOKENS // SEQ, SEQ, seed=1)
+    batch = ms.make_batch(cfg, sequences(mesh.size), SEQ, seed=1)
     fsdp = FSDP(model, mesh, loss_fn=ms.loss_fn, example_batch=batch)
     assert fsdp.mxfp8_units
     loss, got = fsdp_loss_and_grads(fsdp, fsdp.init(model, optax.sgd(0.1)), batch)
-    ref_loss, want, terms = per_device_reference(model, batch)
+    ref_loss, want, terms = per_device_reference(model, batch, mesh.size)
     np.testing.assert_allclose(loss, ref_loss, rtol=1e-6)
-    assert_grads_close(got, want, terms, style)
+    assert_grads_close(fsdp, got, want, terms, style)
 
 
 @pytest.mark.xdist_group("style-dropout")
@@ -304,7 +339,7 @@ def test_dropout_draws_each_devices_own_masks_and_advances_its_streams(mesh):
     a step advances the streams' counts as the unsharded model does."""
     cfg = ms.StyleConfig(depth=1, dropout=0.3)
     model = exact_values(ms.build("dropout", cfg))
-    x, y = ms.make_batch(cfg, DEVICES * TOKENS // SEQ, SEQ, seed=1)
+    x, y = ms.make_batch(cfg, sequences(mesh.size), SEQ, seed=1)
     fsdp = FSDP(model, mesh, loss_fn=ms.loss_fn, example_batch=(x, y))
     state = fsdp.init(model, optax.sgd(0.1))
     assert state.rest and any(jax.dtypes.issubdtype(r.dtype, jax.dtypes.prng_key) for r in state.rest)
@@ -312,11 +347,11 @@ def test_dropout_draws_each_devices_own_masks_and_advances_its_streams(mesh):
     _, _, rest = nnx.split(model, nnx.Param, ...)
     is_key = lambda r: jax.dtypes.issubdtype(r.dtype, jax.dtypes.prng_key)
     folded = lambda i: jax.tree.map(lambda r: jax.random.fold_in(r, i) if is_key(r) else r, rest)
-    ref_loss, want, terms = per_device_reference(model, (x, y), folded)
+    ref_loss, want, terms = per_device_reference(model, (x, y), mesh.size, folded)
     np.testing.assert_allclose(loss, ref_loss, rtol=1e-6)
-    assert_grads_close(got, want, terms, "dropout")
+    assert_grads_close(fsdp, got, want, terms, "dropout")
     # unfolded, every device would draw the same masks: another gradient, far outside the bound
-    _, same_masks, _ = per_device_reference(model, (x, y))
+    _, same_masks, _ = per_device_reference(model, (x, y), mesh.size)
     assert max(np.abs(got[k] - same_masks[k]).max() / np.abs(same_masks[k]).max() for k in got) > 1e-2
     # a step advances the streams' counts; the keys stay
     step = fsdp.train_step(ms.loss_fn, optax.sgd(0.1))
@@ -335,7 +370,7 @@ def test_bf16_first_loss_and_gradients_match_the_unsharded_model_with_bf16_weigh
     so the step is the unsharded model with those weights rounded, up to summation order."""
     cfg = ms.StyleConfig(depth=1, dropout=0.0)
     model = ms.build(style, cfg, seed=3)
-    batch = ms.make_batch(cfg, DEVICES * TOKENS // SEQ, SEQ, seed=2)
+    batch = ms.make_batch(cfg, sequences(mesh.size), SEQ, seed=2)
     fsdp = FSDP(model, mesh, precision="bf16", loss_fn=ms.loss_fn, example_batch=batch)
     assert not fsdp.mxfp8_units and fsdp.units
     loss, got = fsdp_loss_and_grads(fsdp, fsdp.init(model, optax.sgd(0.1)), batch)
@@ -345,8 +380,8 @@ def test_bf16_first_loss_and_gradients_match_the_unsharded_model_with_bf16_weigh
         if "/".join(map(str, path)) in units:
             value = np.asarray(var.get_value(), np.float32)
             var.set_value(jnp.asarray(value.astype(ml_dtypes.bfloat16).astype(np.float32)))
-    ref_loss, want, terms = per_device_reference(rounded, batch)
+    ref_loss, want, terms = per_device_reference(rounded, batch, mesh.size)
     np.testing.assert_allclose(loss, ref_loss, rtol=1e-6)
-    assert_grads_close(got, want, terms, style)
-    _, unrounded, _ = per_device_reference(model, batch)
+    assert_grads_close(fsdp, got, want, terms, style)
+    _, unrounded, _ = per_device_reference(model, batch, mesh.size)
     assert max(column_errors(unrounded[k], want[k]).max() for k in units) > 1e-3  # the rounding shows

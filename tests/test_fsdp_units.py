@@ -204,8 +204,9 @@ def test_tensor_parallel_refuses_other_units(devices):
         def __call__(self, x):
             return self.q(x).sum(-1)
 
-    mesh = Mesh(np.array(devices).reshape(4, 2), ("fsdp", "tp"))
-    x = np.ones((8, 4, D), np.float32)
+    fsdp_size = len(devices) // 2  # a (n/2, 2) mesh: tp over pairs of devices
+    mesh = Mesh(np.array(devices[: 2 * fsdp_size]).reshape(fsdp_size, 2), ("fsdp", "tp"))
+    x = np.ones((2 * fsdp_size, 4, D), np.float32)
     with pytest.raises(
         ValueError, match=r"q/kernel: tensor_parallel applies to a Linear-like kernel \[\*layers, in, out\]"
     ):

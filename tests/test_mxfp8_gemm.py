@@ -10,11 +10,12 @@
 - ``jax.nn.scaled_dot_general`` with its MXFP8 configs quantizes the same bytes and multiplies
   to the same values (its last step, the block-scaled GEMM, has no CPU lowering: it is
   evaluated here in float64 from the operands jax made).
-- a training step of ``FSDP(..., gemm="mxfp8")`` on 8 devices: loss and gradients against a
-  numpy reference of the recipe that blocks each device's tokens on their own; the data are
-  built so that every quantizer input is computed exactly (see ``MLP``), so the reference is
-  the recipe itself and only the fp32 sums of the last GEMMs differ. Kernels of several axes
-  (``jnp.einsum``) exercise the canonical GEMM's axis mapping.
+- a training step of ``FSDP(..., gemm="mxfp8")`` on the run's devices (the most of them that
+  are a power of two): loss and gradients against a numpy reference of the recipe that blocks
+  each device's tokens on their own; the data are built so that every quantizer input is
+  computed exactly (see ``MLP``), so the reference is the recipe itself and only the fp32 sums
+  of the last GEMMs differ. Kernels of several axes (``jnp.einsum``) exercise the canonical
+  GEMM's axis mapping.
 - what the unit's GEMM saves for its backward: uint8 planes, no activation.
 """
 
@@ -510,13 +511,13 @@ def test_backward_matches_jax_scaled_dot_general(monkeypatch):
 # Every quantizer input of the step is computed exactly, so that the reference quantizes the
 # very values the step does (a quantizer is discontinuous: an input one fp32 ulp off may move
 # a code by an E4M3 step): data and weights are given, the loss is linear in the output (its
-# cotangent is the target over the 8 devices, exact), and the GEMMs whose results are
-# quantized again (layer 1's forward, layer 2's dgrad) add exact fp32 numbers: their
+# cotangent is the target over the n devices, exact for n a power of two), and the GEMMs whose
+# results are quantized again (layer 1's forward, layer 2's dgrad) add exact fp32 numbers: their
 # operands' quantized values are multiples of 2^-3 (magnitudes 1..8, E4M3's four significant
 # bits) times one power of two per dot product, so that every partial sum is an integer below
 # 2^24 in those units. The rest (the wgrads, layer 2's forward and the loss) is compared
 # within fp32 summation bounds: a wgrad of one device adds 32 padded tokens, the
-# reduce-scatter 8 devices.
+# reduce-scatter n devices.
 #
 # MXFP8 blocking shows only where a block mixes magnitudes (a value far below its block's
 # maximum flushes to zero), so the data mix them on purpose, with powers of two undone after
@@ -526,11 +527,13 @@ def test_backward_matches_jax_scaled_dot_general(monkeypatch):
 #   W2 [64, 256]: rows 33, 35, .., 63 tiny, out scaled back: the forward (rowwise) keeps
 #     them, the dgrad's columnwise blocks flush them, and in the dgrad the matching
 #     cotangents (2^24 larger) flush the others of their block: that block adds nothing;
-#   tokens: device 3's are tiny inputs with huge targets (its own 32-token blocks keep them,
-#     blocks across devices would not), and token 7 of device 5 too (its blocks along the
-#     tokens flush it, or its 23 neighbours).
+#   tokens: device 3n/8's are tiny inputs with huge targets (its own 32-token blocks keep them,
+#     blocks across devices would not), and token 7 of device 5n/8 too (its blocks along the
+#     tokens flush it, or its 23 neighbours);
+#   targets of W2's tiny rows' outputs: the outputs' signs (a forward that flushes those rows
+#     loses all of them from the loss, whatever the number of tokens).
 
-DEVICES, TOK = 8, 24  # tokens per device: not a multiple of 32
+TOK = 24  # tokens per device: not a multiple of 32
 K, N1, N2 = 64, 256, 64
 TINY = 2.0**-24
 W1_TINY = (np.arange(N1) >= 32) & (np.arange(N1) < 64) & (np.arange(N1) % 2 == 1)
@@ -541,7 +544,15 @@ R2 = np.where(W2_TINY, 1 / TINY, 1.0).astype(np.float32)
 
 @pytest.fixture(scope="module")
 def mesh(devices):
-    return Mesh(np.array(devices), ("fsdp",))
+    """The run's devices, or the most of them that are a power of two: the step's loss is the
+    devices' mean, whose cotangent (the target over their number) the references need exact."""
+    return Mesh(np.array(devices[: 1 << (len(devices).bit_length() - 1)]), ("fsdp",))
+
+
+def rows_per_device(n_rows: int, devices: int) -> int:
+    """An MXFP8 unit's rows of ``W`` per device: ``n_rows`` zero-padded to whole 32-row blocks,
+    the same number on every device."""
+    return -(-n_rows // (32 * devices)) * 32
 
 
 class MLP(nnx.Module):
@@ -563,15 +574,25 @@ def one_to_eight(rng, shape) -> np.ndarray:
     return (rng.uniform(1, 8, shape) * rng.choice([-1.0, 1.0], shape)).astype(np.float32)
 
 
-def mlp_data(seed=0):
+def mlp_data(devices: int, seed=0):
+    """Weights, inputs and targets for ``devices`` devices' ``TOK`` tokens each: device
+    ``3 devices / 8``'s tokens and token 7 of device ``5 devices / 8`` are the special ones
+    (devices 3 and 5 of 8; 1 and 2 of 4; 0 and 1 of 2)."""
     rng = np.random.default_rng(seed)
+    tiny_device, odd_device = 3 * devices // 8, 5 * devices // 8
     w1 = one_to_eight(rng, (N1, K)) * np.where(W1_TINY, TINY, 1.0)[:, None].astype(np.float32)
     w2 = one_to_eight(rng, (N2, N1)) * np.where(W2_TINY, TINY, 1.0)[:, None].astype(np.float32)
-    special = np.zeros(DEVICES * TOK, bool)
-    special[3 * TOK : 4 * TOK] = True
-    special[5 * TOK + 7] = True
-    x = one_to_eight(rng, (DEVICES * TOK, K)) * np.where(special, TINY, 1.0)[:, None].astype(np.float32)
-    t = one_to_eight(rng, (DEVICES * TOK, N2)) * np.where(special, 1 / TINY, 1.0)[:, None].astype(np.float32)
+    special = np.zeros(devices * TOK, bool)
+    special[tiny_device * TOK : (tiny_device + 1) * TOK] = True
+    special[odd_device * TOK + 7] = True
+    x = one_to_eight(rng, (devices * TOK, K)) * np.where(special, TINY, 1.0)[:, None].astype(np.float32)
+    t = one_to_eight(rng, (devices * TOK, N2)) * np.where(special, 1 / TINY, 1.0)[:, None].astype(np.float32)
+    # the outputs of W2's tiny rows: their targets take the signs of the recipe's outputs (token by
+    # token), so that a forward flushing those rows moves the loss by their whole magnitudes
+    # rather than by a sum of random signs, which may cancel
+    h = exactly_fp32(rows(x) @ npo.mxfp8_weights(w1)[0].T, "h") * R1
+    out = rows(h) @ npo.mxfp8_weights(w2)[0][W2_TINY].T
+    t[:, W2_TINY] = np.abs(t[:, W2_TINY]) * np.where(out < 0, -1, 1)
     return w1, w2, x, t
 
 
@@ -585,7 +606,8 @@ def mlp_reference(w1, w2, x, t, *, fwd="row", dgrad="col", per_device=True, wgra
     wgrads ``(exact, scale)`` as ``W [N, K]``. ``fwd``/``dgrad``: the planes the weights'
     GEMMs read; ``per_device``: token blocks per device; ``wgrad_blocks``: the wgrad's
     operands blocked along the tokens or (``"features"``) as in the forward and dgrad. The
-    other choices are the wrong recipes the test must tell apart."""
+    other choices are the wrong recipes the test must tell apart. The devices: ``len(x) / TOK``."""
+    devices = len(x) // TOK
     w1_row, w1_col = npo.mxfp8_weights(w1)
     w2_row, w2_col = npo.mxfp8_weights(w2)
     w1_fwd = w1_row if fwd == "row" else w1_col
@@ -593,13 +615,13 @@ def mlp_reference(w1, w2, x, t, *, fwd="row", dgrad="col", per_device=True, wgra
     w2_bwd = w2_col if dgrad == "col" else w2_row
     loss, loss_scale = 0.0, 0.0
     xs, hs, douts, dhs = [], [], [], []
-    for d in range(DEVICES):
+    for d in range(devices):
         sl = slice(d * TOK, (d + 1) * TOK)
         h = exactly_fp32(rows(x[sl]) @ w1_fwd.T, "h") * R1
         out, out_s = product(rows(h), w2_fwd)
         loss += float((out * R2 * t[sl]).sum())
         loss_scale += float((out_s * R2 * np.abs(t[sl])).sum())
-        dout = t[sl] / DEVICES * R2  # the step's loss is the devices' mean
+        dout = t[sl] / devices * R2  # the step's loss is the devices' mean
         dh = exactly_fp32(rows(dout) @ w2_bwd, "dh") * R1
         xs.append(x[sl]), hs.append(h), douts.append(dout), dhs.append(dh)
 
@@ -615,14 +637,14 @@ def mlp_reference(w1, w2, x, t, *, fwd="row", dgrad="col", per_device=True, wgra
             return sum(p[0] for p in parts), sum(p[1] for p in parts)
         return product(cols(np.concatenate(dys)).T, cols(np.concatenate(acts)).T)
 
-    return (loss / DEVICES, loss_scale / DEVICES), wgrad(dhs, xs), wgrad(douts, hs)
+    return (loss / devices, loss_scale / devices), wgrad(dhs, xs), wgrad(douts, hs)
 
 
 @pytest.fixture(scope="module")
 def mlp_step(mesh):
     """Loss and kernel gradients of one step of the MLP, ``gemm="mxfp8"`` (both kernels
     MXFP8: the last would be a bf16 head by default)."""
-    w1, w2, x, t = mlp_data()
+    w1, w2, x, t = mlp_data(mesh.size)
     model = MLP(nnx.Rngs(0))
     model.l1.kernel.set_value(jnp.asarray(w1.T))
     model.l2.kernel.set_value(jnp.asarray(w2.T))
@@ -635,7 +657,8 @@ def mlp_step(mesh):
         precision_by_path={"kernel": "mxfp8"},
     )
     assert [(p.name, p.kind) for p in fsdp.units] == [("l1/kernel", "mxfp8"), ("l2/kernel", "mxfp8")]
-    assert [p.unit.out_padded for p in fsdp.units] == [256, 256]  # N2 = 64 rows padded: 32 per device
+    # whole 32-row blocks on every device: N2 = 64 rows padded to 32 per device (256 on 8 devices)
+    assert [p.unit.out_padded for p in fsdp.units] == [mesh.size * rows_per_device(n, mesh.size) for n in (N1, N2)]
     loss, grads = fsdp.loss_and_grads(linear_loss)(fsdp.init(model, optax.sgd(1.0)), (x, t))
     got = {p.name: np.asarray(fsdp.to_logical(p, grads[p.name])) for p in fsdp.units}
     return (w1, w2, x, t), float(loss), got
@@ -643,12 +666,13 @@ def mlp_step(mesh):
 
 def test_fsdp_mxfp8_step_is_the_recipe_on_each_devices_tokens(mlp_step):
     (w1, w2, x, t), loss, got = mlp_step
+    devices = len(x) // TOK
     (ref_loss, loss_scale), (dw1, dw1_s), (dw2, dw2_s) = mlp_reference(w1, w2, x, t)
-    # the loss: layer 2's forward adds N1 products, the loss 24 * N2 terms per device, then 8
-    loss_terms = N1 + 1 + TOK * N2 + DEVICES
+    # the loss: layer 2's forward adds N1 products, the loss 24 * N2 terms per device, then the devices'
+    loss_terms = N1 + 1 + TOK * N2 + devices
     assert abs(loss - ref_loss) <= (gamma(loss_terms) + F64) * loss_scale, (loss, ref_loss)
-    # the kernels' gradients ([in, out] = W^T): 32 padded tokens per device, 8 devices summed
-    terms = 32 - 1 + DEVICES - 1
+    # the kernels' gradients ([in, out] = W^T): 32 padded tokens per device, the devices summed
+    terms = 32 - 1 + devices - 1
     assert_within(got["l1/kernel"], dw1.T, dw1_s.T, terms, "l1/kernel gradient")
     assert_within(got["l2/kernel"], dw2.T, dw2_s.T, terms, "l2/kernel gradient")
     # no gradient part vanished: the tiny-weight and special-token parts are there
@@ -694,18 +718,21 @@ class EinsumNet(nnx.Module):
         return jnp.einsum("btnh,nhd->btd", h, self.b[...])
 
 
-def einsum_data(seed=1):
+def einsum_data(devices: int, seed=1):
+    """Kernels A and B, and one sequence of inputs and targets per device."""
     rng = np.random.default_rng(seed)
     a = one_to_eight(rng, (D, H, NH)) * np.where(N_TINY, TINY, 1.0).astype(np.float32)
     b = one_to_eight(rng, (NH, H, D)) * np.where(N_TINY, 1 / TINY, 1.0)[:, None, None].astype(np.float32)
-    x = one_to_eight(rng, (DEVICES, SEQ, D))
-    t = one_to_eight(rng, (DEVICES, SEQ, D))
+    x = one_to_eight(rng, (devices, SEQ, D))
+    t = one_to_eight(rng, (devices, SEQ, D))
     return a, b, x, t
 
 
 def einsum_reference(a, b, x, t, *, dot_order=False):
     """The recipe on W_A = A as [(h n), D] and W_B = B as [D, (n h)] (``dot_order``: B's
-    contraction ordered and blocked as the dot's (h n) instead, the wrong recipe)."""
+    contraction ordered and blocked as the dot's (h n) instead, the wrong recipe). One device per
+    sequence of ``x``."""
+    devices = len(x)
     swap = lambda v, first, second: v.reshape(-1, first, second).transpose(0, 2, 1).reshape(-1, first * second)
     to_k = (lambda v: v) if dot_order else (lambda v: swap(v, H, NH))  # W_A's rows (h n) -> B's K
     from_k = (lambda v: v) if dot_order else (lambda v: swap(v, NH, H))
@@ -714,12 +741,12 @@ def einsum_reference(a, b, x, t, *, dot_order=False):
     wa_row, _ = npo.mxfp8_weights(wa)
     wb_row, wb_col = npo.mxfp8_weights(wb)
     loss, loss_scale, xs, hs, dys, dhs = 0.0, 0.0, [], [], [], []
-    for d in range(DEVICES):
+    for d in range(devices):
         h = to_k(exactly_fp32(rows(x[d]) @ wa_row.T, "h"))
         out, out_s = product(rows(h), wb_row)
         loss += float((out * t[d]).sum())
         loss_scale += float((out_s * np.abs(t[d])).sum())
-        dy = t[d] / DEVICES
+        dy = t[d] / devices
         dh = from_k(exactly_fp32(rows(dy) @ wb_col, "dgrad of B"))  # in W_A's rows (h n)
         xs.append(x[d]), hs.append(h), dys.append(dy), dhs.append(dh)
     sum_parts = lambda parts: (sum(p[0] for p in parts), sum(p[1] for p in parts))
@@ -728,11 +755,11 @@ def einsum_reference(a, b, x, t, *, dot_order=False):
     # as the kernels: A [D, H, Nh], B [Nh, H, D]
     to_a = lambda v: v.reshape(H, NH, D).transpose(2, 0, 1)
     to_b = lambda v: from_k(v).reshape(D, H, NH).transpose(2, 1, 0)
-    return (loss / DEVICES, loss_scale / DEVICES), tuple(map(to_a, dwa)), tuple(map(to_b, dwb))
+    return (loss / devices, loss_scale / devices), tuple(map(to_a, dwa)), tuple(map(to_b, dwb))
 
 
 def test_fsdp_mxfp8_einsum_kernels_of_several_axes(mesh):
-    a, b, x, t = einsum_data()
+    a, b, x, t = einsum_data(mesh.size)
     model = EinsumNet(a, b)
     fsdp = FSDP(model, mesh, loss_fn=linear_loss, example_batch=(x, t), gemm="mxfp8", precision_by_path={".": "mxfp8"})
     units = {p.name: p.unit for p in fsdp.units}
@@ -740,9 +767,9 @@ def test_fsdp_mxfp8_einsum_kernels_of_several_axes(mesh):
     loss, grads = fsdp.loss_and_grads(linear_loss)(fsdp.init(model, optax.sgd(1.0)), (x, t))
     got = {p.name: np.asarray(fsdp.to_logical(p, grads[p.name])) for p in fsdp.units}
     (ref_loss, loss_scale), (dwa, dwa_s), (dwb, dwb_s) = einsum_reference(a, b, x, t)
-    loss_terms = H * NH + 1 + SEQ * D + DEVICES
+    loss_terms = H * NH + 1 + SEQ * D + mesh.size
     assert abs(float(loss) - ref_loss) <= (gamma(loss_terms) + F64) * loss_scale, (float(loss), ref_loss)
-    terms = 32 - 1 + DEVICES - 1
+    terms = 32 - 1 + mesh.size - 1
     assert_within(got["a"], dwa, dwa_s, terms, "A's gradient")
     assert_within(got["b"], dwb, dwb_s, terms, "B's gradient")
     # B's contraction ordered and blocked as the dot's is another forward (the wgrads and
@@ -791,8 +818,8 @@ def test_the_step_saves_uint8_planes_for_the_wgrads(mesh):
     reads x's and h's columnwise planes (uint8, 32 padded tokens) and the local columnwise
     planes of the weights, no fp32 activation (the loss's targets, a batch input, are its
     only float residual); with gemm="dequantized" it reads x and h themselves."""
-    x = np.ones((DEVICES * TOK, 96), np.float32)
-    t = np.ones((DEVICES * TOK, 64), np.float32)
+    x = np.ones((mesh.size * TOK, 96), np.float32)
+    t = np.ones((mesh.size * TOK, 64), np.float32)
     model = Chain(nnx.Rngs(0))
     found = {}
     for gemm in ("mxfp8", "dequantized"):
@@ -803,6 +830,8 @@ def test_the_step_saves_uint8_planes_for_the_wgrads(mesh):
     assert floats(found["mxfp8"]) == [target], found["mxfp8"]
     planes = {shape for dtype, shape, _ in found["mxfp8"] if dtype == "uint8"}
     assert {(1, 32, 96), (1, 1, 96), (1, 32, 256), (1, 1, 256)} <= planes  # x's and h's columnwise
-    assert {(32, 96), (1, 96), (32, 256), (1, 256)} <= planes  # each weight's local columnwise rows
+    # each weight's local columnwise rows (W1 [256, 96], W2 [64, 256]; 32 each on 8 devices)
+    r1, r2 = rows_per_device(256, mesh.size), rows_per_device(64, mesh.size)
+    assert {(r1, 96), (r1 // 32, 96), (r2, 256), (r2 // 32, 256)} <= planes
     # the check sees activations where they are saved
     assert {("float32", (TOK, 96)), ("float32", (TOK, 256))} <= {r[:2] for r in floats(found["dequantized"])}
