@@ -29,7 +29,8 @@ def train_and_save(directory: str) -> dict:
 
     def sharded(a):
         host = np.asarray(a)
-        spec = PartitionSpec(*(None,) * (host.ndim - 1), "fsdp") if host.ndim and host.shape[-1] % 8 == 0 else None
+        split = host.ndim and host.shape[-1] % mesh.size == 0
+        spec = PartitionSpec(*(None,) * (host.ndim - 1), "fsdp") if split else None
         sharding = NamedSharding(mesh, spec if spec is not None else PartitionSpec())
         return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
 

@@ -1,4 +1,4 @@
-"""MXFP8 FSDP training of a Flax NNX model on 8 simulated CPU devices.
+"""MXFP8 FSDP training of a Flax NNX model on all of the run's devices (``n`` of them).
 
 Oracles are independent of the code under test: the single-device reference below quantizes and
 dequantizes each kernel with the numpy oracle and differentiates its own custom_vjp linear
@@ -155,11 +155,15 @@ def test_plan_eligibility(f32_setup):
     _, fsdp, _ = f32_setup
     assert [p.name for p in fsdp.units] == ["l1/kernel", "l2/kernel"]
     g1, g2 = (p.unit for p in fsdp.units)
-    # W = kernel.T [out, in]; 64 rows are 2 blocks of 32, padded to one block per device
-    assert (g1.out_features, g1.in_features, g1.out_padded, g1.rows) == (HIDDEN, IN, 256, 32)
-    assert (g2.out_features, g2.in_features, g2.out_padded, g2.rows) == (HIDDEN, HIDDEN, 256, 32)
+    # W = kernel.T [out, in]; 64 rows are 2 blocks of 32, padded to the same number of whole
+    # blocks on each of the n devices: one each (2 or more devices)
+    n = fsdp.mesh.size
+    blocks = -(-HIDDEN // (32 * n))
+    padded, rows = 32 * blocks * n, 32 * blocks
+    assert (g1.out_features, g1.in_features, g1.out_padded, g1.rows) == (HIDDEN, IN, padded, rows)
+    assert (g2.out_features, g2.in_features, g2.out_padded, g2.rows) == (HIDDEN, HIDDEN, padded, rows)
     assert fsdp.weight_elements == IN * HIDDEN + HIDDEN * HIDDEN
-    assert fsdp.stored_elements == 256 * (IN + HIDDEN)
+    assert fsdp.stored_elements == padded * (IN + HIDDEN)
     plain = {p.name for p in fsdp.plain}
     assert plain == {"l1/bias", "l2/bias", "norm/scale", "norm/bias", "head/kernel", "head/bias"}
 
@@ -234,12 +238,25 @@ def bf16_training(mesh):
 
 def test_step_hlo_moves_weights_as_8_bit(bf16_training):
     fsdp, _, _, compiled = bf16_training
+    n = fsdp.mesh.size
     found = [(c.op, c.dtypes[0], c.outputs[0][1]) for c in hlo.collectives(compiled.as_text())]
-    # the plain parameters the device count divides travel one layer's together, as fp32, when
-    # the layer runs (without a trace the head's [64, 10] kernel is plain)
-    split = [p for p in fsdp.plain if p.shard_axis is not None]
-    assert {p.name for p in split} == {"l1/bias", "l2/bias", "norm/scale", "norm/bias", "head/kernel"}
-    layers = {"l1": HIDDEN, "l2": HIDDEN, "norm": 2 * HIDDEN, "head": HIDDEN * CLASSES}
+    # The plain parameters (without a trace the head's [64, 10] kernel is plain): one that the
+    # device count divides along an axis is split; the others are whole on every device.
+    plain = {
+        "l1/bias": (HIDDEN,),
+        "l2/bias": (HIDDEN,),
+        "norm/scale": (HIDDEN,),
+        "norm/bias": (HIDDEN,),
+        "head/kernel": (HIDDEN, CLASSES),
+        "head/bias": (CLASSES,),
+    }
+    split = {k for k, shape in plain.items() if any(d % n == 0 for d in shape)}
+    assert {p.name for p in fsdp.plain} == set(plain)
+    assert {p.name for p in fsdp.plain if p.shard_axis is not None} == split
+    # the split ones travel one layer's together, as fp32, when the layer runs
+    layers = {}
+    for k in sorted(split):
+        layers[k.split("/")[0]] = layers.get(k.split("/")[0], 0) + int(np.prod(plain[k]))
     gathers = sorted((d, s) for op, d, s in found if op == "all-gather")
     want = [("f32", (size,)) for size in layers.values()]
     for p in fsdp.units:
@@ -251,14 +268,16 @@ def test_step_hlo_moves_weights_as_8_bit(bf16_training):
     # Gradients: one reduce-scatter per unit into its rows, one per layer of plain parameters.
     scatters = sorted((d, s) for op, d, s in found if op == "reduce-scatter")
     assert scatters == sorted(
-        [("f32", (size // 8,)) for size in layers.values()]
+        [("f32", (size // n,)) for size in layers.values()]
         + [("f32", (p.unit.rows, p.unit.in_features)) for p in fsdp.units]
     )
-    # Nothing else but the scalar loss mean and the gradient of the one parameter kept whole on
-    # every device (head/bias, 10 elements: 8 devices do not divide it); no weight reshuffles.
+    # Nothing else but the scalar loss mean and the gradients of the parameters kept whole on
+    # every device (head/bias, 10 elements, unless the device count divides 10); no weight
+    # reshuffles.
     others = [c for c in hlo.collectives(compiled.as_text()) if c.op not in ("all-gather", "reduce-scatter")]
     assert [c.op for c in others] == ["all-reduce"] * len(others)
-    assert sorted(o for c in others for o in c.outputs) == [("f32", ()), ("f32", (CLASSES,))]
+    whole = [("f32", plain[k]) for k in plain if k not in split]
+    assert sorted(o for c in others for o in c.outputs) == sorted([("f32", ())] + whole)
 
 
 def test_quantize_after_update_has_no_collective(bf16_training):
@@ -312,8 +331,10 @@ def test_errors_name_the_rule(mesh):
 def test_batch_must_split_over_devices(f32_setup):
     _, fsdp, _ = f32_setup
     x, y = make_batch()
-    with pytest.raises(ValueError, match=r"shape \(60, 32\).*divisible by the 8 devices it is split over"):
-        fsdp.place_batch((x[:60], y[:60]))
+    n = fsdp.mesh.size
+    rows = BATCH - n // 2  # not a multiple of n (60 for 8 devices)
+    with pytest.raises(ValueError, match=rf"shape \({rows}, {IN}\).*divisible by the {n} devices it is split over"):
+        fsdp.place_batch((x[:rows], y[:rows]))
 
 
 def custom_dot(lhs, rhs, dims, precision=None, preferred_element_type=None, out_sharding=None):
@@ -348,7 +369,7 @@ def test_misused_units_raise_clear_errors(mesh):
         def __call__(self, x):
             return nnx.vmap(lambda layer, x: layer(x), in_axes=(0, None))(self.l, x)
 
-    x = np.ones((8, 32), np.float32)
+    x = np.ones((2 * mesh.size, 32), np.float32)  # a batch the devices split
     loss = lambda m, x: m(x).mean()
     # without a trace, the plan takes the stacked kernel for one layer per scan iteration
     model = Ensemble(nnx.Rngs(0))

@@ -15,23 +15,44 @@ from jax.sharding import Mesh
 from mxfp8_jax.flax import FSDP
 
 from conftest import as_bytes
-from fsdp_model import CLASSES, TX, D, Net, batch, logical_content, logical_grads, loss_fn, make_net, per_example_terms
+from fsdp_model import (
+    CLASSES,
+    TX,
+    D,
+    H,
+    Net,
+    batch,
+    logical_content,
+    logical_grads,
+    loss_fn,
+    make_net,
+    per_example_terms,
+)
 from summation import assert_within_order_bound
 
 
 def meshes(devs):
+    """The run's n devices as one FSDP axis, half of them (other padding of the rows), and all
+    of them as a (2, n/2) mesh."""
+    n = len(devs)
     return {
-        "8": Mesh(np.array(devs), ("fsdp",)),
-        "4": Mesh(np.array(devs[:4]), ("fsdp",)),
-        "2x4": Mesh(np.array(devs).reshape(2, 4), ("data", "fsdp")),
+        "all": Mesh(np.array(devs), ("fsdp",)),
+        "half": Mesh(np.array(devs[: n // 2]), ("fsdp",)),
+        "2d": Mesh(np.array(devs).reshape(2, n // 2), ("data", "fsdp")),
     }
+
+
+def stored_rows(n_rows, n):
+    """Rows an MXFP8 unit's ``W [n_rows, K]`` is stored with on ``n`` devices: whole 32-row
+    blocks, the same number on every device."""
+    return -(-n_rows // (32 * n)) * 32 * n
 
 
 @pytest.fixture(scope="module")
 def trained(devices, tmp_path_factory):
-    """3 steps on 8 devices, saved."""
+    """3 steps on all n devices, saved."""
     model = make_net()
-    fsdp = FSDP(model, meshes(devices)["8"])
+    fsdp = FSDP(model, meshes(devices)["all"])
     state = fsdp.init(model, TX)
     step = fsdp.train_step(loss_fn, TX)
     for i in range(3):
@@ -42,18 +63,22 @@ def trained(devices, tmp_path_factory):
     return fsdp, state, path
 
 
-@pytest.mark.parametrize("target", ["8", "4", "2x4"])
+@pytest.mark.parametrize("target", ["all", "half", "2d"])
 def test_round_trip_exact_on_any_mesh(trained, devices, target):
-    fsdp8, state8, path = trained
-    fsdp = FSDP(make_net(seed=5), meshes(devices)[target])  # other values: nothing leaks in
+    fsdp_n, state_n, path = trained
+    mesh = meshes(devices)[target]
+    fsdp = FSDP(make_net(seed=5), mesh)  # other values: nothing leaks in
     restored = fsdp.restore(path, TX)
-    want, got = logical_content(fsdp8, state8), logical_content(fsdp, restored)
+    want, got = logical_content(fsdp_n, state_n), logical_content(fsdp, restored)
     assert want.keys() == got.keys() and any(k.startswith("opt/") and "mu" in k for k in want)
     for k in want:
         np.testing.assert_array_equal(as_bytes(got[k]), as_bytes(want[k]), err_msg=k)
-    # the stored shapes do differ between meshes (padding), and the planes are recomputed
-    if target == "4":
-        assert restored.master["blocks/up/kernel"].shape != state8.master["blocks/up/kernel"].shape
+    # the stored shapes are the target mesh's padding, which on half the devices differs (W of
+    # up is [96, 64], of down [64, 96]), and the planes are recomputed
+    stored = {name: restored.master[f"blocks/{name}/kernel"].shape for name in ("up", "down")}
+    assert stored == {"up": (2, stored_rows(H, mesh.size), D), "down": (2, stored_rows(D, mesh.size), H)}  # 2 blocks
+    if target == "half":
+        assert any(restored.master[k].shape != state_n.master[k].shape for k in restored.master)
     q = fsdp._quantize_fn(restored.master)
     for name, planes in restored.quantized.items():
         for a, b in zip(jax.tree.leaves(planes), jax.tree.leaves(q[name])):
@@ -63,44 +88,45 @@ def test_round_trip_exact_on_any_mesh(trained, devices, target):
 
 def test_resume_on_the_same_mesh_is_exact_and_on_another_within_summation_order(trained, devices):
     """A checkpoint resumed on the mesh that wrote it continues bit for bit like the run that
-    never stopped. Resumed on another mesh the state is the same bits (the round-trip test), but
-    the step sums each gradient over the examples in another order (4 examples per device, then
-    over 8 devices, against 8 then 4), so its loss and gradients agree within the bound of that
-    order alone. Later steps are not compared across meshes: re-quantization is discontinuous
-    (one ulp of a master weight can flip an E4M3 code), so no tolerance on a trajectory follows."""
-    fsdp8, _, _ = trained
+    never stopped. Resumed on half the devices the state is the same bits (the round-trip test),
+    but the step sums each gradient over the examples in another order (32 / n examples per
+    device, then over the n devices, against 64 / n then n / 2), so its loss and gradients agree
+    within the bound of that order alone. Later steps are not compared across meshes:
+    re-quantization is discontinuous (one ulp of a master weight can flip an E4M3 code), so no
+    tolerance on a trajectory follows."""
+    fsdp_n, _, _ = trained
     model = make_net()
-    state = fsdp8.init(model, TX)
-    step8 = fsdp8.train_step(loss_fn, TX)
+    state = fsdp_n.init(model, TX)
+    step = fsdp_n.train_step(loss_fn, TX)
     path = trained[2].parent / "resume"
-    losses = []  # 14 uninterrupted steps on 8 devices
+    losses = []  # 14 uninterrupted steps on the n devices
     for i in range(14):
-        state, loss = step8(state, batch(i))
+        state, loss = step(state, batch(i))
         losses.append(float(loss))
         if i == 9:  # the step-10 state, saved mid-run (before the next step consumes it)
-            fsdp8.save(state, path)
-    same = fsdp8.restore(path, TX)
+            fsdp_n.save(state, path)
+    same = fsdp_n.restore(path, TX)
     resumed = []
     for i in range(10, 14):
-        same, loss = step8(same, batch(i))
+        same, loss = step(same, batch(i))
         resumed.append(float(loss))
     np.testing.assert_array_equal(resumed, losses[10:])
 
-    fsdp4 = FSDP(model, meshes(devices)["4"])
-    loss4, grads4 = fsdp4.loss_and_grads(loss_fn)(fsdp4.restore(path, TX), batch(10))
-    loss8, grads8 = fsdp8.loss_and_grads(loss_fn)(fsdp8.restore(path, TX), batch(10))
+    fsdp_half = FSDP(model, meshes(devices)["half"])
+    loss_half, grads_half = fsdp_half.loss_and_grads(loss_fn)(fsdp_half.restore(path, TX), batch(10))
+    loss_n, grads_n = fsdp_n.loss_and_grads(loss_fn)(fsdp_n.restore(path, TX), batch(10))
     one = FSDP(model, Mesh(np.array(devices[:1]), ("fsdp",)))
     loss_terms, grad_terms = per_example_terms(one, one.restore(path, TX), batch(10))
-    assert_within_order_bound(float(loss4), float(loss8), loss_terms, "loss")
-    g4, g8 = logical_grads(fsdp4, grads4), logical_grads(fsdp8, grads8)
-    assert g4.keys() == g8.keys() == grad_terms.keys()
-    for name in g8:
-        assert_within_order_bound(g4[name], g8[name], grad_terms[name], name)
+    assert_within_order_bound(float(loss_half), float(loss_n), loss_terms, "loss")
+    g_half, g_n = logical_grads(fsdp_half, grads_half), logical_grads(fsdp_n, grads_n)
+    assert g_half.keys() == g_n.keys() == grad_terms.keys()
+    for name in g_n:
+        assert_within_order_bound(g_half[name], g_n[name], grad_terms[name], name)
 
 
 def test_mismatches_are_named(trained, devices, tmp_path):
     _, _, path = trained
-    mesh = meshes(devices)["8"]
+    mesh = meshes(devices)["all"]
     renamed = FSDP(make_net(names=("layers", "head")), mesh)
     with pytest.raises(ValueError, match=r"not in the checkpoint: .*params/layers/up/kernel"):
         renamed.restore(path, TX)
@@ -129,7 +155,7 @@ def test_swapped_layers_restore_by_name(devices, tmp_path):
         def __call__(self, x):
             return self.b(self.a(x))
 
-    mesh = meshes(devices)["8"]
+    mesh = meshes(devices)["all"]
     model = Two(nnx.Rngs(0))
     fsdp = FSDP(model, mesh)
     fsdp.save(fsdp.init(model, optax.sgd(0.1)), tmp_path / "two")
@@ -144,12 +170,13 @@ def test_swapped_layers_restore_by_name(devices, tmp_path):
 def test_init_from_sharded_params(devices):
     """Parameters created sharded (jit with out_shardings) are placed without a host round trip:
     the state equals the one built from host values."""
-    mesh = meshes(devices)["8"]
+    mesh = meshes(devices)["all"]
     model = make_net()
     fsdp = FSDP(model, mesh)
     graphdef, params = nnx.split(model, nnx.Param)
     spec = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(None, "fsdp"))
-    sharded = jax.tree.map(lambda a: jax.device_put(a, spec) if a.ndim == 2 and a.shape[1] % 8 == 0 else a, params)
+    n = mesh.size
+    sharded = jax.tree.map(lambda a: jax.device_put(a, spec) if a.ndim == 2 and a.shape[1] % n == 0 else a, params)
     assert any(not leaf.sharding.is_fully_replicated for leaf in jax.tree.leaves(sharded))
     from_sharded = fsdp.init(nnx.merge(graphdef, sharded), TX)
     from_host = fsdp.init(model, TX)
@@ -158,28 +185,31 @@ def test_init_from_sharded_params(devices):
 
 
 def test_two_processes_init_from_sharded_params_then_resume_here(devices, tmp_path):
-    """2 processes x 4 CPU devices: FSDP built from parameters sharded across both processes
-    (no host transfer allowed), the first step's gradients, 10 steps, checkpoints. What is
-    bitwise is compared bit for bit: the two processes' losses, their initial state against
-    this process's (1 x 8 devices), the final checkpoint against the state they held, and their
-    own resume of it against the run that never stopped. The first step's loss and gradients
-    differ here only by the order of summing over devices (gloo between processes), so they
-    agree within that order's bound; later losses are not compared across process counts
-    (re-quantization is discontinuous: no tolerance on a trajectory follows)."""
+    """2 processes x n/2 CPU devices (the run's n in all): FSDP built from parameters sharded
+    across both processes (no host transfer allowed), the first step's gradients, 10 steps,
+    checkpoints. What is bitwise is compared bit for bit: the two processes' losses, their
+    initial state against this process's (1 x n devices), the final checkpoint against the state
+    they held, and their own resume of it against the run that never stopped. The first step's
+    loss and gradients differ here only by the order of summing over devices (gloo between
+    processes), so they agree within that order's bound; later losses are not compared across
+    process counts (re-quantization is discontinuous: no tolerance on a trajectory follows)."""
     from _fsdp_workers import STEPS
     from multiproc import run_processes
 
+    n = len(devices)
     out = tmp_path / "mp"
-    results = run_processes("tests/_fsdp_workers.py:train_and_save", 2, args=[str(out)], timeout=300)
+    results = run_processes(
+        "tests/_fsdp_workers.py:train_and_save", 2, args=[str(out)], devices_per_process=n // 2, timeout=300
+    )
     for i, r in enumerate(results):
-        assert r.result["process"] == i and r.result["devices"] == 8
+        assert r.result["process"] == i and r.result["devices"] == n
         assert not any(r.result["params_fully_addressable"])
     mine, other = results[0].result, results[1].result
     for key in ("first_loss", "losses", "next_loss", "resumed_loss"):
         assert mine[key] == other[key], key
     assert mine["resumed_loss"] == mine["next_loss"]
 
-    mesh = meshes(devices)["8"]
+    mesh = meshes(devices)["all"]
     model = make_net()
     fsdp = FSDP(model, mesh)
     state = fsdp.init(model, TX)
