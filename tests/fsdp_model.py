@@ -18,7 +18,8 @@ class Block(nnx.Module):
 
 class Net(nnx.Module):
     """Two blocks stacked by vmap (run by scan), a plain head and norm; unit rows 96 and 64 pad
-    differently on 8, 4 and 2x4 devices, so flat storage differs between the meshes."""
+    differently on n, n/2 and (2, n/2) devices (rows padded to 32 per device), so flat storage
+    differs between the meshes."""
 
     def __init__(self, rngs, names=("blocks", "head")):
         self.names = names
