@@ -119,6 +119,13 @@ def _all_test_devices() -> list:
     return jax.devices(PLATFORM)
 
 
+def rows_per_device(n_rows: int, n: int) -> int:
+    """Rows of an MXFP8 unit's ``W [n_rows, K]`` each of ``n`` devices stores: ``n_rows`` padded
+    to whole 32-row blocks, the same number of blocks on every device (the padding rule, written
+    here independently of the package)."""
+    return -(-n_rows // (32 * n)) * 32
+
+
 _current = {"node": None}
 
 

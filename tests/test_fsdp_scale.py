@@ -20,7 +20,7 @@ from mxfp8_jax._src import hlo
 from mxfp8_jax.flax import FSDP, Linear
 
 import numpy_oracle as npo
-from conftest import cpu_only
+from conftest import cpu_only, rows_per_device
 
 MODES = ("scan", "remat", "remat-dots", "loop")
 
@@ -82,12 +82,6 @@ def mesh(devices):
 
 def abstract(*args, **kwargs):
     return nnx.eval_shape(lambda: Stack(*args, **kwargs, rngs=nnx.Rngs(0)))
-
-
-def rows_per_device(n_rows, n):
-    """Rows of an MXFP8 unit's ``W [n_rows, K]`` each of ``n`` devices stores: ``n_rows`` padded to
-    whole 32-row blocks, the same number of blocks on every device."""
-    return -(-n_rows // (32 * n)) * 32
 
 
 def compile_step(fsdp, loss_fn, d, batch=64, tx=None):

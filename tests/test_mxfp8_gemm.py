@@ -37,7 +37,7 @@ from mxfp8_jax._src import mxfp8_gemm as mg
 from mxfp8_jax.flax import FSDP
 
 import numpy_oracle as npo
-from conftest import as_bytes
+from conftest import as_bytes, rows_per_device
 from summation import UNIT_ROUNDOFF, gamma
 
 E4M3, E8M0 = ml_dtypes.float8_e4m3fn, ml_dtypes.float8_e8m0fnu
@@ -547,12 +547,6 @@ def mesh(devices):
     """The run's devices, or the most of them that are a power of two: the step's loss is the
     devices' mean, whose cotangent (the target over their number) the references need exact."""
     return Mesh(np.array(devices[: 1 << (len(devices).bit_length() - 1)]), ("fsdp",))
-
-
-def rows_per_device(n_rows: int, devices: int) -> int:
-    """An MXFP8 unit's rows of ``W`` per device: ``n_rows`` zero-padded to whole 32-row blocks,
-    the same number on every device."""
-    return -(-n_rows // (32 * devices)) * 32
 
 
 class MLP(nnx.Module):
