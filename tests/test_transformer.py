@@ -46,6 +46,16 @@ def test_every_projection_is_a_unit(mesh, model):
     assert all(p.stack == (CFG.layers,) for p in fsdp.units if p.name.startswith("blocks/"))
     plain = {p.name for p in fsdp.plain}
     assert plain == {"embed/embedding", "blocks/attn_norm/scale", "blocks/mlp_norm/scale", "norm/scale"}
+    # without a trace, the stacked norm scales [L, D] are still read one layer at a time: one
+    # layer axis and split along D, whatever the device count (L = 2 would split evenly at 2),
+    # as the traced plan has them
+    batch = jax.ShapeDtypeStruct((BATCH, SEQ), jnp.int32)
+    traced = FSDP(model, mesh, loss_fn=models.next_token_loss, example_batch=batch)
+    by_name = {p.name: p for p in traced.params}
+    for p in fsdp.plain:
+        if p.name.startswith("blocks/"):
+            assert (p.level, p.shard_axis) == (1, 1) == (by_name[p.name].level, by_name[p.name].shard_axis), p
+    assert [(p.level, p.shard_axis) for p in fsdp.plain if p.name == "norm/scale"] == [(0, 0)]
 
 
 def test_step_hlo_gathers_units_inside_the_loops(mesh, model):

@@ -323,19 +323,41 @@ def check_uses(infos, uses: Uses, *, traced: bool) -> None:
 def uses_from_layers(params, unit_kernels: Mapping[tuple, tuple[tuple[int, ...], int, int]]) -> Uses:
     """The uses the layer classes imply: the kernel ``[*stack, in, out]`` of each layer in
     ``unit_kernels`` is contracted over ``in`` by one GEMM per layer (its stack axes sliced by
-    a scan); nothing else is known (no head, no embedding), so everything else is plain."""
+    a scan); nothing else is known (no head, no embedding), so everything else is plain. A plain
+    parameter of a stacked module (a scanned block's norm scale ``[L, D]``) is read one layer at
+    a time like the block's kernels, so it has as many layer axes as they have."""
+    roots = stack_roots(params, unit_kernels)
     by_param = []
     for path, _, _ in params:
         spec = unit_kernels.get(tuple(path))
         if spec is None:
+            level = next((k for root, k in roots.items() if tuple(path[: len(root)]) == root), 0)
             by_param.append(
-                [Use("other", 0, "no GEMM of an nnx.Linear or mxfp8_jax.flax.Linear (units by layer class)")]
+                [Use("other", level, "no GEMM of an nnx.Linear or mxfp8_jax.flax.Linear (units by layer class)")]
             )
             continue
         stack, _, _ = spec
         level = len(stack)
         by_param.append([Use("gemm", level, "dot_general", contract=(level,), free=(level + 1,))])
     return Uses(by_param, feeds_gemm=set(range(len(params))))
+
+
+def stack_roots(params, unit_kernels: Mapping[tuple, tuple[tuple[int, ...], int, int]]) -> dict[tuple, int]:
+    """Path prefix of each stacked module -> its number of layer axes. A stacked kernel
+    ``[*stack, in, out]`` belongs to the outermost module on its path whose parameters all start
+    with ``stack`` (an ``nnx.vmap``-made stack has every parameter stacked; its parent holds
+    unstacked ones too: the final norm, the embedding)."""
+    shapes = [(tuple(path), tuple(shape)) for path, shape, _ in params]
+    roots = {}
+    for kernel_path, (stack, _, _) in unit_kernels.items():
+        if not stack:
+            continue
+        for depth in range(1, len(kernel_path)):
+            prefix = tuple(kernel_path[:depth])
+            if all(shape[: len(stack)] == tuple(stack) for path, shape in shapes if path[:depth] == prefix):
+                roots.setdefault(prefix, len(stack))
+                break
+    return roots
 
 
 # ------------------------------------------------------------------------------------------------
