@@ -7,6 +7,8 @@ matters (the chain without the mask, with one label, unclipped, lands elsewhere)
 that ignored it would fail.
 """
 
+import logging
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -216,6 +218,34 @@ def test_has_aux_returns_the_device_mean(mesh):
         fsdp.loss_and_grads(loss_fn, has_aux=True)(state2, make_batch())
     with pytest.raises(ValueError, match="aux leaves must be floating"):
         fsdp.loss_and_grads(lambda m, b: (loss_fn(m, b), jnp.int32(1)), has_aux=True)(state2, make_batch())
+
+
+def test_asking_for_a_step_again_reuses_its_compiled_program(mesh, caplog):
+    """``loss_and_grads`` / ``eval_step`` / ``train_step`` asked again for the same loss (and
+    optimizer), as a loop that builds its step each iteration does, run the program compiled
+    the first time; another loss or optimizer compiles its own."""
+    model = make_net()
+    fsdp = FSDP(model, mesh)
+    tx = optax.sgd(0.1)
+    state = fsdp.init(model, tx)
+
+    def compiles(run):
+        caplog.clear()
+        with jax.log_compiles(True), caplog.at_level(logging.WARNING):
+            out = run()
+        return out, [r.getMessage() for r in caplog.records if "Finished XLA compilation" in r.getMessage()]
+
+    for make in (lambda: fsdp.loss_and_grads(loss_fn), lambda: fsdp.eval_step(loss_fn)):
+        first, compiled = compiles(lambda: make()(state, make_batch()))
+        assert compiled
+        again, compiled = compiles(lambda: make()(state, make_batch()))
+        assert compiled == [] and jax.tree.all(jax.tree.map(lambda a, b: bool((a == b).all()), first, again))
+    (state, _), compiled = compiles(lambda: fsdp.train_step(loss_fn, tx)(state, make_batch()))
+    assert compiled
+    (state, _), compiled = compiles(lambda: fsdp.train_step(loss_fn, tx)(state, make_batch()))
+    assert compiled == []
+    _, compiled = compiles(lambda: fsdp.loss_and_grads(lambda m, b: 2 * loss_fn(m, b))(state, make_batch()))
+    assert compiled
 
 
 def stored_rows(n_rows, n):

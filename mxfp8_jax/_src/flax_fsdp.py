@@ -230,6 +230,7 @@ class FSDP:
             for k, v in flat
         ]
         self.traced = loss_fn is not None
+        self._jitted: dict[tuple, Callable] = {}
         if self.traced:
             avals = [jax.ShapeDtypeStruct(shape, dtype) for _, shape, dtype in found]
             batch = self._local_batch(example_batch)
@@ -524,13 +525,17 @@ class FSDP:
         """``fn(state, batch) -> (loss, grads)`` (``((loss, aux), grads)`` with ``has_aux``),
         jitted: the step's gradients, a dict like ``state.master`` (a unit's is
         ``[*stack, N_padded, K]`` fp32, rows sharded; a plain parameter's its own shape)."""
-        grads_fn = self._grads_fn(loss_fn, has_aux)
 
-        def fn(state, batch):
-            loss, aux, grads, _ = grads_fn(state, batch)
-            return ((loss, aux), grads) if has_aux else (loss, grads)
+        def make():
+            grads_fn = self._grads_fn(loss_fn, has_aux)
 
-        jitted = jax.jit(fn)
+            def fn(state, batch):
+                loss, aux, grads, _ = grads_fn(state, batch)
+                return ((loss, aux), grads) if has_aux else (loss, grads)
+
+            return jax.jit(fn)
+
+        jitted = self._jit(("loss_and_grads", loss_fn, has_aux), make)
 
         def call(state, batch):
             self._check_live(state)
@@ -542,8 +547,12 @@ class FSDP:
         """``fn(state, batch) -> loss``, jitted: the loss the training step would see (the same
         gathers, precisions and GEMMs), the mean over devices; no gradient is computed (XLA
         drops the backward), the state is not donated."""
-        grads_fn = self._grads_fn(loss_fn, False)
-        jitted = jax.jit(lambda state, batch: grads_fn(state, batch)[0])
+
+        def make():
+            grads_fn = self._grads_fn(loss_fn, False)
+            return jax.jit(lambda state, batch: grads_fn(state, batch)[0])
+
+        jitted = self._jit(("eval_step", loss_fn), make)
 
         def call(state, batch):
             self._check_live(state)
@@ -556,7 +565,7 @@ class FSDP:
         gradients, the ``tx`` update on the shards, re-quantization. Jitted; the input state is
         donated, and calling it again with a consumed state is a ``ValueError``. ``aux`` leaves
         are floating and averaged over devices, like the loss."""
-        jitted = jax.jit(self._step(loss_fn, tx, has_aux), donate_argnums=0)
+        jitted = self._jit(("train_step", loss_fn, tx, has_aux), lambda: self._train_jit(loss_fn, tx, has_aux))
 
         def call(state, batch):
             self._check_live(state)
@@ -577,7 +586,18 @@ class FSDP:
         ``jax.ShapeDtypeStruct`` leaves). ``.compile()`` gives a step to call as
         ``compiled(state, fsdp.place_batch(batch))`` (donating ``state``), its HLO text and its
         ``memory_analysis()``."""
-        return jax.jit(self._step(loss_fn, tx, has_aux), donate_argnums=0).lower(state, self.place_batch(batch))
+        return self._train_jit(loss_fn, tx, has_aux).lower(state, self.place_batch(batch))
+
+    def _train_jit(self, loss_fn: Callable, tx, has_aux: bool):
+        return jax.jit(self._step(loss_fn, tx, has_aux), donate_argnums=0)
+
+    def _jit(self, key: tuple, make: Callable) -> Callable:
+        """The jitted function made for ``key`` (what, and the loss, optimizer and flags it was
+        made for), made once: asking ``train_step``/``loss_and_grads``/``eval_step`` again for
+        the same loss reuses its compiled programs instead of tracing and compiling anew."""
+        if key not in self._jitted:
+            self._jitted[key] = make()
+        return self._jitted[key]
 
     # -- parameter shapes ----------------------------------------------------------------------
 
