@@ -70,8 +70,15 @@ def losses(model, fsdp, batches, steps, *, step=None, also=None):
 
 
 @pytest.fixture(scope="module")
-def runs(model, devices, task_batches):
-    _, tp = plan(model, devices, "fsdp+tp")
+def tp_plan(model, devices):
+    """The (n / TP, TP) plan of ``model``, shared: its compiled steps serve every test that
+    asks it for the same loss."""
+    return plan(model, devices, "fsdp+tp")[1]
+
+
+@pytest.fixture(scope="module")
+def runs(model, tp_plan, devices, task_batches):
+    tp = tp_plan
     tp_step = tp.train_step(models.next_token_loss, TX)
     fsdp_only, tp_at_its_states = losses(*plan(model, devices, "fsdp"), task_batches, 10, also=(tp, tp_step))
     return {
@@ -93,8 +100,8 @@ def runs(model, devices, task_batches):
 LOSS_RTOL = 2.0**-8
 
 
-def test_plan_splits_the_projections(model, devices):
-    _, fsdp = plan(model, devices, "fsdp+tp")
+def test_plan_splits_the_projections(tp_plan, devices):
+    fsdp = tp_plan
     roles = {p.name: p.tp for p in fsdp.units}
     assert roles == {
         **{f"blocks/attn/{n}/kernel": "column" for n in "qkv"},
@@ -140,10 +147,11 @@ def test_mxfp8_gemms_from_the_fused_op_match_fsdp_only(devices, task_batches):
     assert own[-1] < 0.95 * own[0], own
 
 
-def test_gradients_match_one_device(model, devices, task_batches):
+@pytest.mark.xdist_group("tp-loss-and-grads")
+def test_gradients_match_one_device(model, tp_plan, devices, task_batches):
     grads = {}
     for layout in ("fsdp+tp", "one"):
-        m, fsdp = plan(model, devices, layout)
+        m, fsdp = (model, tp_plan) if layout == "fsdp+tp" else plan(model, devices, layout)
         _, g = fsdp.loss_and_grads(models.next_token_loss)(fsdp.init(m, TX), task_batches[0])
         grads[layout] = {p.name: np.asarray(fsdp.to_logical(p, g[p.name])) for p in fsdp.trained}
     assert grads["fsdp+tp"].keys() == grads["one"].keys()
@@ -152,8 +160,8 @@ def test_gradients_match_one_device(model, devices, task_batches):
         assert err < 2e-2, (k, err)  # bf16 partial sums over tp, GEMM order
 
 
-def test_hlo_fused_call_in_the_loop_and_no_activation_gather(model, devices):
-    _, fsdp = plan(model, devices, "fsdp+tp")
+def test_hlo_fused_call_in_the_loop_and_no_activation_gather(tp_plan, devices):
+    fsdp = tp_plan
     batch = (jax.ShapeDtypeStruct((BATCH, SEQ), np.int32),) * 2
     text = fsdp.lower_train_step(models.next_token_loss, TX, fsdp.abstract_state(TX), batch).compile().as_text()
     loops = hlo.while_loops(text)
@@ -180,14 +188,15 @@ def test_hlo_fused_call_in_the_loop_and_no_activation_gather(model, devices):
     assert len(scatters) >= 2 * 2
 
 
-def test_fused_and_unfused_blocks_give_identical_losses(model, devices, task_batches):
+@pytest.mark.xdist_group("tp-loss-and-grads")
+def test_fused_and_unfused_blocks_give_identical_losses(model, tp_plan, devices, task_batches):
     """The same state through the fused op and through all_gather + rmsnorm_quant: the forward
     is byte-identical, so the losses are equal; the gradients differ only in where the tp
     partial sums are rounded to bf16 (inside the fused op's VJP in fp32, after the unfused
     norm's VJP in bf16)."""
     import dataclasses
 
-    _, fused = plan(model, devices, "fsdp+tp")
+    fused = tp_plan
     _, unfused = plan(None, devices, "fsdp+tp", cfg=dataclasses.replace(CFG, norm_path="unfused"))
     state = fused.init(model, TX)
     for b in task_batches[:2]:
