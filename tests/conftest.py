@@ -18,6 +18,7 @@ that needs more devices than the run has is skipped with the count it needs, and
 """
 
 import collections
+import gc
 import importlib.metadata
 import os
 import re
@@ -87,6 +88,11 @@ collect_ignore = [] if GPU_MODE else ["test_gpu.py"]
 import jax  # noqa: E402
 
 jax.config.update("jax_num_cpu_devices", CPU_DEVICES)
+# Tracing and lowering a training step makes millions of short-lived Python objects; at the
+# default threshold (700 allocations) the cyclic collector runs thousands of times per trace.
+# Collecting every 50000 takes about a tenth off the FSDP tests' time (test_tp and
+# test_fsdp_optim at 4 devices: 163 s -> 143 s); nothing here waits on a collection.
+gc.set_threshold(50_000, 20, 100)
 if GPU_MODE:
     try:  # start the backends now: a GPU that cannot start stops the run here, before collection
         jax.devices(PLATFORM)
