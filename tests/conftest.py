@@ -88,10 +88,10 @@ collect_ignore = [] if GPU_MODE else ["test_gpu.py"]
 import jax  # noqa: E402
 
 jax.config.update("jax_num_cpu_devices", CPU_DEVICES)
-# Tracing and lowering a training step makes millions of short-lived Python objects; at the
-# default threshold (700 allocations) the cyclic collector runs thousands of times per trace.
-# Collecting every 50000 takes about a tenth off the FSDP tests' time (test_tp and
-# test_fsdp_optim at 4 devices: 163 s -> 143 s); nothing here waits on a collection.
+# Tracing and lowering a training step makes many short-lived Python objects, and at the
+# default threshold (700 allocations) the cyclic collector runs often while it does. Collecting
+# every 50000 takes about a tenth off the FSDP tests' time (test_tp and test_fsdp_optim at 4
+# devices, one process: 163 s -> 143 s); nothing here waits on a collection.
 gc.set_threshold(50_000, 20, 100)
 if GPU_MODE:
     try:  # start the backends now: a GPU that cannot start stops the run here, before collection

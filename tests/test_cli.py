@@ -14,7 +14,7 @@ import pytest
 import mxfp8_jax as mx
 from mxfp8_jax import cli, demo
 
-from conftest import cpu_only, device_count, need_devices
+from conftest import cpu_only, device_count, need_devices, rows_per_device
 
 
 def command():
@@ -80,7 +80,7 @@ def test_demo_mlp_in_process(devices):
     first layer's dgrad is never gathered (its input is the data); the 10-class head is a bf16
     unit in both runs."""
     n = len(devices)
-    mx_rows = lambda r: -(-r // (32 * n)) * 32 * n
+    mx_rows = lambda r: rows_per_device(r, n) * n
     bf_rows = lambda r: -(-r // n) * n
     report = demo.run(steps=2, devices=n, hidden=32, seed=1, show_progress=False, model="mlp")
     assert report["model"] == "mlp" and report["devices"] == n and len(report["runs"]["mxfp8"]["losses"]) == 2

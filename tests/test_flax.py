@@ -18,7 +18,7 @@ from mxfp8_jax._src import hlo
 from mxfp8_jax.flax import FSDP, Linear
 
 import numpy_oracle as npo
-from conftest import as_bytes
+from conftest import as_bytes, rows_per_device
 
 IN, HIDDEN, CLASSES, BATCH = 32, 64, 10, 64
 
@@ -158,8 +158,8 @@ def test_plan_eligibility(f32_setup):
     # W = kernel.T [out, in]; 64 rows are 2 blocks of 32, padded to the same number of whole
     # blocks on each of the n devices: one each (2 or more devices)
     n = fsdp.mesh.size
-    blocks = -(-HIDDEN // (32 * n))
-    padded, rows = 32 * blocks * n, 32 * blocks
+    rows = rows_per_device(HIDDEN, n)
+    padded = rows * n
     assert (g1.out_features, g1.in_features, g1.out_padded, g1.rows) == (HIDDEN, IN, padded, rows)
     assert (g2.out_features, g2.in_features, g2.out_padded, g2.rows) == (HIDDEN, HIDDEN, padded, rows)
     assert fsdp.weight_elements == IN * HIDDEN + HIDDEN * HIDDEN

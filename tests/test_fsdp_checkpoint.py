@@ -14,7 +14,7 @@ from jax.sharding import Mesh
 
 from mxfp8_jax.flax import FSDP
 
-from conftest import as_bytes
+from conftest import as_bytes, rows_per_device
 from fsdp_model import (
     CLASSES,
     TX,
@@ -40,12 +40,6 @@ def meshes(devs):
         "half": Mesh(np.array(devs[: n // 2]), ("fsdp",)),
         "2d": Mesh(np.array(devs).reshape(2, n // 2), ("data", "fsdp")),
     }
-
-
-def stored_rows(n_rows, n):
-    """Rows an MXFP8 unit's ``W [n_rows, K]`` is stored with on ``n`` devices: whole 32-row
-    blocks, the same number on every device."""
-    return -(-n_rows // (32 * n)) * 32 * n
 
 
 @pytest.fixture(scope="module")
@@ -76,7 +70,8 @@ def test_round_trip_exact_on_any_mesh(trained, devices, target):
     # the stored shapes are the target mesh's padding, which on half the devices differs (W of
     # up is [96, 64], of down [64, 96]), and the planes are recomputed
     stored = {name: restored.master[f"blocks/{name}/kernel"].shape for name in ("up", "down")}
-    assert stored == {"up": (2, stored_rows(H, mesh.size), D), "down": (2, stored_rows(D, mesh.size), H)}  # 2 blocks
+    n = mesh.size
+    assert stored == {"up": (2, rows_per_device(H, n) * n, D), "down": (2, rows_per_device(D, n) * n, H)}  # 2 blocks
     if target == "half":
         assert any(restored.master[k].shape != state_n.master[k].shape for k in restored.master)
     q = fsdp._quantize_fn(restored.master)

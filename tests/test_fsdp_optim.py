@@ -19,7 +19,7 @@ from jax.sharding import Mesh
 
 from mxfp8_jax.flax import FSDP, Linear
 
-from conftest import need_devices
+from conftest import need_devices, rows_per_device
 
 IN, HIDDEN, CLASSES, BATCH = 32, 64, 10, 64
 
@@ -248,12 +248,6 @@ def test_asking_for_a_step_again_reuses_its_compiled_program(mesh, caplog):
     assert compiled
 
 
-def stored_rows(n_rows, n):
-    """Rows an MXFP8 unit's ``W [n_rows, K]`` is stored with on ``n`` devices: whole 32-row
-    blocks, the same number on every device."""
-    return -(-n_rows // (32 * n)) * 32 * n
-
-
 def test_state_of_another_mesh_is_named(mesh, devices):
     """A state made on the n devices, handed to the plan of n/2: l1's 64 rows are padded
     otherwise. It needs 4 devices: on 2, 64 rows are 2 blocks, one each, and one device stores
@@ -263,7 +257,7 @@ def test_state_of_another_mesh_is_named(mesh, devices):
     model = make_net()
     state = FSDP(model, mesh).init(model, optax.sgd(0.1))
     other = FSDP(model, Mesh(np.array(devices[: n // 2]), ("fsdp",)))
-    here, there = stored_rows(HIDDEN, n), stored_rows(HIDDEN, n // 2)
+    here, there = rows_per_device(HIDDEN, n) * n, rows_per_device(HIDDEN, n // 2) * (n // 2)
     assert here != there
     with pytest.raises(
         ValueError,
