@@ -17,8 +17,9 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from mxfp8_jax._src import checkpoint as ck
 from mxfp8_jax._src import placement as pl
-from mxfp8_jax._src.dbuffer import DBuffer, logical_sharding, pack_logical
+from mxfp8_jax._src.dbuffer import DBuffer
 from mxfp8_jax._src.layout import ShardLayout
+from mxfp8_jax._src.logical import logical_sharding, pack_logical
 from mxfp8_jax._src.quantized import QuantizedDBuffer
 
 from ckpt_values import host_tensor
@@ -179,7 +180,7 @@ def test_quantized_round_trip(tmp_path, devices):
     q = QuantizedDBuffer.empty(mesh_all, [ROW], shapes, shard_layout=UNPADDED)
     master = DBuffer.distribute_tensors(master_np, mesh_all, [ROW], layout=q.layout)
     q = q.quantize(master, scale_rule="floor")
-    ck.save_quantized(tmp_path / "q", q, master, scale_rule="floor", names=names)
+    q.save(tmp_path / "q", master, scale_rule="floor", names=names)
     assert ck.read_metadata(tmp_path / "q").metadata["scale_rule"] == "floor"
 
     mesh_half = _mesh((n // 2,), ("x",), devices)

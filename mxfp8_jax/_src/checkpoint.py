@@ -13,11 +13,10 @@ flat buffer's layout, so a checkpoint restores onto any mesh and layout (docs/de
 data moves, and raises one ``ValueError`` naming each parameter path that does not fit: never a
 silent permutation (tensors are found by name), truncation or zero fill.
 
-On top of these primitives: ``save_dbuffer``/``restore_dbuffer`` (``DBuffer.save``/``restore``)
-and ``save_quantized``/``restore_quantized`` (``QuantizedDBuffer.save``/``restore``: the master
-weights are stored, the MXFP8 planes are recomputed from them on restore). The conversion
-between a flat buffer and its logical tensors runs on the devices (``dbuffer.unpack_logical``,
-``dbuffer.pack_logical``).
+This module knows nothing of flat buffers: ``DBuffer.save``/``restore`` and
+``QuantizedDBuffer.save``/``restore`` (which stores the master weights and recomputes the MXFP8
+planes on restore) are built on these primitives, with the conversion between a flat buffer and
+its logical tensors running on the devices (``logical.unpack_logical``, ``logical.pack_logical``).
 
 Multi-process runs: every process makes the same call with the same directory (orbax
 coordinates the processes through ``jax.distributed``).
@@ -28,18 +27,12 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh
-
-from mxfp8_jax._src import placement as pl
-from mxfp8_jax._src.dbuffer import DBuffer, logical_sharding, pack_logical
-from mxfp8_jax._src.dbuffer import _build_layout as build_layout
-from mxfp8_jax._src.layout import GlobalLayout, ShardLayout
 
 FORMAT = "mxfp8_jax.logical_checkpoint"
 VERSION = 1
@@ -125,7 +118,7 @@ def save_logical(
     """
     import orbax.checkpoint as ocp
 
-    directory = _path(directory)
+    directory = as_path(directory)
     if not isinstance(tensors, Mapping):
         raise TypeError(f"tensors must be a mapping of name -> jax.Array, got {type(tensors).__name__}")
     entries, tree = [], {}
@@ -162,7 +155,7 @@ def read_metadata(directory) -> CheckpointInfo:
     """The names, shapes, dtypes and caller metadata of a checkpoint, without reading tensor data."""
     import orbax.checkpoint as ocp
 
-    directory = _path(directory)
+    directory = as_path(directory)
     if not os.path.isdir(os.path.join(directory, _INFO)):
         raise ValueError(f"{directory} is not an mxfp8_jax logical checkpoint (no {_INFO!r} item)")
     with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as ckptr:
@@ -228,7 +221,7 @@ def restore_logical(directory, targets: Mapping[str, jax.ShapeDtypeStruct]) -> d
     """
     import orbax.checkpoint as ocp
 
-    directory = _path(directory)
+    directory = as_path(directory)
     if not isinstance(targets, Mapping):
         raise TypeError(f"targets must be a mapping of name -> jax.ShapeDtypeStruct, got {type(targets).__name__}")
     for name, t in targets.items():
@@ -248,139 +241,11 @@ def restore_logical(directory, targets: Mapping[str, jax.ShapeDtypeStruct]) -> d
 
 
 # ------------------------------------------------------------------------------------------------
-# DBuffer and QuantizedDBuffer
-
-
-def save_dbuffer(
-    directory,
-    buf: DBuffer,
-    *,
-    names: Sequence[str] | None = None,
-    metadata: Mapping[str, Any] | None = None,
-    async_save: bool = False,
-    overwrite: bool = False,
-) -> SaveHandle:
-    """Saves ``buf``'s logical tensors under ``names`` (default ``"0"``, ``"1"``, ...).
-
-    The value is saved (Partial axes reduced); the mesh, placements and layout are not. The
-    caller's ``metadata`` is stored beside ``{"kind": "DBuffer"}`` under ``"user"``.
-    """
-    if not isinstance(buf, DBuffer):
-        raise TypeError(f"buf must be a DBuffer, got {type(buf).__name__}")
-    names = _names(names, buf.layout.num_tensors)
-    tensors = dict(zip(names, buf.logical_tensors()))
-    meta = dict(kind="DBuffer", user=dict(metadata or {}))
-    return save_logical(directory, tensors, meta, async_save=async_save, overwrite=overwrite)
-
-
-def restore_dbuffer(
-    directory,
-    mesh: Mesh,
-    placements: pl.Placements,
-    *,
-    names: Sequence[str] | None = None,
-    layout: GlobalLayout | None = None,
-    shard_layout: ShardLayout = ShardLayout.PADDED,
-    block_size: int = 1,
-    dtype=None,
-) -> DBuffer:
-    """A ``DBuffer`` over ``mesh``/``placements`` holding the checkpoint's tensors, by name.
-
-    ``names`` (default: the checkpoint's, in saved order) fixes the tensor order of the new
-    buffer and must be exactly the stored names; ``layout`` (or ``shard_layout``/``block_size``)
-    fixes its packing, on any mesh. ``dtype`` (default: the stored one) casts on the devices.
-    """
-    info = read_metadata(directory)
-    names = info.names if names is None else _names(names, None)
-    check_names(info, names, where=_path(directory))
-    shapes = [info[n].shape for n in names]
-    stored = {info[n].dtype for n in names}
-    if len(stored) > 1:
-        raise ValueError(f"the checkpoint's tensors have several dtypes {sorted(d.name for d in stored)}")
-    src = stored.pop() if stored else jnp.dtype(jnp.float32)
-    placements = pl.validate_placements(mesh, placements)
-    if layout is None:
-        layout = build_layout(mesh, placements, shapes, shard_layout, block_size)
-    elif tuple(shapes) != layout.tensor_shapes:
-        bad = [f"{n!r}: stored {s}, layout {ls}" for n, s, ls in zip(names, shapes, layout.tensor_shapes) if s != ls]
-        raise ValueError("layout.tensor_shapes differ from the checkpoint's: " + "; ".join(bad))
-    base = tuple(pl.Replicate() if pl.is_partial(p) else p for p in placements)
-    targets = {n: jax.ShapeDtypeStruct(s, src, sharding=logical_sharding(mesh, base, s)) for n, s in zip(names, shapes)}
-    arrays = restore_logical(directory, targets)
-    flat = pack_logical([arrays[n] for n in names], mesh, base, layout, src if dtype is None else dtype)
-    return DBuffer(flat, mesh, base, layout).redistribute(placements)
-
-
-def save_quantized(
-    directory,
-    qbuf,
-    master: DBuffer,
-    *,
-    scale_rule: str = "rceil",
-    names: Sequence[str] | None = None,
-    metadata: Mapping[str, Any] | None = None,
-    async_save: bool = False,
-    overwrite: bool = False,
-) -> SaveHandle:
-    """Saves a ``QuantizedDBuffer`` by its master weights ``master`` (same mesh and layout): the
-    MXFP8 planes are not stored; ``scale_rule`` and the allocated directions are, and
-    ``restore_quantized`` recomputes the planes from the restored master."""
-    from mxfp8_jax._src import format as fmt
-    from mxfp8_jax._src.quantized import QuantizedDBuffer
-
-    if not isinstance(qbuf, QuantizedDBuffer):
-        raise TypeError(f"qbuf must be a QuantizedDBuffer, got {type(qbuf).__name__}")
-    if not isinstance(master, DBuffer):
-        raise TypeError(f"master must be a DBuffer, got {type(master).__name__}")
-    if master.layout != qbuf.layout or master.mesh != qbuf.mesh:
-        raise ValueError("master must have the QuantizedDBuffer's mesh and layout (the weights it was quantized from)")
-    rule = fmt.ScaleRule.parse(scale_rule)
-    names = _names(names, qbuf.layout.num_tensors)
-    meta = dict(
-        kind="QuantizedDBuffer",
-        scale_rule=rule.value,
-        rowwise=qbuf.is_rowwise_allocated,
-        columnwise=qbuf.is_columnwise_allocated,
-        user=dict(metadata or {}),
-    )
-    tensors = dict(zip(names, master.logical_tensors()))
-    return save_logical(directory, tensors, meta, async_save=async_save, overwrite=overwrite)
-
-
-def restore_quantized(
-    directory,
-    mesh: Mesh,
-    placements: pl.Placements,
-    *,
-    names: Sequence[str] | None = None,
-    shard_layout: ShardLayout = ShardLayout.PADDED,
-    dtype=None,
-    backend: str = "auto",
-):
-    """``(master, qbuf)`` over ``mesh``/``placements``: the master restored (``restore_dbuffer``
-    with an MXFP8 layout, ``block_size = 32``) and the planes that were allocated at save time
-    quantized from it with the stored scale rule."""
-    from mxfp8_jax._src.quantized import QuantizedDBuffer
-
-    info = read_metadata(directory)
-    meta = info.metadata
-    if meta.get("kind") != "QuantizedDBuffer":
-        raise ValueError(f"{directory} holds a {meta.get('kind')!r} checkpoint, not a QuantizedDBuffer's")
-    names = info.names if names is None else _names(names, None)
-    check_names(info, names, where=_path(directory))
-    layout = GlobalLayout.build([info[n].shape for n in names], mesh.size, block_size=32, shard_layout=shard_layout)
-    master = restore_dbuffer(directory, mesh, placements, names=names, layout=layout, dtype=dtype)
-    qbuf = QuantizedDBuffer.zeros(
-        mesh, placements, master.layout, rowwise=bool(meta["rowwise"]), columnwise=bool(meta["columnwise"])
-    )
-    return master, qbuf.quantize(master, scale_rule=meta["scale_rule"], backend=backend)
-
-
-# ------------------------------------------------------------------------------------------------
 # Helpers
 
 
-def _path(directory) -> str:
+def as_path(directory) -> str:
+    """``directory`` (a string or path-like) as an absolute path string."""
     if not isinstance(directory, (str, os.PathLike)):
         raise TypeError(f"directory must be a path, got {type(directory).__name__}")
     return os.path.abspath(os.fspath(directory))
@@ -391,7 +256,9 @@ def _check_name(name) -> None:
         raise TypeError(f"tensor names must be non-empty strings, got {name!r}")
 
 
-def _names(names, n: int | None) -> tuple[str, ...]:
+def tensor_names(names, n: int | None) -> tuple[str, ...]:
+    """``names`` checked (unique non-empty strings, ``n`` of them when ``n`` is given), or
+    ``"0"``, ``"1"``, ... for ``n`` tensors when ``names`` is None."""
     if names is None:
         return tuple(str(i) for i in range(n))
     if isinstance(names, str):

@@ -182,9 +182,15 @@ class GlobalLayout:
         a, b = max(lo, start), min(hi, end)
         return (a, b) if a < b else None
 
+    def local_offset(self, logical: int, segment: int, slot: int) -> int:
+        """Where logical position ``logical`` of ``segment`` is stored in a buffer that holds the
+        segment as its ``slot``-th (segments back to back, ``segment_capacity`` elements each):
+        a device's local buffer, or the physical array (``slot == segment``)."""
+        return slot * self.segment_capacity + logical - self.rank_segment_offsets[segment]
+
     def physical_offset(self, logical: int, segment: int) -> int:
         """Where logical position ``logical`` of ``segment`` is stored in the physical array."""
-        return segment * self.segment_capacity + logical - self.rank_segment_offsets[segment]
+        return self.local_offset(logical, segment, segment)
 
     def pieces(self, k: int) -> tuple[tuple[int, int, int, int], ...]:
         """The whole rows segment ``k`` owns, as ``(tensor, first_row, n_rows, offset_in_segment)``.

@@ -35,16 +35,16 @@ from jax import lax
 from jax.sharding import Mesh, NamedSharding
 
 from mxfp8_jax._src import backend as backends
-from mxfp8_jax._src import checks, ffi_calls, spmd
+from mxfp8_jax._src import checkpoint, checks, ffi_calls, spmd
 from mxfp8_jax._src import format as fmt
 from mxfp8_jax._src import placement as pl
 from mxfp8_jax._src.dbuffer import DBuffer
+from mxfp8_jax._src.format import BLOCK
 from mxfp8_jax._src.layout import GlobalLayout, ShardLayout
 from mxfp8_jax._src.quantize import INPUT_DTYPES
 from mxfp8_jax._src.segments import quantize_segments_reference
 from mxfp8_jax._src.tensor import MXFP8Tensor, PaddedMXFP8Tensor
 
-BLOCK = fmt.BLOCK
 _TARGET = "mxfp8_quantize_segments"
 
 
@@ -124,15 +124,17 @@ def descriptor_table(mesh: Mesh, placements: tuple, layout: GlobalLayout) -> np.
     ``layout.segment_capacity`` long); rows are sorted by offset. Shards with fewer pieces are
     padded with unused rows ``(local_size, 0, 32)`` (past every piece, so the order holds).
     """
-    cap = layout.segment_capacity
     n_shards = pl.num_shards(mesh, placements)
     local_size = layout.local_size(n_shards)
     shards = []
     for s in range(n_shards):
         rows = []
         for j, k in enumerate(pl.segments_of_shard(mesh, placements, s)):
-            for i, _, n_rows, off in layout.pieces(k):
-                rows.append((j * cap + off, n_rows, layout.row_size(i)))
+            for i in range(layout.num_tensors):
+                part = layout.overlap(i, k)
+                if part is not None:
+                    (a, b), row = part, layout.row_size(i)
+                    rows.append((layout.local_offset(a, k, j), (b - a) // row, row))
         shards.append(sorted(rows))
     p = max(1, max(len(r) for r in shards))
     table = np.tile(np.array([local_size, 0, BLOCK], np.int64), (n_shards, p, 1))
@@ -428,20 +430,87 @@ class QuantizedDBuffer:
 
     # -- checkpoints ---------------------------------------------------------------------------
 
-    def save(self, directory, master: DBuffer, *, scale_rule: str = "rceil", **kwargs):
-        """Saves the master weights ``master`` this buffer was quantized from (the planes are not
-        stored; ``checkpoint.save_quantized``)."""
-        from mxfp8_jax._src import checkpoint
+    def save(
+        self,
+        directory,
+        master: DBuffer,
+        *,
+        scale_rule: str = "rceil",
+        names: Sequence[str] | None = None,
+        metadata=None,
+        async_save: bool = False,
+        overwrite: bool = False,
+    ) -> checkpoint.SaveHandle:
+        """Saves the master weights this buffer was quantized from; the planes are not stored,
+        ``restore`` recomputes them.
 
-        return checkpoint.save_quantized(directory, self, master, scale_rule=scale_rule, **kwargs)
+        Args:
+          directory: a path that does not exist yet (unless ``overwrite``).
+          master: the weights the planes were quantized from (this buffer's mesh and layout).
+          scale_rule: the rule the planes were quantized with; stored, with the allocated
+            directions, so that ``restore`` quantizes alike.
+          names, metadata, async_save, overwrite: as for ``DBuffer.save``.
+
+        Returns:
+          A ``SaveHandle``; ``wait()`` on it before relying on an asynchronous save.
+        """
+        if not isinstance(master, DBuffer):
+            raise TypeError(f"master must be a DBuffer, got {type(master).__name__}")
+        if master.layout != self.layout or master.mesh != self.mesh:
+            raise ValueError(
+                "master must have the QuantizedDBuffer's mesh and layout (the weights it was quantized from)"
+            )
+        rule = fmt.ScaleRule.parse(scale_rule)
+        names = checkpoint.tensor_names(names, self.layout.num_tensors)
+        meta = dict(
+            kind="QuantizedDBuffer",
+            scale_rule=rule.value,
+            rowwise=self.is_rowwise_allocated,
+            columnwise=self.is_columnwise_allocated,
+            user=dict(metadata or {}),
+        )
+        tensors = dict(zip(names, master.logical_tensors()))
+        return checkpoint.save_logical(directory, tensors, meta, async_save=async_save, overwrite=overwrite)
 
     @classmethod
-    def restore(cls, directory, mesh: Mesh, placements: pl.Placements, **kwargs) -> tuple[DBuffer, QuantizedDBuffer]:
-        """``(master, qbuf)`` on any mesh/layout, the planes recomputed from the restored master
-        (``checkpoint.restore_quantized``)."""
-        from mxfp8_jax._src import checkpoint
+    def restore(
+        cls,
+        directory,
+        mesh: Mesh,
+        placements: pl.Placements,
+        *,
+        names: Sequence[str] | None = None,
+        shard_layout: ShardLayout = ShardLayout.PADDED,
+        dtype=None,
+        backend: str = "auto",
+    ) -> tuple[DBuffer, QuantizedDBuffer]:
+        """The master weights and their planes, on any mesh and layout.
 
-        return checkpoint.restore_quantized(directory, mesh, placements, **kwargs)
+        Args:
+          directory: a checkpoint written by ``QuantizedDBuffer.save``.
+          mesh, placements: where the restored buffers live.
+          names: the tensor order (exactly the stored names; default the saved order).
+          shard_layout: the packing of the new MXFP8 layout (``block_size = 32``).
+          dtype: the master's dtype (default: the stored one).
+          backend: the quantize backend for the planes.
+
+        Returns:
+          ``(master, qbuf)``: the master restored as ``DBuffer.restore`` does, and the planes
+          allocated at save time quantized from it with the stored scale rule.
+        """
+        info = checkpoint.read_metadata(directory)
+        meta = info.metadata
+        if meta.get("kind") != "QuantizedDBuffer":
+            raise ValueError(f"{directory} holds a {meta.get('kind')!r} checkpoint, not a QuantizedDBuffer's")
+        names = info.names if names is None else checkpoint.tensor_names(names, None)
+        checkpoint.check_names(info, names, where=checkpoint.as_path(directory))
+        shapes = [info[n].shape for n in names]
+        layout = GlobalLayout.build(shapes, mesh.size, block_size=BLOCK, shard_layout=shard_layout)
+        master = DBuffer.restore(directory, mesh, placements, names=names, layout=layout, dtype=dtype)
+        qbuf = cls.zeros(
+            mesh, placements, master.layout, rowwise=bool(meta["rowwise"]), columnwise=bool(meta["columnwise"])
+        )
+        return master, qbuf.quantize(master, scale_rule=meta["scale_rule"], backend=backend)
 
     # -- reading -------------------------------------------------------------------------------
 
