@@ -108,12 +108,10 @@ def main(argv=None) -> int:
     )
     args, rest = p.parse_known_args(argv)
     if args.command == "demo":
-        if any(a == "--processes" or a.startswith("--processes=") for a in rest):
-            from mxfp8_jax._src import launch  # N local processes of one jax.distributed job
-
-            return launch.run_demo(rest)
         from mxfp8_jax import demo  # parses its own flags; sets up devices before jax starts
 
+        if any(a == "--processes" or a.startswith("--processes=") for a in rest):
+            return demo.run_in_processes(rest)  # N local processes of one jax.distributed job
         return demo.main(rest)
     if args.command == "info":
         if rest:

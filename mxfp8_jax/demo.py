@@ -42,6 +42,7 @@ import itertools
 import json
 import sys
 import time
+from collections.abc import Sequence
 
 DEFAULT_CPU_DEVICES = 8
 PER_DEVICE_BATCH = 32
@@ -606,6 +607,65 @@ def main(argv=None) -> int:
                 json.dump(report, f, indent=1)
             console.print(f"report written to {args.json}")
     return 0
+
+
+# ------------------------------------------------------------------------------------------------
+# mxfp8-jax demo --processes N
+
+
+def run_in_processes(argv: Sequence[str]) -> int:
+    """``mxfp8-jax demo --processes N [--devices D] [demo flags]``: the demo in N local processes
+    of one distributed job (``D`` CPU devices in all, default 8, split evenly); process 0
+    prints (and writes ``--json``), the others' output is shown only if they fail."""
+    from mxfp8_jax._src.launch import launch
+
+    p = argparse.ArgumentParser(prog="mxfp8-jax demo", add_help=False)
+    p.add_argument("--processes", type=int, required=True)
+    p.add_argument("--devices", type=int, default=None)
+    p.add_argument("--timeout", type=float, default=3600.0)
+    known, rest = p.parse_known_args(list(argv))
+    n = known.processes
+    if n < 1:
+        p.error(f"--processes={n} must be at least 1")
+    total = 8 if known.devices is None else known.devices
+    if total < n or total % n:
+        p.error(f"--devices={total} must be a multiple of --processes={n} (each process gets {total}/{n})")
+    results = launch(
+        "mxfp8_jax.demo:_process_main",
+        n,
+        args=[rest],
+        devices_per_process=total // n,
+        timeout=known.timeout,
+        echo=0,
+        check=False,
+    )
+    failed = [r for r in results if not r.ok]
+    for r in failed:
+        state = "killed (still running)" if r.returncode is None else f"exit code {r.returncode}"
+        print(f"--- process {r.process_id}: {state}\n{r.stderr[-3000:]}", file=sys.stderr)
+    if failed:
+        return 1
+    return int(results[0].result or 0)
+
+
+def _process_main(argv: list[str]) -> int:
+    import jax
+
+    if jax.process_index() != 0:  # one process writes the report
+        argv = _without_json(argv)
+    return main(argv)
+
+
+def _without_json(argv: list[str]) -> list[str]:
+    out, skip = [], False
+    for j, a in enumerate(argv):
+        if skip:
+            skip = False
+        elif a == "--json":
+            skip = j + 1 < len(argv) and not argv[j + 1].startswith("-")
+        elif not a.startswith("--json="):
+            out.append(a)
+    return out
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """Local multi-process runs: N Python processes on 127.0.0.1, one JAX distributed job.
 
-Used by ``mxfp8-jax demo --processes N`` and by the multi-process tests (tests/multiproc.py).
+Used by ``mxfp8-jax demo --processes N`` (``demo.run_in_processes``) and by the multi-process
+tests (tests/multiproc.py).
 
     results = launch("mypkg.mod:fn", 2, args=(...), devices_per_process=4, timeout=120)
 
@@ -205,67 +206,6 @@ def _collect(tmp: str, i: int, code, echoed: bool) -> ProcessResult:
         result = json.loads(raw)["value"]
     stdout = "" if echoed else _read(os.path.join(tmp, f"stdout_{i}"))
     return ProcessResult(i, code, stdout, _read(os.path.join(tmp, f"stderr_{i}")), result)
-
-
-# ------------------------------------------------------------------------------------------------
-# mxfp8-jax demo --processes N
-
-
-def run_demo(argv: Sequence[str]) -> int:
-    """``mxfp8-jax demo --processes N [--devices D] [demo flags]``: the demo in N local processes
-    of one distributed job (``D`` CPU devices in all, default 8, split evenly); process 0
-    prints (and writes ``--json``), the others' output is shown only if they fail."""
-    import argparse
-
-    p = argparse.ArgumentParser(prog="mxfp8-jax demo", add_help=False)
-    p.add_argument("--processes", type=int, required=True)
-    p.add_argument("--devices", type=int, default=None)
-    p.add_argument("--timeout", type=float, default=3600.0)
-    known, rest = p.parse_known_args(list(argv))
-    n = known.processes
-    if n < 1:
-        p.error(f"--processes={n} must be at least 1")
-    total = 8 if known.devices is None else known.devices
-    if total < n or total % n:
-        p.error(f"--devices={total} must be a multiple of --processes={n} (each process gets {total}/{n})")
-    results = launch(
-        "mxfp8_jax._src.launch:_demo_worker",
-        n,
-        args=[rest],
-        devices_per_process=total // n,
-        timeout=known.timeout,
-        echo=0,
-        check=False,
-    )
-    failed = [r for r in results if not r.ok]
-    for r in failed:
-        state = "killed (still running)" if r.returncode is None else f"exit code {r.returncode}"
-        print(f"--- process {r.process_id}: {state}\n{r.stderr[-3000:]}", file=sys.stderr)
-    if failed:
-        return 1
-    return int(results[0].result or 0)
-
-
-def _demo_worker(argv: list[str]) -> int:
-    import jax
-
-    from mxfp8_jax import demo
-
-    if jax.process_index() != 0:  # one process writes the report
-        argv = _without_json(argv)
-    return demo.main(argv)
-
-
-def _without_json(argv: list[str]) -> list[str]:
-    out, skip = [], False
-    for j, a in enumerate(argv):
-        if skip:
-            skip = False
-        elif a == "--json":
-            skip = j + 1 < len(argv) and not argv[j + 1].startswith("-")
-        elif not a.startswith("--json="):
-            out.append(a)
-    return out
 
 
 # ------------------------------------------------------------------------------------------------
