@@ -23,6 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from mxfp8_jax._src import kernel_sharding
+from mxfp8_jax._src.format import BLOCK
 
 _EMPTY = jax.ShapeDtypeStruct((0,), jnp.uint8)
 
@@ -52,9 +53,9 @@ def _quantize_call(scale_rule: int, rowwise: bool, columnwise: bool) -> kernel_s
         u8, e4m3 = jnp.uint8, jnp.float8_e4m3fn
         shapes = (
             jax.ShapeDtypeStruct((m, k), e4m3) if rowwise else _EMPTY,
-            jax.ShapeDtypeStruct((m, k // 32), u8) if rowwise else _EMPTY,
+            jax.ShapeDtypeStruct((m, k // BLOCK), u8) if rowwise else _EMPTY,
             jax.ShapeDtypeStruct((m, k), e4m3) if columnwise else _EMPTY,
-            jax.ShapeDtypeStruct((m // 32, k), u8) if columnwise else _EMPTY,
+            jax.ShapeDtypeStruct((m // BLOCK, k), u8) if columnwise else _EMPTY,
         )
         return tuple(
             jax.ffi.ffi_call("mxfp8_quantize", shapes)(
@@ -105,7 +106,7 @@ def _segments_call(scale_rule: int, rowwise: bool, columnwise: bool) -> kernel_s
     def body(x, desc):
         (s,) = x.shape
         u8 = jnp.uint8
-        data, scale = jax.ShapeDtypeStruct((s,), u8), jax.ShapeDtypeStruct((s // 32,), u8)
+        data, scale = jax.ShapeDtypeStruct((s,), u8), jax.ShapeDtypeStruct((s // BLOCK,), u8)
         shapes = (
             data if rowwise else _EMPTY,
             scale if rowwise else _EMPTY,
@@ -157,9 +158,9 @@ def _norm_shapes(r: int, h: int, columnwise: bool):
     return (
         jax.ShapeDtypeStruct((r, h), jnp.bfloat16),
         jax.ShapeDtypeStruct((r, h), e4m3),
-        jax.ShapeDtypeStruct((r, h // 32), u8),
+        jax.ShapeDtypeStruct((r, h // BLOCK), u8),
         jax.ShapeDtypeStruct((r, h), e4m3) if columnwise else _EMPTY,
-        jax.ShapeDtypeStruct((r // 32, h), u8) if columnwise else _EMPTY,
+        jax.ShapeDtypeStruct((r // BLOCK, h), u8) if columnwise else _EMPTY,
     )
 
 

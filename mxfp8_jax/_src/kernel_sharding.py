@@ -39,7 +39,8 @@ from jax.experimental.custom_partitioning import CompoundFactor, SdyShardingRule
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-BLOCK = 32
+from mxfp8_jax._src.format import BLOCK
+
 EMPTY = "0"  # the label of a zero-size unrequested plane's one axis
 
 

@@ -14,8 +14,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from mxfp8_jax._src import format as fmt
-
-BLOCK = fmt.BLOCK
+from mxfp8_jax._src.format import BLOCK
 
 
 def quantize_segments_reference(x, desc, rule: fmt.ScaleRule, rowwise: bool, columnwise: bool):

@@ -33,9 +33,8 @@ import jax.numpy as jnp
 from jax.typing import DTypeLike
 
 from mxfp8_jax._src import format as fmt
+from mxfp8_jax._src.format import BLOCK
 from mxfp8_jax._src.tensor import MXFP8Tensor
-
-BLOCK = fmt.BLOCK
 
 
 def _te_quantize():

@@ -27,9 +27,8 @@ from jax.custom_derivatives import SymbolicZero
 from jax.typing import DTypeLike
 
 from mxfp8_jax._src import format as fmt
+from mxfp8_jax._src.format import BLOCK
 from mxfp8_jax._src.tracing import is_traced
-
-BLOCK = fmt.BLOCK
 
 
 def _ceil(n: int, m: int) -> int:
