@@ -62,10 +62,10 @@ def quantize(
     ``jax.lax.stop_gradient(x)`` for a constant, or write a straight-through estimator as
     ``x + stop_gradient(dequantize(quantize(stop_gradient(x))) - x)``.
     """
-    # the dtype is checked before jnp.asarray, which would turn float64 into float32 silently
-    check_input(x if hasattr(x, "dtype") else jnp.asarray(x), rowwise=rowwise, columnwise=columnwise)
-    x = jnp.asarray(x)
+    # checked as given: jnp.asarray would turn a float64 array into float32 silently
+    x = x if hasattr(x, "dtype") else jnp.asarray(x)
     m, k = check_input(x, rowwise=rowwise, columnwise=columnwise)
+    x = jnp.asarray(x)
     rule = fmt.ScaleRule.parse(scale_rule)
     backends.check(backend)
     # Eager calls (a notebook cell) run one executable compiled per configuration and shape
@@ -109,12 +109,22 @@ def _planes_jvp(rowwise, columnwise, rule, backend, primals, tangents):
 _planes_jit = jax.jit(_planes, static_argnames=("rowwise", "columnwise", "rule", "backend"))
 
 
-def dequantize(t: MXFP8Tensor, *, columnwise: bool = False, dtype: DTypeLike = jnp.bfloat16) -> jax.Array:
+def dequantize(t: MXFP8Tensor, *, columnwise: bool = False, dtype: DTypeLike | None = None) -> jax.Array:
     """``fp32(q) * 2^(byte - 127)`` of the rowwise (default) or columnwise plane, as ``dtype``.
 
-    Exact in fp32 (subnormal results included); bf16 output is rounded to nearest even. ``t``
-    must satisfy ``MXFP8Tensor.validate`` (E4M3 data, uint8 scales of the planes' shapes);
-    ``dtype`` must be a floating-point type. Not differentiable in the planes (see ``quantize``).
+    Exact in fp32 (subnormal results included); bf16 output is rounded to nearest even. Not
+    differentiable in the planes (see ``quantize``). The same operation as
+    ``MXFP8Tensor.dequantize``, with the same default.
+
+    Args:
+      t: an ``MXFP8Tensor`` satisfying ``MXFP8Tensor.validate`` (E4M3 data, uint8 scales of the
+        planes' shapes).
+      columnwise: dequantize the columnwise plane instead of the rowwise one.
+      dtype: a floating-point output type; ``None`` (default) gives ``t.dtype``, the dtype of
+        the array ``t`` was quantized from.
+
+    Returns:
+      A ``[*t.shape]`` array of ``dtype``.
     """
     if not isinstance(t, MXFP8Tensor):
         raise TypeError(f"t must be an MXFP8Tensor, got {type(t).__name__}")
