@@ -124,6 +124,45 @@ class _GatherConfig:
 # validation (errors name the argument, the value and the rule)
 
 
+@dataclasses.dataclass(frozen=True)
+class _Options:
+    """The validated keyword arguments of one fused call, shared by the per-device and the
+    global form (static, hashable). ``strategy`` is as asked (``"auto"`` included) until the
+    global form resolves it for its mesh."""
+
+    norm: rmsnorm.NormConfig
+    group_size: int
+    row_counts: tuple[int, ...]
+    strategy: str
+    timeout_ms: int
+
+
+def _options(
+    n: int,
+    rows_max: int,
+    axis,
+    *,
+    eps,
+    weight_offset,
+    group_size,
+    row_counts,
+    quantize_from,
+    columnwise,
+    strategy,
+    scale_rule,
+    p2p_timeout_s,
+) -> _Options:
+    """Every keyword argument checked once, for ``n`` devices of ``axis`` holding ``rows_max``
+    local rows each."""
+    norm = rmsnorm.norm_config(eps, weight_offset, quantize_from, columnwise, scale_rule)
+    g = _check_group_size(group_size, n, axis)
+    counts = _check_row_counts(row_counts, n, rows_max, g, axis)
+    rmsnorm.check_columnwise_rows(norm, sum(counts[:g]))
+    if strategy not in STRATEGIES:
+        raise ValueError(f"strategy={strategy!r} is not one of {STRATEGIES}")
+    return _Options(norm, g, counts, strategy, _p2p_timeout_ms(p2p_timeout_s))
+
+
 def _check_group_size(group_size, n: int, axis) -> int:
     if group_size is None:
         return n
@@ -379,33 +418,49 @@ def allgather_rmsnorm_quant_local(
     rows_max, h = rmsnorm.check_rows(x)
     rmsnorm.check_gamma(gamma, h, ((h,),))
     n = int(jax.lax.axis_size(axis_name))
-    norm = rmsnorm.norm_config(eps, weight_offset, quantize_from, columnwise, scale_rule)
-    g = _check_group_size(group_size, n, axis_name)
-    counts = _check_row_counts(row_counts, n, rows_max, g, axis_name)
-    timeout_ms = _p2p_timeout_ms(p2p_timeout_s)
-    platform = _ffi.default_platform()
+    opts = _options(
+        n,
+        rows_max,
+        axis_name,
+        eps=eps,
+        weight_offset=weight_offset,
+        group_size=group_size,
+        row_counts=row_counts,
+        quantize_from=quantize_from,
+        columnwise=columnwise,
+        strategy=strategy,
+        scale_rule=scale_rule,
+        p2p_timeout_s=p2p_timeout_s,
+    )
+    return _local(x, gamma, axis_name, opts)
+
+
+def _local(x, gamma, axis_name: str, opts: _Options) -> tuple[jax.Array, ...]:
+    """The per-device op on checked ``x``, ``gamma`` and options."""
+    rows_max, h = x.shape
+    n = int(jax.lax.axis_size(axis_name))
     unmapped = _other_mesh_axes(axis_name)[1]
-    if unmapped and strategy == "p2p":
+    if unmapped and opts.strategy == "p2p":
         raise ValueError(
             f"strategy='p2p' cannot tell apart the groups of axis {axis_name!r} repeated along "
             f"the mesh axes {unmapped}, which are not manual in this shard_map; map them too "
             f"(shard_map axis_names) or use strategy='xla'"
         )
     here = jax.process_count() == 1 and not unmapped
-    strategy = _resolve_strategy(strategy, platform, here, axis_name)
+    strategy = _resolve_strategy(opts.strategy, _ffi.default_platform(), here, axis_name)
+    norm = opts.norm
     cfg = _GatherConfig(
         axis_name=axis_name,
         axis_size=n,
-        group_size=g,
+        group_size=opts.group_size,
         rows_max=rows_max,
         hidden=h,
-        row_counts=counts,
+        row_counts=opts.row_counts,
         norm=norm,
         strategy=strategy,
         op_id=next(_op_ids) if strategy == "p2p" else 0,
-        timeout_ms=timeout_ms,
+        timeout_ms=opts.timeout_ms,
     )
-    rmsnorm.check_columnwise_rows(norm, cfg.rows)
     if cfg.rows == 0:  # nothing to gather: no collective at all
         return _public_order(_empty_outputs(0, h, norm), norm)
     return _public_order(_fused(x, gamma, cfg), norm)
@@ -459,33 +514,25 @@ def allgather_rmsnorm_quant(
             f"pad every device's shard to the same row count and pass row_counts"
         )
     rmsnorm.check_gamma(gamma, h, ((h,), (n, h)))
-    # Validate everything here, before tracing, so errors do not surface from inside shard_map.
-    norm = rmsnorm.norm_config(eps, weight_offset, quantize_from, columnwise, scale_rule)
-    g = _check_group_size(group_size, n, axis)
-    counts = _check_row_counts(row_counts, n, rows // n, g, axis)
-    rmsnorm.check_columnwise_rows(norm, sum(counts[:g]))
-    _p2p_timeout_ms(p2p_timeout_s)
+    # Validated here, before tracing, so errors do not surface from inside shard_map.
+    opts = _options(
+        n,
+        rows // n,
+        axis,
+        eps=eps,
+        weight_offset=weight_offset,
+        group_size=group_size,
+        row_counts=row_counts,
+        quantize_from=quantize_from,
+        columnwise=columnwise,
+        strategy=strategy,
+        scale_rule=scale_rule,
+        p2p_timeout_s=p2p_timeout_s,
+    )
     devices = mesh.devices.reshape(-1)
     here = all(d.process_index == jax.process_index() for d in devices)
-    strategy = _resolve_strategy(strategy, devices[0].platform, here, axis)
-
-    spec = _GlobalSpec(
-        mesh=mesh,
-        axis=axis,
-        hidden=h,
-        per_device_gamma=gamma.ndim == 2,
-        kwargs=(
-            ("eps", eps),
-            ("weight_offset", weight_offset),
-            ("group_size", g),
-            ("row_counts", counts),
-            ("quantize_from", quantize_from),
-            ("columnwise", norm.columnwise),
-            ("strategy", strategy),
-            ("scale_rule", scale_rule),
-            ("p2p_timeout_s", p2p_timeout_s),
-        ),
-    )
+    opts = dataclasses.replace(opts, strategy=_resolve_strategy(opts.strategy, devices[0].platform, here, axis))
+    spec = _GlobalSpec(mesh=mesh, axis=axis, hidden=h, per_device_gamma=gamma.ndim == 2, options=opts)
     if is_traced(x, gamma):
         # Inside the caller's trace: a fresh function, so this call site gets its own op id
         # even when the same call is made many times in one program.
@@ -499,21 +546,21 @@ class _GlobalSpec:
     axis: str
     hidden: int
     per_device_gamma: bool
-    kwargs: tuple  # validated keyword arguments of the per-device form, as (name, value) pairs
+    options: _Options  # checked, the strategy resolved for the mesh
 
 
 def _global_fn(spec: _GlobalSpec):
-    kw = dict(spec.kwargs)
+    opts = spec.options
     n = spec.mesh.shape[spec.axis]
     h = spec.hidden
 
     def local(xl, gl):
         gl = gl.reshape(h) if spec.per_device_gamma else gl
-        return allgather_rmsnorm_quant_local(xl, gl, axis_name=spec.axis, **kw)
+        return _local(xl, gl, spec.axis, opts)
 
-    replicated = kw["group_size"] == n and not spec.per_device_gamma
+    replicated = opts.group_size == n and not spec.per_device_gamma
     out_spec = P() if replicated else P(spec.axis)
-    n_out = 6 if kw["columnwise"] else 4
+    n_out = 6 if opts.norm.columnwise else 4
     return spmd.shard_map(
         local,
         spec.mesh,
