@@ -393,7 +393,7 @@ def test_master_weight_must_match():
         q.quantize(w_mesh)
     plane = mx.DBuffer.zeros(other_mesh, q.rowwise_data.placements, q.rowwise_data.layout, jnp.uint8)
     with pytest.raises(ValueError, match=r"rowwise_data is on another mesh than the buffer: device order"):
-        dataclasses.replace(q, rowwise_data=plane)
+        dataclasses.replace(q, rowwise=dataclasses.replace(q.rowwise, data=plane))
     with pytest.raises(ValueError, match="main_weight.placements"):
         q.quantize(w.redistribute((mx.Replicate(),)))
     w_layout = mx.DBuffer.distribute_tensors(

@@ -186,34 +186,69 @@ def _zeros_fn(mesh: Mesh, geometries: tuple):
 
 
 # ------------------------------------------------------------------------------------------------
+# One direction's planes
+
+
+ROWWISE, COLUMNWISE = "rowwise", "columnwise"
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Direction:
+    """One direction's planes: E4M3 codes (``data``) and E8M0 scales (``scale``), uint8
+    ``DBuffer``s, both present or both ``None`` (released); ``placements`` are the data's, kept
+    while released. ``kind`` (``"rowwise"`` or ``"columnwise"``) fixes where the scales go."""
+
+    data: DBuffer | None
+    scale: DBuffer | None
+    kind: str = dataclasses.field(metadata=dict(static=True))
+    placements: tuple = dataclasses.field(metadata=dict(static=True))
+
+    @property
+    def allocated(self) -> bool:
+        return self.data is not None and self.scale is not None
+
+    def geometry(self, layout: GlobalLayout, placements=None):
+        """``((layout, placements) of data, (layout, placements) of scale)`` over the data layout
+        ``layout``, at ``placements`` (default: the direction's own)."""
+        p = self.placements if placements is None else placements
+        if self.kind == ROWWISE:
+            return (layout, p), (rowwise_scale_layout(layout), p)
+        return (layout, p), (columnwise_scale_layout(layout), columnwise_scale_placements(p))
+
+    def released(self) -> Direction:
+        return dataclasses.replace(self, data=None, scale=None)
+
+
+# ------------------------------------------------------------------------------------------------
 # The buffer
 
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class QuantizedDBuffer:
-    """MXFP8 planes of N packed 2-D tensors over one mesh.
+    """MXFP8 planes of N packed 2-D tensors over one mesh, as two ``Direction``s.
 
-    Invariants (checked by ``_validate``): ``layout`` obeys ``check_mxfp8_layout`` and has
-    ``dp_size == mesh.size``; a direction's data and scale planes are both present or both
-    ``None``; present planes are uint8 ``DBuffer``s over ``mesh`` with layouts ``layout`` (data),
-    ``rowwise_scale_layout(layout)``, ``columnwise_scale_layout(layout)`` and placements
-    ``rowwise_placements`` / ``columnwise_placements`` (columnwise scale: BlockAtomic mapped to
-    RowAtomic); no placement is ``Partial`` (bytes are not addends).
+    ``rowwise`` and ``columnwise`` each hold a data and a scale plane (or neither, released)
+    and the placements of their data; ``rowwise_data``, ``rowwise_placements`` and the other
+    plane names read them. Invariants (checked by ``_validate``): ``layout`` obeys
+    ``check_mxfp8_layout`` and has ``dp_size == mesh.size``; present planes are uint8
+    ``DBuffer``s over ``mesh`` with layouts ``layout`` (data), ``rowwise_scale_layout(layout)``,
+    ``columnwise_scale_layout(layout)`` and the direction's placements (columnwise scale:
+    BlockAtomic mapped to RowAtomic); no placement is ``Partial`` (bytes are not addends).
     """
 
-    rowwise_data: DBuffer | None
-    columnwise_data: DBuffer | None
-    rowwise_scale: DBuffer | None
-    columnwise_scale: DBuffer | None
+    rowwise: Direction
+    columnwise: Direction
     mesh: Mesh = dataclasses.field(metadata=dict(static=True))
     layout: GlobalLayout = dataclasses.field(metadata=dict(static=True))
-    rowwise_placements: tuple = dataclasses.field(metadata=dict(static=True))
-    columnwise_placements: tuple = dataclasses.field(metadata=dict(static=True))
 
     def __post_init__(self):
-        for name in ("rowwise_placements", "columnwise_placements"):
-            object.__setattr__(self, name, _check_placements(self.mesh, getattr(self, name), name))
+        for kind, d in self.directions:
+            if not isinstance(d, Direction) or d.kind != kind:
+                raise TypeError(f"{kind} must be a Direction of kind {kind!r}, got {d!r}")
+            placements = _check_placements(self.mesh, d.placements, f"{kind}_placements")
+            object.__setattr__(self, kind, dataclasses.replace(d, placements=placements))
         self._validate()
 
     def _validate(self) -> None:
@@ -223,33 +258,31 @@ class QuantizedDBuffer:
                 f"layout.dp_size={self.layout.dp_size} must equal mesh.size={self.mesh.size} "
                 f"(one layout segment per device)"
             )
-        for direction in ("rowwise", "columnwise"):
-            data, scale = getattr(self, f"{direction}_data"), getattr(self, f"{direction}_scale")
-            if (data is None) != (scale is None):
-                raise ValueError(f"{direction} data and scale planes must both be present or both be None")
-        expected = {
-            f"{d}_{kind}": geometry
-            for d in ("rowwise", "columnwise")
-            for kind, geometry in zip(("data", "scale"), self._geometry(d))
-        }
-        for name, (layout, placements) in expected.items():
-            plane = getattr(self, name)
-            if plane is None:
-                continue
-            if not isinstance(plane, DBuffer):
-                raise TypeError(f"{name} must be a DBuffer or None, got {type(plane).__name__}")
-            if plane.mesh != self.mesh:
-                raise ValueError(
-                    f"{name} is on another mesh than the buffer: "
-                    f"{checks.mesh_difference(plane.mesh, self.mesh)} (the plane's vs the buffer's)"
-                )
-            if plane.layout != layout or plane.placements != placements:
-                raise ValueError(
-                    f"{name} does not match the buffer: need placements {placements} and layout "
-                    f"{layout}, got placements {plane.placements} and layout {plane.layout}"
-                )
-            if isinstance(plane.data, jax.Array) and jnp.dtype(plane.data.dtype) != jnp.uint8:
-                raise TypeError(f"{name} must hold uint8 bytes, got {jnp.dtype(plane.data.dtype)}")
+        for kind, d in self.directions:
+            if (d.data is None) != (d.scale is None):
+                raise ValueError(f"{kind} data and scale planes must both be present or both be None")
+        for kind, d in self.directions:
+            for name, plane, (layout, placements) in zip(
+                (f"{kind}_data", f"{kind}_scale"), (d.data, d.scale), d.geometry(self.layout)
+            ):
+                if plane is not None:
+                    self._check_plane(name, plane, layout, placements)
+
+    def _check_plane(self, name: str, plane, layout: GlobalLayout, placements) -> None:
+        if not isinstance(plane, DBuffer):
+            raise TypeError(f"{name} must be a DBuffer or None, got {type(plane).__name__}")
+        if plane.mesh != self.mesh:
+            raise ValueError(
+                f"{name} is on another mesh than the buffer: "
+                f"{checks.mesh_difference(plane.mesh, self.mesh)} (the plane's vs the buffer's)"
+            )
+        if plane.layout != layout or plane.placements != placements:
+            raise ValueError(
+                f"{name} does not match the buffer: need placements {placements} and layout "
+                f"{layout}, got placements {plane.placements} and layout {plane.layout}"
+            )
+        if isinstance(plane.data, jax.Array) and jnp.dtype(plane.data.dtype) != jnp.uint8:
+            raise TypeError(f"{name} must hold uint8 bytes, got {jnp.dtype(plane.data.dtype)}")
 
     # -- construction --------------------------------------------------------------------------
 
@@ -295,18 +328,43 @@ class QuantizedDBuffer:
         check_mxfp8_layout(layout)
         placements = _check_placements(mesh, placements, "placements")
         released = cls(
-            rowwise_data=None,
-            columnwise_data=None,
-            rowwise_scale=None,
-            columnwise_scale=None,
+            rowwise=Direction(data=None, scale=None, kind=ROWWISE, placements=placements),
+            columnwise=Direction(data=None, scale=None, kind=COLUMNWISE, placements=placements),
             mesh=mesh,
             layout=layout,
-            rowwise_placements=placements,
-            columnwise_placements=placements,
         )
         return released.reallocate_storage(rowwise=rowwise, columnwise=columnwise)
 
     # -- structure -----------------------------------------------------------------------------
+
+    @property
+    def directions(self) -> tuple[tuple[str, Direction], ...]:
+        """``(("rowwise", self.rowwise), ("columnwise", self.columnwise))``."""
+        return (ROWWISE, self.rowwise), (COLUMNWISE, self.columnwise)
+
+    @property
+    def rowwise_data(self) -> DBuffer | None:
+        return self.rowwise.data
+
+    @property
+    def rowwise_scale(self) -> DBuffer | None:
+        return self.rowwise.scale
+
+    @property
+    def columnwise_data(self) -> DBuffer | None:
+        return self.columnwise.data
+
+    @property
+    def columnwise_scale(self) -> DBuffer | None:
+        return self.columnwise.scale
+
+    @property
+    def rowwise_placements(self) -> tuple[pl.Placement, ...]:
+        return self.rowwise.placements
+
+    @property
+    def columnwise_placements(self) -> tuple[pl.Placement, ...]:
+        return self.columnwise.placements
 
     @property
     def placements(self) -> tuple[pl.Placement, ...]:
@@ -332,11 +390,11 @@ class QuantizedDBuffer:
 
     @property
     def is_rowwise_allocated(self) -> bool:
-        return self.rowwise_data is not None and self.rowwise_scale is not None
+        return self.rowwise.allocated
 
     @property
     def is_columnwise_allocated(self) -> bool:
-        return self.columnwise_data is not None and self.columnwise_scale is not None
+        return self.columnwise.allocated
 
     @property
     def num_tensors(self) -> int:
@@ -349,28 +407,19 @@ class QuantizedDBuffer:
 
         The memory is freed when the last reference to the old arrays dies.
         """
-        drop = dict(rowwise_data=None, rowwise_scale=None)
-        if not rowwise_only:
-            drop.update(columnwise_data=None, columnwise_scale=None)
-        return dataclasses.replace(self, **drop)
+        columnwise = self.columnwise if rowwise_only else self.columnwise.released()
+        return dataclasses.replace(self, rowwise=self.rowwise.released(), columnwise=columnwise)
 
     def reallocate_storage(self, *, rowwise: bool = True, columnwise: bool = True) -> QuantizedDBuffer:
         """Released planes of the selected directions back, zero-filled (contents undefined until
         re-quantized or re-gathered); allocated planes are kept as they are."""
-        missing = [
-            (f"{d}_{kind}", geometry)
-            for d, sel, alloc in (
-                ("rowwise", rowwise, self.is_rowwise_allocated),
-                ("columnwise", columnwise, self.is_columnwise_allocated),
-            )
-            if sel and not alloc
-            for kind, geometry in zip(("data", "scale"), self._geometry(d))
-        ]
+        selected = {ROWWISE: rowwise, COLUMNWISE: columnwise}
+        missing = [(kind, d) for kind, d in self.directions if selected[kind] and not d.allocated]
         if not missing:
             return self
-        arrays = _zeros_fn(self.mesh, tuple(g for _, g in missing))()
-        new = {name: DBuffer(a, self.mesh, p, lay) for (name, (lay, p)), a in zip(missing, arrays)}
-        return dataclasses.replace(self, **new)
+        geometries = tuple(g for _, d in missing for g in d.geometry(self.layout))
+        arrays = iter(_zeros_fn(self.mesh, geometries)())
+        return dataclasses.replace(self, **{kind: self._filled(d, arrays) for kind, d in missing})
 
     # -- quantization --------------------------------------------------------------------------
 
@@ -393,12 +442,11 @@ class QuantizedDBuffer:
                 f"main_weight.mesh must be this buffer's mesh; they differ in "
                 f"{checks.mesh_difference(main_weight.mesh, self.mesh)} (main_weight's vs this buffer's)"
             )
-        for direction, alloc in (("rowwise", rowwise), ("columnwise", columnwise)):
-            want = getattr(self, f"{direction}_placements")
-            if alloc and main_weight.placements != want:
+        for kind, d in self.directions:
+            if d.allocated and main_weight.placements != d.placements:
                 raise ValueError(
-                    f"main_weight.placements={main_weight.placements} must equal the {direction} "
-                    f"placements {want} of this buffer (quantize does not communicate)"
+                    f"main_weight.placements={main_weight.placements} must equal the {kind} "
+                    f"placements {d.placements} of this buffer (quantize does not communicate)"
                 )
         if main_weight.layout != self.layout:
             raise ValueError(
@@ -419,14 +467,8 @@ class QuantizedDBuffer:
             backend,
             bool(jax.config.jax_enable_x64),
         )
-        outs = iter(fn(main_weight.data))
-        new = {
-            f"{d}_{kind}": DBuffer(next(outs), self.mesh, placements, layout)
-            for d, alloc in (("rowwise", rowwise), ("columnwise", columnwise))
-            if alloc
-            for kind, (layout, placements) in zip(("data", "scale"), self._geometry(d))
-        }
-        return dataclasses.replace(self, **new)
+        outs = iter(fn(main_weight.data))  # rowwise data, scale, then columnwise's, as allocated
+        return dataclasses.replace(self, **{kind: self._filled(d, outs) for kind, d in self.directions if d.allocated})
 
     # -- checkpoints ---------------------------------------------------------------------------
 
@@ -524,20 +566,19 @@ class QuantizedDBuffer:
         """
         checks.index(i, self.layout.num_tensors)
         planes = {}
-        for direction, sel in (("rowwise", rowwise), ("columnwise", columnwise)):
-            data, scale = getattr(self, f"{direction}_data"), getattr(self, f"{direction}_scale")
-            gathered = data is not None and data.num_shards == 1
+        selected = {ROWWISE: rowwise, COLUMNWISE: columnwise}
+        for kind, d in self.directions:
+            sel = selected[kind]
+            gathered = d.data is not None and d.data.num_shards == 1
             if sel and not gathered:
-                state = "released" if data is None else f"sharded ({getattr(self, f'{direction}_placements')})"
+                state = "released" if d.data is None else f"sharded ({d.placements})"
                 raise ValueError(
-                    f"get_tensor_view({i}, {direction}=True): the {direction} planes are {state}; "
+                    f"get_tensor_view({i}, {kind}=True): the {kind} planes are {state}; "
                     f"allgather them first, or use local_tensor_view for one device's rows"
                 )
-            if sel is False or not gathered:
-                planes.update({f"{direction}_data": None, f"{direction}_scale": None})
-                continue
-            planes[f"{direction}_data"] = lax.bitcast_convert_type(data.get_tensor(i), jnp.float8_e4m3fn)
-            planes[f"{direction}_scale"] = scale.get_tensor(i)
+            include = sel is not False and gathered
+            data = lax.bitcast_convert_type(d.data.get_tensor(i), jnp.float8_e4m3fn) if include else None
+            planes[f"{kind}_data"], planes[f"{kind}_scale"] = data, d.scale.get_tensor(i) if include else None
         if planes["rowwise_data"] is None and planes["columnwise_data"] is None:
             raise ValueError(
                 f"get_tensor_view({i}): no allocated plane is gathered (rowwise "
@@ -578,7 +619,7 @@ class QuantizedDBuffer:
     def view(self, placements: pl.Placements) -> QuantizedDBuffer:
         """Every plane under ``placements`` without communication (``DBuffer.view`` rules)."""
         new = _check_placements(self.mesh, placements, "placements")
-        return self._move(new, rowwise=True, columnwise=True, how="view")
+        return self._move(new, rowwise=True, columnwise=True, move=DBuffer.view)
 
     def redistribute(
         self, placements: pl.Placements, *, rowwise: bool = True, columnwise: bool = True
@@ -586,7 +627,7 @@ class QuantizedDBuffer:
         """The selected directions' planes under ``placements``; the others stay as they are."""
         new = _check_placements(self.mesh, placements, "placements")
         self._require(rowwise, columnwise, "redistribute")
-        return self._move(new, rowwise=rowwise, columnwise=columnwise, how="redistribute")
+        return self._move(new, rowwise=rowwise, columnwise=columnwise, move=DBuffer.redistribute)
 
     def allgather(
         self,
@@ -601,51 +642,43 @@ class QuantizedDBuffer:
         placements and contents.
         """
         self._require(rowwise, columnwise, "allgather")
-        out = self
-        for direction, sel in (("rowwise", rowwise), ("columnwise", columnwise)):
-            if not sel:
-                continue
-            data = getattr(self, f"{direction}_data").allgather(mesh_axes)
-            scale = getattr(self, f"{direction}_scale").allgather(mesh_axes)
-            out = dataclasses.replace(
-                out,
-                **{f"{direction}_data": data, f"{direction}_scale": scale, f"{direction}_placements": data.placements},
-            )
-        return out
+        selected = {ROWWISE: rowwise, COLUMNWISE: columnwise}
+        changes = {}
+        for kind, d in self.directions:
+            if selected[kind]:
+                data, scale = d.data.allgather(mesh_axes), d.scale.allgather(mesh_axes)
+                changes[kind] = dataclasses.replace(d, data=data, scale=scale, placements=data.placements)
+        return dataclasses.replace(self, **changes)
 
     # -- helpers -------------------------------------------------------------------------------
 
-    def _geometry(self, direction: str, placements=None):
-        """``((layout, placements) of data, (layout, placements) of scale)`` for a direction, at
-        ``placements`` (default: the direction's own)."""
-        p = getattr(self, f"{direction}_placements") if placements is None else placements
-        if direction == "rowwise":
-            return (self.layout, p), (rowwise_scale_layout(self.layout), p)
-        return (self.layout, p), (columnwise_scale_layout(self.layout), columnwise_scale_placements(p))
+    def _filled(self, d: Direction, arrays) -> Direction:
+        """``d`` with its data and scale planes made from the next two of ``arrays``."""
+        (dl, dp), (sl, sp) = d.geometry(self.layout)
+        data, scale = DBuffer(next(arrays), self.mesh, dp, dl), DBuffer(next(arrays), self.mesh, sp, sl)
+        return dataclasses.replace(d, data=data, scale=scale)
 
-    def _move(self, new, *, rowwise: bool, columnwise: bool, how: str) -> QuantizedDBuffer:
-        """``DBuffer.view``/``redistribute`` of the selected directions' planes to ``new``."""
+    def _move(self, new, *, rowwise: bool, columnwise: bool, move) -> QuantizedDBuffer:
+        """``move`` (``DBuffer.view`` or ``DBuffer.redistribute``) of the selected directions'
+        planes to placements ``new``."""
+        selected = {ROWWISE: rowwise, COLUMNWISE: columnwise}
         changes = {}
-        for direction, sel in (("rowwise", rowwise), ("columnwise", columnwise)):
-            if not sel:
-                continue
-            changes[f"{direction}_placements"] = new
-            for kind, (_, target) in zip(("data", "scale"), self._geometry(direction, new)):
-                plane = getattr(self, f"{direction}_{kind}")
-                if plane is not None:
-                    changes[f"{direction}_{kind}"] = getattr(plane, how)(target)
+        for kind, d in self.directions:
+            if selected[kind]:
+                (_, data_to), (_, scale_to) = d.geometry(self.layout, new)
+                data = None if d.data is None else move(d.data, data_to)
+                scale = None if d.scale is None else move(d.scale, scale_to)
+                changes[kind] = dataclasses.replace(d, data=data, scale=scale, placements=new)
         return dataclasses.replace(self, **changes)
 
     def _require(self, rowwise: bool, columnwise: bool, what: str) -> None:
         if not (rowwise or columnwise):
             raise ValueError(f"{what}: select at least one of rowwise=True or columnwise=True")
-        for direction, sel, alloc in (
-            ("rowwise", rowwise, self.is_rowwise_allocated),
-            ("columnwise", columnwise, self.is_columnwise_allocated),
-        ):
-            if sel and not alloc:
+        selected = {ROWWISE: rowwise, COLUMNWISE: columnwise}
+        for kind, d in self.directions:
+            if selected[kind] and not d.allocated:
                 raise ValueError(
-                    f"{what}: the {direction} planes are released; reallocate_storage() first or pass {direction}=False"
+                    f"{what}: the {kind} planes are released; reallocate_storage() first or pass {kind}=False"
                 )
 
 
