@@ -35,14 +35,13 @@ from jax import lax
 from jax.sharding import Mesh, NamedSharding
 
 from mxfp8_jax._src import backend as backends
-from mxfp8_jax._src import checkpoint, checks, ffi_calls, spmd
+from mxfp8_jax._src import checkpoint, checks, ffi_calls, segments, spmd
 from mxfp8_jax._src import format as fmt
 from mxfp8_jax._src import placement as pl
 from mxfp8_jax._src.dbuffer import DBuffer
 from mxfp8_jax._src.format import BLOCK
 from mxfp8_jax._src.layout import GlobalLayout, ShardLayout
 from mxfp8_jax._src.quantize import INPUT_DTYPES
-from mxfp8_jax._src.segments import quantize_segments_reference
 from mxfp8_jax._src.tensor import MXFP8Tensor, PaddedMXFP8Tensor
 
 _TARGET = "mxfp8_quantize_segments"
@@ -112,43 +111,10 @@ def check_mxfp8_shapes(tensor_shapes, argname: str = "tensor_shapes") -> None:
             )
 
 
-# ------------------------------------------------------------------------------------------------
-# Per-shard piece descriptors
-
-
-@functools.cache
-def descriptor_table(mesh: Mesh, placements: tuple, layout: GlobalLayout) -> np.ndarray:
-    """``[num_shards, P, 3]`` int64: per shard, rows ``(offset, rows, row_len)`` of its pieces.
-
-    Offsets count from the start of the shard's local buffer (its segments back to back, each
-    ``layout.segment_capacity`` long); rows are sorted by offset. Shards with fewer pieces are
-    padded with unused rows ``(local_size, 0, 32)`` (past every piece, so the order holds).
-    """
-    n_shards = pl.num_shards(mesh, placements)
-    local_size = layout.local_size(n_shards)
-    shards = []
-    for s in range(n_shards):
-        rows = []
-        for j, k in enumerate(pl.segments_of_shard(mesh, placements, s)):
-            for i in range(layout.num_tensors):
-                part = layout.overlap(i, k)
-                if part is not None:
-                    (a, b), row = part, layout.row_size(i)
-                    rows.append((layout.local_offset(a, k, j), (b - a) // row, row))
-        shards.append(sorted(rows))
-    p = max(1, max(len(r) for r in shards))
-    table = np.tile(np.array([local_size, 0, BLOCK], np.int64), (n_shards, p, 1))
-    for s, rows in enumerate(shards):
-        if rows:
-            table[s, : len(rows)] = rows
-    table.setflags(write=False)
-    return table
-
-
 @functools.cache
 def _quantize_fn(mesh, placements, layout, rule, rowwise, columnwise, backend, x64):
     """The jitted SPMD quantize: local segment -> allocated planes, no collective."""
-    table = descriptor_table(mesh, placements, layout)
+    table = segments.descriptor_table(mesh, placements, layout)
     axes = pl.shard_axes(mesh, placements)
     desc_dtype = np.int64 if x64 else np.int32  # jax without x64 has no int64 arrays
     local_size = layout.local_size(pl.num_shards(mesh, placements))
@@ -160,7 +126,7 @@ def _quantize_fn(mesh, placements, layout, rule, rowwise, columnwise, backend, x
     table = table.astype(desc_dtype)
 
     def reference(x, desc):
-        return quantize_segments_reference(x, desc, rule, rowwise, columnwise)
+        return segments.quantize_segments_reference(x, desc, rule, rowwise, columnwise)
 
     def kernel(x, desc):
         (rq, rs), (cq, cs) = ffi_calls.quantize_segments(

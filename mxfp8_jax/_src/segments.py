@@ -5,16 +5,23 @@ One device's flat segment ``x [S]`` holds pieces of several tensors; a descripto
 ``S``) says where each piece sits: an ``[rows, row_len]`` matrix at element ``offset``. Rowwise
 and columnwise scales of a piece start at element ``offset / 32`` of the scale segments (scale
 layouts are the data layout with every coordinate divided by 32); bytes no piece covers are 0.
-``QuantizedDBuffer.quantize`` builds the table from the layout (``quantized.descriptor_table``).
+``descriptor_table`` builds the table of every shard of a layout under its placements; that is
+what ``QuantizedDBuffer.quantize`` runs the kernel (or this reference) with.
 """
 
 from __future__ import annotations
 
+import functools
+
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
+from jax.sharding import Mesh
 
 from mxfp8_jax._src import format as fmt
+from mxfp8_jax._src import placement as pl
 from mxfp8_jax._src.format import BLOCK
+from mxfp8_jax._src.layout import GlobalLayout
 
 
 def quantize_segments_reference(x, desc, rule: fmt.ScaleRule, rowwise: bool, columnwise: bool):
@@ -63,3 +70,36 @@ def quantize_segments_reference(x, desc, rule: fmt.ScaleRule, rowwise: bool, col
         at = (o // BLOCK + (r // BLOCK) * kk + c) * BLOCK + r % BLOCK
         planes += [jnp.where(covered, q[-1][jnp.where(covered, at, 0)], 0), jnp.where(pcov, s[-1], 0)]
     return tuple(planes)
+
+
+# ------------------------------------------------------------------------------------------------
+# The descriptor table of a layout's shards
+
+
+@functools.cache
+def descriptor_table(mesh: Mesh, placements: tuple, layout: GlobalLayout) -> np.ndarray:
+    """``[num_shards, P, 3]`` int64: per shard, rows ``(offset, rows, row_len)`` of its pieces.
+
+    Offsets count from the start of the shard's local buffer (its segments back to back, each
+    ``layout.segment_capacity`` long); rows are sorted by offset. Shards with fewer pieces are
+    padded with unused rows ``(local_size, 0, 32)`` (past every piece, so the order holds).
+    """
+    n_shards = pl.num_shards(mesh, placements)
+    local_size = layout.local_size(n_shards)
+    shards = []
+    for s in range(n_shards):
+        rows = []
+        for j, k in enumerate(pl.segments_of_shard(mesh, placements, s)):
+            for i in range(layout.num_tensors):
+                part = layout.overlap(i, k)
+                if part is not None:
+                    (a, b), row = part, layout.row_size(i)
+                    rows.append((layout.local_offset(a, k, j), (b - a) // row, row))
+        shards.append(sorted(rows))
+    p = max(1, max(len(r) for r in shards))
+    table = np.tile(np.array([local_size, 0, BLOCK], np.int64), (n_shards, p, 1))
+    for s, rows in enumerate(shards):
+        if rows:
+            table[s, : len(rows)] = rows
+    table.setflags(write=False)
+    return table
