@@ -104,6 +104,7 @@ if GPU_MODE:
     # fp32 GEMMs on Hopper and later default to TF32; the references here are fp32 to the bit.
     jax.config.update("jax_default_matmul_precision", "highest")
 
+import chex  # noqa: E402
 import numpy as np  # noqa: E402
 
 try:  # a GPU image may lack hypothesis: the modules that use it then fail to collect, alone
@@ -119,6 +120,13 @@ if settings is not None:
 def as_bytes(a) -> np.ndarray:
     """Any array (fp8, uint8, bf16, ...) as a uint8 numpy view, for byte-for-byte comparison."""
     return np.ascontiguousarray(np.asarray(a)).view(np.uint8).reshape(-1)
+
+
+def assert_same_bytes(a, b) -> None:
+    """Two pytrees of one structure whose leaves have the same shapes, dtypes and bytes (NaN
+    payloads and signed zeros included, which a comparison of values lets through)."""
+    chex.assert_trees_all_equal_shapes_and_dtypes(a, b)
+    chex.assert_trees_all_equal(jax.tree.map(as_bytes, a), jax.tree.map(as_bytes, b))
 
 
 def _all_test_devices() -> list:

@@ -5,6 +5,7 @@ parameter through ``to_logical``, each optimizer moment likewise), compared bit 
 restoring on another mesh; for a resume, the uninterrupted run's losses.
 """
 
+import chex
 import jax
 import numpy as np
 import optax
@@ -14,7 +15,7 @@ from jax.sharding import Mesh
 
 from mxfp8_jax.flax import FSDP
 
-from conftest import as_bytes, rows_per_device
+from conftest import as_bytes, assert_same_bytes, rows_per_device
 from fsdp_model import (
     CLASSES,
     TX,
@@ -76,8 +77,7 @@ def test_round_trip_exact_on_any_mesh(trained, devices, target):
         assert any(restored.master[k].shape != state_n.master[k].shape for k in restored.master)
     q = fsdp._quantize_fn(restored.master)
     for name, planes in restored.quantized.items():
-        for a, b in zip(jax.tree.leaves(planes), jax.tree.leaves(q[name])):
-            np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=name)
+        chex.assert_trees_all_equal(planes, q[name])
     assert int(restored.step) == 3
 
 
@@ -175,8 +175,7 @@ def test_init_from_sharded_params(devices):
     assert any(not leaf.sharding.is_fully_replicated for leaf in jax.tree.leaves(sharded))
     from_sharded = fsdp.init(nnx.merge(graphdef, sharded), TX)
     from_host = fsdp.init(model, TX)
-    for a, b in zip(jax.tree.leaves(from_sharded), jax.tree.leaves(from_host)):
-        np.testing.assert_array_equal(as_bytes(a), as_bytes(b))
+    assert_same_bytes(from_sharded, from_host)
 
 
 def test_two_processes_init_from_sharded_params_then_resume_here(devices, tmp_path):

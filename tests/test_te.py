@@ -14,6 +14,7 @@ import functools
 import os
 import sys
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -22,7 +23,7 @@ import pytest
 import mxfp8_jax as mx
 
 import _te_stub
-from conftest import as_bytes
+from conftest import as_bytes, assert_same_bytes
 
 # TE 2.20 reads a jax attribute that jax deprecates; that is TE's business, not this test's.
 pytestmark = pytest.mark.filterwarnings("ignore:.*thread_resources:DeprecationWarning")
@@ -98,10 +99,7 @@ _te_dequantize = jax.jit(lambda s: s.dequantize())
 def _assert_same_tensor(a: mx.MXFP8Tensor, b: mx.MXFP8Tensor):
     assert tuple(a.shape) == tuple(b.shape)
     assert jnp.dtype(a.dtype) == jnp.dtype(b.dtype)
-    assert jax.tree.structure(a) == jax.tree.structure(b)
-    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
-        assert x.shape == y.shape and x.dtype == y.dtype
-        assert np.array_equal(as_bytes(x), as_bytes(y))
+    assert_same_bytes(a, b)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -169,8 +167,7 @@ def test_to_te_matches_te_own_tensor_and_dequantize(te, shape, dtype):
     # Same TE classes and static metadata (scaling mode, layouts, flatten axis, dq dtype, the
     # dequantize function) and leaf shapes/dtypes as TE's own quantizer output ...
     assert jax.tree.structure(ours) == jax.tree.structure(theirs)
-    for a, b in zip(jax.tree.leaves(ours), jax.tree.leaves(theirs)):
-        assert (a.shape, a.dtype) == (b.shape, b.dtype)
+    chex.assert_trees_all_equal_shapes_and_dtypes(ours, theirs)
     assert ours.rowwise_tensor.scale_inv.dtype == jnp.float8_e8m0fnu
     # ... and TE's dequantize of our planes is exactly ours, in either output dtype.
     for dq in (jnp.float32, jnp.bfloat16):
