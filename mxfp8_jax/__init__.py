@@ -4,17 +4,9 @@ Exact MXFP8 numerics (one rule set for the pure-JAX reference and the CPU/CUDA/R
 sharded FSDP buffers of MXFP8 planes, and a fused all-gather + RMSNorm + MXFP8 quantize.
 """
 
-from mxfp8_jax._src._ffi import ExtensionMissingError, GpuFallbackWarning, available_backends
-from mxfp8_jax._src.cpu_isa import cpu_isa, cpu_isas, set_cpu_isa, use_cpu_isa
-from mxfp8_jax._src.dbuffer import DBuffer
-from mxfp8_jax._src.format import BLOCK, ScaleRule, e8m0_to_float32, e8m0_view
-from mxfp8_jax._src.fused import (
-    ExperimentalGpuP2PWarning,
-    allgather_rmsnorm_quant,
-    allgather_rmsnorm_quant_local,
-)
-from mxfp8_jax._src.layout import GlobalLayout, ShardLayout
-from mxfp8_jax._src.placement import (
+from mxfp8_jax._src.buffers.dbuffer import DBuffer
+from mxfp8_jax._src.buffers.layout import GlobalLayout, ShardLayout
+from mxfp8_jax._src.buffers.placement import (
     BlockAtomic,
     Partial,
     Replicate,
@@ -22,11 +14,11 @@ from mxfp8_jax._src.placement import (
     partition_spec,
     segments_of_shard,
 )
-from mxfp8_jax._src.quantize import dequantize, quantize
-from mxfp8_jax._src.quantized import QuantizedDBuffer
-from mxfp8_jax._src.rmsnorm import rmsnorm_quant
-from mxfp8_jax._src.te import from_te, to_te
-from mxfp8_jax._src.tensor import (
+from mxfp8_jax._src.buffers.quantized import QuantizedDBuffer
+from mxfp8_jax._src.kernels._ffi import ExtensionMissingError, GpuFallbackWarning, available_backends
+from mxfp8_jax._src.kernels.cpu_isa import cpu_isa, cpu_isas, set_cpu_isa, use_cpu_isa
+from mxfp8_jax._src.numerics.format import BLOCK, ScaleRule, e8m0_to_float32, e8m0_view
+from mxfp8_jax._src.numerics.tensor import (
     MXFP8Tensor,
     PaddedMXFP8Tensor,
     pad_columnwise_scale,
@@ -34,6 +26,14 @@ from mxfp8_jax._src.tensor import (
     swizzle_scale,
     update_mxfp8_tensor,
 )
+from mxfp8_jax._src.ops.fused import (
+    ExperimentalGpuP2PWarning,
+    allgather_rmsnorm_quant,
+    allgather_rmsnorm_quant_local,
+)
+from mxfp8_jax._src.ops.quantize import dequantize, quantize
+from mxfp8_jax._src.ops.rmsnorm import rmsnorm_quant
+from mxfp8_jax._src.tooling.te import from_te, to_te
 
 __version__ = "0.1.0"
 

@@ -267,7 +267,7 @@ def train(
     step's collectives (read from its compiled HLO)."""
     import optax
 
-    from mxfp8_jax._src import hlo
+    from mxfp8_jax._src.tooling import hlo
     from mxfp8_jax.flax import FSDP
 
     data = work.batches(work.per_device_batch * (mesh.size // work.tp))
@@ -400,7 +400,8 @@ def run(
     from jax.sharding import Mesh
 
     import mxfp8_jax as mx
-    from mxfp8_jax._src import _ffi, checks
+    from mxfp8_jax._src.core import checks
+    from mxfp8_jax._src.kernels import _ffi
 
     steps = checks.positive_int(steps, "steps")
     if not isinstance(hidden, int) or hidden < 32 or hidden % 32:
@@ -617,7 +618,7 @@ def run_in_processes(argv: Sequence[str]) -> int:
     """``mxfp8-jax demo --processes N [--devices D] [demo flags]``: the demo in N local processes
     of one distributed job (``D`` CPU devices in all, default 8, split evenly); process 0
     prints (and writes ``--json``), the others' output is shown only if they fail."""
-    from mxfp8_jax._src.launch import launch
+    from mxfp8_jax._src.tooling.launch import launch
 
     p = argparse.ArgumentParser(prog="mxfp8-jax demo", add_help=False)
     p.add_argument("--processes", type=int, required=True)

@@ -14,15 +14,15 @@
 path each platform takes); ``gemm_operand`` hands an activation that is MXFP8 already (an
 RMSNorm + quantize's planes) to those GEMMs as it is.
 
-See ``mxfp8_jax._src.flax_fsdp`` for what a step does and communicates, ``fsdp_plan`` for
+See ``mxfp8_jax._src.fsdp.flax_fsdp`` for what a step does and communicates, ``fsdp_plan`` for
 what each parameter becomes, and ``fsdp_unit`` for one unit's gathers.
 """
 
-from mxfp8_jax._src.flax_fsdp import FSDP, TrainState, UnitPlanes
-from mxfp8_jax._src.flax_layers import Kernel, Linear, tensor_parallel
-from mxfp8_jax._src.fsdp_plan import KINDS, ROLES, ParamInfo
-from mxfp8_jax._src.fsdp_unit import PRECISIONS, UnitGeometry
-from mxfp8_jax._src.mxfp8_gemm import GEMM_PATHS, GEMMS, gemm_operand, gemm_paths
+from mxfp8_jax._src.fsdp.flax_fsdp import FSDP, TrainState, UnitPlanes
+from mxfp8_jax._src.fsdp.flax_layers import Kernel, Linear, tensor_parallel
+from mxfp8_jax._src.fsdp.fsdp_plan import KINDS, ROLES, ParamInfo
+from mxfp8_jax._src.fsdp.fsdp_unit import PRECISIONS, UnitGeometry
+from mxfp8_jax._src.ops.mxfp8_gemm import GEMM_PATHS, GEMMS, gemm_operand, gemm_paths
 
 __all__ = [
     "FSDP",

@@ -8,11 +8,11 @@
     loss = models.next_token_loss(model, next(task.batches(1, 8)))
     text = models.TextTask(seq_len=128)                   # byte-level LM on stdlib sources
 
-See ``mxfp8_jax._src.transformer``.
+See ``mxfp8_jax._src.models.transformer``.
 """
 
-from mxfp8_jax._src.text_task import TextTask
-from mxfp8_jax._src.transformer import (
+from mxfp8_jax._src.models.text_task import TextTask
+from mxfp8_jax._src.models.transformer import (
     MLP,
     Attention,
     Block,

@@ -14,10 +14,10 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
-from mxfp8_jax._src import checks
-from mxfp8_jax._src.format import BLOCK
-from mxfp8_jax._src.layout import GlobalLayout, ShardLayout
-from mxfp8_jax._src.quantized import check_mxfp8_shapes, columnwise_scale_layout, rowwise_scale_layout
+from mxfp8_jax._src.buffers.layout import GlobalLayout, ShardLayout
+from mxfp8_jax._src.buffers.quantized import check_mxfp8_shapes, columnwise_scale_layout, rowwise_scale_layout
+from mxfp8_jax._src.core import checks
+from mxfp8_jax._src.numerics.format import BLOCK
 
 PLANE_TITLES = {
     "data": "data: rowwise and columnwise E4M3 codes (one layout for both)",

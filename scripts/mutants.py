@@ -52,13 +52,13 @@ MUTANTS = (
     Mutant(
         "rceil-tiny-boundary",
         "rceil: `>=` turned into `>` where v = amax/448 is subnormal (amax 0x04600002 gets byte 0)",
-        (("_src/format.py", "tiny = (amax_bits >= _AMAX_BYTE_1)", "tiny = (amax_bits > _AMAX_BYTE_1)"),),
+        (("_src/numerics/format.py", "tiny = (amax_bits >= _AMAX_BYTE_1)", "tiny = (amax_bits > _AMAX_BYTE_1)"),),
         ("tests/test_scale_boundaries.py",),
     ),
     Mutant(
         "floor-off-by-one",
         "floor: byte = exp - 7 instead of exp - 8",
-        (("_src/format.py", "byte = jnp.clip(exp - 8, 0, 254)", "byte = jnp.clip(exp - 7, 0, 254)"),),
+        (("_src/numerics/format.py", "byte = jnp.clip(exp - 8, 0, 254)", "byte = jnp.clip(exp - 7, 0, 254)"),),
         ("tests/test_scale_boundaries.py",),
     ),
     Mutant(
@@ -66,7 +66,7 @@ MUTANTS = (
         "MXFP8Tensor.dequantize(columnwise=True) applies the scale rows in reverse order",
         (
             (
-                "_src/tensor.py",
+                "_src/numerics/tensor.py",
                 "data, scale, axis = self.columnwise_data, self.columnwise_scale, 0",
                 "data, scale, axis = self.columnwise_data, self.columnwise_scale[::-1], 0",
             ),
@@ -78,7 +78,7 @@ MUTANTS = (
         "MXFP8Tensor.dequantize() defaults to bf16 instead of the tensor's nominal dtype",
         (
             (
-                "_src/tensor.py",
+                "_src/numerics/tensor.py",
                 "dtype = jnp.dtype(self.dtype if dtype is None else dtype)",
                 "dtype = jnp.dtype(jnp.bfloat16 if dtype is None else dtype)",
             ),
@@ -89,7 +89,13 @@ MUTANTS = (
     Mutant(
         "swizzle-tile-order",
         "swizzle_scale: the 32-row groups and 4-row quarters of a 128x4 tile swapped",
-        (("_src/tensor.py", "4).transpose(0, 3, 2, 1, 4).reshape(-1)", "4).transpose(0, 3, 1, 2, 4).reshape(-1)"),),
+        (
+            (
+                "_src/numerics/tensor.py",
+                "4).transpose(0, 3, 2, 1, 4).reshape(-1)",
+                "4).transpose(0, 3, 1, 2, 4).reshape(-1)",
+            ),
+        ),
         ("tests/test_tensor.py",),
     ),
     Mutant(
@@ -97,7 +103,7 @@ MUTANTS = (
         "padded_scales(swizzle=True) leaves the columnwise plane in its padded order",
         (
             (
-                "_src/tensor.py",
+                "_src/numerics/tensor.py",
                 "col = None if col is None else swizzle_scale(col, columnwise=True)",
                 "col = None if col is None else col.reshape(-1)",
             ),
@@ -109,7 +115,7 @@ MUTANTS = (
         "MXFP8Tensor.scale_e8m0(columnwise=True) returns the rowwise scales",
         (
             (
-                "_src/tensor.py",
+                "_src/numerics/tensor.py",
                 "s = self.columnwise_scale if columnwise else self.rowwise_scale",
                 "s = self.rowwise_scale if self.rowwise_scale is not None else self.columnwise_scale",
             ),
@@ -121,7 +127,7 @@ MUTANTS = (
         "UNPADDED bounds cut greedily (each segment as long as allowed) instead of balanced",
         (
             (
-                "_src/layout.py",
+                "_src/buffers/layout.py",
                 "bounds.append(min(cands, key=lambda c: (abs(c - ideal), c)))",
                 "bounds.append(max(cands))",
             ),
@@ -133,7 +139,7 @@ MUTANTS = (
         "to_te gives TE bf16 as the dequantize dtype whatever the tensor's nominal dtype",
         (
             (
-                "_src/te.py",
+                "_src/tooling/te.py",
                 "dq_dtype=jnp.dtype(t.dtype if dq_dtype is None else dq_dtype),",
                 "dq_dtype=jnp.dtype(jnp.bfloat16 if dq_dtype is None else dq_dtype),",
             ),
@@ -146,7 +152,7 @@ MUTANTS = (
         "partition_spec lists the Shard axes outermost first (the shard order of shard_index reversed)",
         (
             (
-                "_src/placement.py",
+                "_src/buffers/placement.py",
                 "axes = tuple(reversed(shard_axes(mesh, placements)))",
                 "axes = tuple(shard_axes(mesh, placements))",
             ),
@@ -156,20 +162,20 @@ MUTANTS = (
     Mutant(
         "shard-index-axis-order",
         "shard_index reads the outermost Shard axis as the most significant digit",
-        (("_src/placement.py", "for name in reversed(axes):", "for name in axes:"),),
+        (("_src/buffers/placement.py", "for name in reversed(axes):", "for name in axes:"),),
         ("tests/test_placement.py", "tests/test_dbuffer.py"),
     ),
     # -- fused RMSNorm + quantize: the scale rule reaches the kernels ----------------------------
     Mutant(
         "rmsnorm-quant-ignores-scale-rule",
         "rmsnorm_quant's kernel call always passes rceil",
-        (("_src/rmsnorm.py", "scale_rule=cfg.rule.code,", "scale_rule=0,"),),
+        (("_src/ops/rmsnorm.py", "scale_rule=cfg.rule.code,", "scale_rule=0,"),),
         ("tests/test_scale_rule_paths.py",),
     ),
     Mutant(
         "allgather-p2p-ignores-scale-rule",
         'allgather_rmsnorm_quant (strategy="p2p") always passes rceil',
-        (("_src/fused.py", "scale_rule=n.rule.code,", "scale_rule=0,"),),
+        (("_src/ops/fused.py", "scale_rule=n.rule.code,", "scale_rule=0,"),),
         ("tests/test_scale_rule_paths.py",),
     ),
     # -- FSDP -----------------------------------------------------------------------------------
@@ -178,7 +184,7 @@ MUTANTS = (
         "FSDP quantizes its masters with the default rule whatever scale_rule says",
         (
             (
-                "_src/flax_fsdp.py",
+                "_src/fsdp/flax_fsdp.py",
                 "t = quantize(w.reshape(-1, w.shape[-1]), scale_rule=rule)",
                 "t = quantize(w.reshape(-1, w.shape[-1]))",
             ),
@@ -190,7 +196,7 @@ MUTANTS = (
         'precision="bf16": the dgrad GEMM reads -W',
         (
             (
-                "_src/fsdp_unit.py",
+                "_src/fsdp/fsdp_unit.py",
                 "    v = op.value(gathered(op.geometry, local, columnwise=not op.transposed))\n",
                 "    v = op.value(gathered(op.geometry, local, columnwise=not op.transposed))\n"
                 '    v = v if op.geometry.precision == "mxfp8" else -v\n',
@@ -203,12 +209,12 @@ MUTANTS = (
         "the MXFP8 dgrad gathers the rowwise planes (blocks along the wrong axis)",
         (
             (
-                "_src/fsdp_unit.py",
+                "_src/fsdp/fsdp_unit.py",
                 "return y, (act, _local(op, master, planes, backward=True))",
                 "return y, (act, _local(op, master, planes, backward=False))",
             ),
             (
-                "_src/fsdp_unit.py",
+                "_src/fsdp/fsdp_unit.py",
                 "v = op.value(gathered(op.geometry, local, columnwise=not op.transposed))",
                 "v = op.value(gathered(op.geometry, local, columnwise=op.transposed))",
             ),
@@ -220,7 +226,7 @@ MUTANTS = (
         "the wgrad's padding rows (below N) receive ones instead of zeros",
         (
             (
-                "_src/fsdp_unit.py",
+                "_src/fsdp/fsdp_unit.py",
                 "    dw = g.to_master(d_param, g.level)\n",
                 "    dw = g.to_master(d_param, g.level)\n    dw = dw.at[..., g.out_features :, :].set(1.0)\n",
             ),
@@ -230,7 +236,7 @@ MUTANTS = (
     Mutant(
         "fsdp-transposed-gemm-rowwise",
         "a GEMM contracting a unit's N axes (a tied weight's W.T) reads the rowwise planes forward",
-        (("_src/fsdp_unit.py", "rowwise = op.transposed == backward", "rowwise = not backward"),),
+        (("_src/fsdp/fsdp_unit.py", "rowwise = op.transposed == backward", "rowwise = not backward"),),
         ("tests/test_fsdp_units.py::test_tied_weight_reads_the_planes_of_each_contraction",),
     ),
     Mutant(
@@ -238,12 +244,12 @@ MUTANTS = (
         "an MXFP8 table is looked up in its columnwise values (blocks along the vocabulary)",
         (
             (
-                "_src/fsdp_unit.py",
+                "_src/fsdp/fsdp_unit.py",
                 "local = after(_local(op, master, planes, backward=False), others[0] if others else None)",
                 "local = after(_local(op, master, planes, backward=True), others[0] if others else None)",
             ),
             (
-                "_src/fsdp_unit.py",
+                "_src/fsdp/fsdp_unit.py",
                 "return op.bind(op.value(gathered(op.geometry, local, columnwise=False)), others)",
                 "return op.bind(op.value(gathered(op.geometry, local, columnwise=True)), others)",
             ),
@@ -255,7 +261,7 @@ MUTANTS = (
         "every device folds its RNG streams with index 0: the same dropout masks on every device",
         (
             (
-                "_src/flax_fsdp.py",
+                "_src/fsdp/flax_fsdp.py",
                 "index = spmd.shard_position(self.mesh, self.mesh.axis_names)",
                 "index = 0 * spmd.shard_position(self.mesh, self.mesh.axis_names)",
             ),
@@ -267,7 +273,7 @@ MUTANTS = (
         "a rematerialised region's recompute does not wait for the cotangent (XLA:CPU merges it away)",
         (
             (
-                "_src/fsdp_eval.py",
+                "_src/fsdp/fsdp_eval.py",
                 "moved = after([a for a, ok in zip(args, numeric) if ok], token)",
                 "moved = after([a for a, ok in zip(args, numeric) if ok], None)",
             ),
@@ -279,7 +285,7 @@ MUTANTS = (
         "a plain parameter's gathered slices are put back device-minor (interleaved) instead of in order",
         (
             (
-                "_src/fsdp_eval.py",
+                "_src/fsdp/fsdp_eval.py",
                 "out[id(x)] = jnp.moveaxis(piece, 0, x.shard_axis).reshape(shape).astype(x.dtype)",
                 "out[id(x)] = jnp.moveaxis(piece, 0, -1).reshape(shape).astype(x.dtype)",
             ),
@@ -290,16 +296,16 @@ MUTANTS = (
     Mutant(
         "gemm-contraction-in-dot-order",
         "MXFP8 GEMM: x's contracted axes kept in the layer's dot order, not the kernel's (blocks of K mismatched)",
-        (("_src/fsdp_unit.py", "return x if self.pc is None else x[..., np.argsort(self.pc)]", "return x"),),
+        (("_src/fsdp/fsdp_unit.py", "return x if self.pc is None else x[..., np.argsort(self.pc)]", "return x"),),
         ("tests/test_mxfp8_gemm.py::test_fsdp_mxfp8_einsum_kernels_of_several_axes",),
     ),
     Mutant(
         "gemm-exact-unshifted",
         "exact MXFP8 GEMM: operands dequantized without the row shift (tiny values flushed by the CPU dot)",
         (
-            ("_src/mxfp8_gemm.py", "byte = jnp.where(s == 0xFF, 0xFF, s - exponent + 127)", "byte = s"),
+            ("_src/ops/mxfp8_gemm.py", "byte = jnp.where(s == 0xFF, 0xFF, s - exponent + 127)", "byte = s"),
             (
-                "_src/mxfp8_gemm.py",
+                "_src/ops/mxfp8_gemm.py",
                 "shift = ea + jnp.swapaxes(ew, 1, 2) - 254",
                 "shift = 0 * (ea + jnp.swapaxes(ew, 1, 2))",
             ),
@@ -311,7 +317,7 @@ MUTANTS = (
         "MXFP8 GEMM from the fused op: dy's columnwise planes made in the value's row order, x's in the gathered order",
         (
             (
-                "_src/mxfp8_gemm.py",
+                "_src/ops/mxfp8_gemm.py",
                 "    if order is None:\n        q = quantize_tokens(dy",
                 "    if True:\n        q = quantize_tokens(dy",
             ),

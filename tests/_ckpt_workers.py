@@ -19,9 +19,9 @@ def distribute_and_save(directory: str) -> dict:
     import jax
     from jax.sharding import NamedSharding, PartitionSpec
 
-    from mxfp8_jax._src import placement as pl
-    from mxfp8_jax._src.dbuffer import DBuffer
-    from mxfp8_jax._src.layout import ShardLayout
+    from mxfp8_jax._src.buffers import placement as pl
+    from mxfp8_jax._src.buffers.dbuffer import DBuffer
+    from mxfp8_jax._src.buffers.layout import ShardLayout
 
     mesh = jax.make_mesh((2, 4), ("a", "b"))
     # Rows over "a" for the first, over both axes for the others: each spans both processes.
@@ -47,9 +47,9 @@ def restore_and_check(directory: str) -> dict:
     import jax
     import numpy as np
 
-    from mxfp8_jax._src import placement as pl
-    from mxfp8_jax._src.dbuffer import DBuffer
-    from mxfp8_jax._src.layout import ShardLayout
+    from mxfp8_jax._src.buffers import placement as pl
+    from mxfp8_jax._src.buffers.dbuffer import DBuffer
+    from mxfp8_jax._src.buffers.layout import ShardLayout
 
     from ckpt_values import host_tensor
 

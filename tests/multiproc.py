@@ -1,6 +1,6 @@
 """Multi-process test harness: N processes x D CPU devices on 127.0.0.1 (gloo collectives).
 
-A thin wrapper over ``mxfp8_jax._src.launch`` (the same spawning as ``mxfp8-jax demo
+A thin wrapper over ``mxfp8_jax._src.tooling.launch`` (the same spawning as ``mxfp8-jax demo
 --processes N``):
 
     from multiproc import run_processes
@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import os
 
-from mxfp8_jax._src.launch import LaunchError, ProcessResult, free_port, launch
+from mxfp8_jax._src.tooling.launch import LaunchError, ProcessResult, free_port, launch
 
 __all__ = ["LaunchError", "ProcessResult", "free_port", "run_processes"]
 

@@ -1,4 +1,4 @@
-"""Logical checkpoints (mxfp8_jax/_src/checkpoint.py): exact round trips across meshes and
+"""Logical checkpoints (mxfp8_jax/_src/buffers/checkpoint.py): exact round trips across meshes and
 layouts, mismatches named before any data moves, packing from sharded arrays with no host gather,
 and a 2-process x 4-CPU-device save restored in this process on its n devices.
 
@@ -15,12 +15,12 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec
 
-from mxfp8_jax._src import checkpoint as ck
-from mxfp8_jax._src import placement as pl
-from mxfp8_jax._src.dbuffer import DBuffer
-from mxfp8_jax._src.layout import ShardLayout
-from mxfp8_jax._src.logical import logical_sharding, pack_logical
-from mxfp8_jax._src.quantized import QuantizedDBuffer
+from mxfp8_jax._src.buffers import checkpoint as ck
+from mxfp8_jax._src.buffers import placement as pl
+from mxfp8_jax._src.buffers.dbuffer import DBuffer
+from mxfp8_jax._src.buffers.layout import ShardLayout
+from mxfp8_jax._src.buffers.logical import logical_sharding, pack_logical
+from mxfp8_jax._src.buffers.quantized import QuantizedDBuffer
 
 from ckpt_values import host_tensor
 from conftest import as_bytes
@@ -271,7 +271,7 @@ def test_conversions_move_tensor_pieces_not_the_buffer(devices):
     split evenly across the shards: the mesh takes the most of the n devices that divides every
     tensor's rows, 64, 96 and 40, i.e. all of them for n = 2, 4, 8), each device exchanging
     messages of one tensor's size at most, never the whole buffer."""
-    from mxfp8_jax._src import hlo
+    from mxfp8_jax._src.tooling import hlo
 
     shards = math.gcd(len(devices), *(s[0] for s in SHAPES))
     mesh = _mesh((shards,), ("x",), devices)

@@ -131,7 +131,7 @@ def test_bench_dispatch(capsys, monkeypatch):
 
 def test_bench_suite_says_when_the_kernel_is_missing(tmp_path, monkeypatch, capsys):
     """No fallback: a case whose kernel is not built is reported in its table and JSON, exit 1."""
-    from mxfp8_jax._src import _ffi
+    from mxfp8_jax._src.kernels import _ffi
     from mxfp8_jax.bench import _suite
 
     def missing(name, platform):
@@ -214,7 +214,7 @@ def test_demo_run_checks_arguments():
 
 
 def test_hlo_collective_accounting():
-    from mxfp8_jax._src import hlo
+    from mxfp8_jax._src.tooling import hlo
 
     text = "\n".join(
         [
@@ -238,7 +238,7 @@ def test_hlo_collective_accounting():
 
 
 def test_hlo_loops_count_their_collectives_per_iteration():
-    from mxfp8_jax._src import hlo
+    from mxfp8_jax._src.tooling import hlo
 
     text = "\n".join(
         [

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 import mxfp8_jax as mx
-from mxfp8_jax._src import ffi_calls
+from mxfp8_jax._src.kernels import ffi_calls
 
 import numpy_oracle as oracle
 from conftest import as_bytes

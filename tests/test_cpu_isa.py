@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 import mxfp8_jax as mx
-from mxfp8_jax._src import ffi_calls
+from mxfp8_jax._src.kernels import ffi_calls
 
 import numpy_oracle as oracle
 import rmsnorm_oracle

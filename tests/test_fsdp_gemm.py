@@ -19,7 +19,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from mxfp8_jax import flax as mxflax
-from mxfp8_jax._src import mxfp8_gemm
+from mxfp8_jax._src.ops import mxfp8_gemm
 
 from conftest import cpu_only
 

@@ -15,7 +15,7 @@ from jax.sharding import PartitionSpec as P
 from jax.test_util import check_grads
 
 import mxfp8_jax as mx
-from mxfp8_jax._src.spmd import shard_map
+from mxfp8_jax._src.core.spmd import shard_map
 
 from conftest import assert_same_bytes, need_devices
 from rmsnorm_oracle import BF16

@@ -15,7 +15,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 import mxfp8_jax as mx
-from mxfp8_jax._src import fused as fused_impl
+from mxfp8_jax._src.ops import fused as fused_impl
 
 from conftest import as_bytes
 from rmsnorm_oracle import BF16, canonical

@@ -23,9 +23,9 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 import mxfp8_jax as mx
-from mxfp8_jax._src import _ffi, ffi_calls
-from mxfp8_jax._src.hlo import collectives as hlo_collectives
-from mxfp8_jax._src.segments import quantize_segments_reference
+from mxfp8_jax._src.buffers.segments import quantize_segments_reference
+from mxfp8_jax._src.kernels import _ffi, ffi_calls
+from mxfp8_jax._src.tooling.hlo import collectives as hlo_collectives
 
 from conftest import as_bytes
 from rmsnorm_oracle import BF16, canonical
@@ -392,7 +392,7 @@ def test_p2p_one_gpu_repeated_in_a_scan():
 
 @needs_p2p
 def test_p2p_warns_once(monkeypatch):
-    from mxfp8_jax._src import fused as fused_impl
+    from mxfp8_jax._src.ops import fused as fused_impl
 
     monkeypatch.setattr(fused_impl, "_warned_gpu_p2p", False)
     gpus = _gpus(1)

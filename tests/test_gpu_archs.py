@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import pytest
 
 import mxfp8_jax as mx
-from mxfp8_jax._src import _ffi
+from mxfp8_jax._src.kernels import _ffi
 
 ROOT = Path(__file__).resolve().parents[1]
 FFI = ROOT / "xla_ffi"

@@ -19,8 +19,8 @@ import pytest
 from jax.sharding import Mesh
 
 import mxfp8_jax as mx
-from mxfp8_jax._src import _ffi, ffi_calls
-from mxfp8_jax._src import fused as fused_impl
+from mxfp8_jax._src.kernels import _ffi, ffi_calls
+from mxfp8_jax._src.ops import fused as fused_impl
 
 PLATFORMS = ("cuda", "rocm")
 TARGETS = (

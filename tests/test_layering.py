@@ -22,17 +22,25 @@ def layers() -> list[list[str]]:
 
 
 def key(module: str) -> str:
-    """The table's name for a module path relative to the package (``_src.dbuffer``, ``bench.fsdp``)."""
+    """The table's name for a module path relative to the package (``_src.buffers.dbuffer``,
+    ``bench.fsdp``)."""
     parts = module.split(".")
     if parts[0] == "_src":
-        return parts[1]
+        return parts[-1]
     if parts[0] in ("__init__", ""):
         return "mxfp8_jax"
     return parts[0]  # demo, cli, flax, models, viz, bench (the benchmarks are one layer)
 
 
 def modules() -> dict[str, Path]:
-    return {".".join(p.relative_to(PACKAGE).with_suffix("").parts): p for p in sorted(PACKAGE.rglob("*.py"))}
+    """Every module of the package by dotted path, but the sub-packages' ``__init__`` files
+    (docstrings only)."""
+    out = {}
+    for p in sorted(PACKAGE.rglob("*.py")):
+        rel = p.relative_to(PACKAGE).with_suffix("")
+        if rel.name != "__init__" or rel.parent == Path("."):
+            out[".".join(rel.parts)] = p
+    return out
 
 
 def imported(path: Path, known: set[str]) -> set[str]:
@@ -75,5 +83,18 @@ def test_no_module_imports_a_higher_layer():
 def test_the_check_sees_imports_inside_functions(tmp_path):
     """The oracle itself: an import in a function body counts, as one at the top does."""
     f = tmp_path / "m.py"
-    f.write_text("def save():\n    from mxfp8_jax._src import checkpoint\n    from mxfp8_jax import demo\n")
-    assert imported(f, {"_src.checkpoint", "demo"}) == {"_src.checkpoint", "demo"}
+    f.write_text("def save():\n    from mxfp8_jax._src.buffers import checkpoint\n    from mxfp8_jax import demo\n")
+    assert imported(f, {"_src.buffers.checkpoint", "demo"}) == {"_src.buffers.checkpoint", "demo"}
+
+
+def test_the_sub_packages_are_floors_of_the_table():
+    """``mxfp8_jax/_src``'s sub-packages follow the table: each holds consecutive lines, so the
+    file tree shows the layers in the order the imports allow."""
+    where = {}
+    for name in modules():
+        parts = name.split(".")
+        if parts[0] == "_src":
+            where[parts[-1]] = parts[1]
+    order = [where[n] for line in layers() for n in line if n in where]
+    runs = [p for i, p in enumerate(order) if i == 0 or order[i - 1] != p]
+    assert len(runs) == len(set(runs)), f"sub-packages interleaved along docs/design.md §1: {runs}"

@@ -39,7 +39,7 @@ def test_mutant_applies_and_names_real_tests(mutant, tmp_path):
 
 
 def test_a_stale_pattern_fails_loudly(tmp_path):
-    stale = harness.Mutant("stale", "no longer matches", (("_src/format.py", "no such line", "x"),), ())
+    stale = harness.Mutant("stale", "no longer matches", (("_src/numerics/format.py", "no such line", "x"),), ())
     shutil.copytree(ROOT / "mxfp8_jax", tmp_path / "mxfp8_jax", ignore=shutil.ignore_patterns("__pycache__", "*.so"))
-    with pytest.raises(harness.PatternError, match="'stale'.*occurs 0 times in mxfp8_jax/_src/format.py"):
+    with pytest.raises(harness.PatternError, match="'stale'.*occurs 0 times in mxfp8_jax/_src/numerics/format.py"):
         harness.apply(stale, tmp_path / "mxfp8_jax")

@@ -1,4 +1,4 @@
-"""MXFP8 GEMMs (``mxfp8_jax._src.mxfp8_gemm``) and ``FSDP(gemm="mxfp8")`` against numpy references.
+"""MXFP8 GEMMs (``mxfp8_jax._src.ops.mxfp8_gemm``) and ``FSDP(gemm="mxfp8")`` against numpy references.
 
 - ``scaled_matmul`` (the exact path CPUs take): operands quantized by the independent numpy
   oracle (tests/numpy_oracle.py, both scale rules), multiplied exactly in float64; the fp32
@@ -33,7 +33,7 @@ from hypothesis import strategies as st
 from jax.extend import core as jcore
 from jax.sharding import Mesh
 
-from mxfp8_jax._src import mxfp8_gemm as mg
+from mxfp8_jax._src.ops import mxfp8_gemm as mg
 from mxfp8_jax.flax import FSDP
 
 import numpy_oracle as npo

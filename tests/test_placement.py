@@ -14,7 +14,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import mxfp8_jax as mx
-from mxfp8_jax._src import placement as pl
+from mxfp8_jax._src.buffers import placement as pl
 
 from conftest import need_devices
 

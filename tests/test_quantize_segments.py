@@ -15,7 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import mxfp8_jax as mx
-from mxfp8_jax._src import _ffi, ffi_calls
+from mxfp8_jax._src.kernels import _ffi, ffi_calls
 
 import numpy_oracle
 from conftest import as_bytes

@@ -1,4 +1,5 @@
-"""The README's layout section names every module of the package, and its two commands stay as CI runs them."""
+"""The docs' file tree (docs/layout.md) lists every module of the package where it is, and the
+README keeps its two commands as CI runs them, and its links to the docs."""
 
 import re
 from pathlib import Path
@@ -7,22 +8,45 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def layout_block() -> str:
-    text = (ROOT / "README.md").read_text()
-    section = text[text.index("\n## Layout\n") :]
-    return section[section.index("```") : section.index("```", section.index("```") + 3)]
+    text = (ROOT / "docs" / "layout.md").read_text()
+    start = text.index("```\n") + 4
+    return text[start : text.index("\n```", start)]
 
 
-def test_readme_layout_lists_every_module():
-    block = layout_block()
-    missing = []
+def listed_files(block: str) -> set[str]:
+    """The files the tree names, as paths: a line's leading names ending in ``/`` open a folder
+    at their indent, those ending in ``.py`` are files in the enclosing folder."""
+    folders: list[tuple[int, str]] = []  # (indent, path) of the open folders
+    files = set()
+    for line in block.splitlines():
+        indent = len(line) - len(line.lstrip())
+        names = re.split(r"\s{2,}", line.strip(), maxsplit=1)[0]
+        while folders and folders[-1][0] >= indent:
+            folders.pop()
+        here = folders[-1][1] if folders else ""
+        entries = [n.strip() for n in names.split(",")]
+        if len(entries) == 1 and entries[0].endswith("/"):
+            folders.append((indent, here + entries[0]))
+            continue
+        files.update(here + e for e in entries if e.endswith(".py"))
+    return files
+
+
+def test_the_layout_page_lists_every_module_where_it_is():
+    listed = {f for f in listed_files(layout_block()) if f.startswith("mxfp8_jax/")}
+    have = set()
     for path in sorted((ROOT / "mxfp8_jax").rglob("*.py")):
-        rel = path.relative_to(ROOT / "mxfp8_jax")
-        if rel.name == "__init__.py" and rel.parent != Path("."):
-            continue  # a subpackage's marker, not a module of its own
-        short = str(rel.relative_to("_src")) if rel.parts[0] == "_src" else str(rel)
-        if not re.search(rf"(^|[\s/,(]){re.escape(short)}\b", block) and f"_src/{short}" not in block:
-            missing.append(str(rel))
-    assert not missing, f"README.md's layout section does not list {missing}"
+        rel = path.relative_to(ROOT)
+        if rel.name == "__init__.py" and rel.parent != Path("mxfp8_jax"):
+            continue  # a sub-package's docstring, not a module of its own
+        have.add(str(rel))
+    assert have - listed == set(), f"docs/layout.md does not list {sorted(have - listed)}"
+    assert listed - have == set(), f"docs/layout.md lists files that do not exist: {sorted(listed - have)}"
+
+
+def test_the_tree_reader_places_files_under_their_folders():
+    block = "a/\n  x.py, y.py   two files\n  b/       a folder\n    z.py   deeper\n  w.py     back up\nc/   other\n"
+    assert listed_files(block) == {"a/x.py", "a/y.py", "a/b/z.py", "a/w.py"}
 
 
 def test_readme_keeps_the_two_commands():
@@ -33,3 +57,13 @@ def test_readme_keeps_the_two_commands():
     assert 'pip install -e ".[test]" && python -m pytest -q -n 2' in ci
     four = "MXFP8_TEST_DEVICES=4 python -m pytest -q -n 2 -m multidevice"
     assert four in text and four in ci
+
+
+def test_the_docs_links_lead_to_files():
+    """Every relative link of the README and the docs pages names a file of the repository."""
+    broken = []
+    for page in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
+        for target in re.findall(r"\]\(([^)#]+)(?:#[^)]*)?\)", page.read_text()):
+            if not target.startswith(("http://", "https://")) and not (page.parent / target).exists():
+                broken.append(f"{page.relative_to(ROOT)}: {target}")
+    assert not broken, broken

@@ -11,7 +11,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 import mxfp8_jax as mx
-from mxfp8_jax._src import vma
+from mxfp8_jax._src.core import vma
 
 import numpy_oracle as npo
 

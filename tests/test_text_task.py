@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from mxfp8_jax import models
-from mxfp8_jax._src import text_task
+from mxfp8_jax._src.models import text_task
 
 SEQ = 64
 

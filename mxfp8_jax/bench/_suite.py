@@ -346,7 +346,7 @@ def run(cases=CASES, *, quick: bool = False, json_path: str | None = None, conso
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from mxfp8_jax._src import _ffi
+    from mxfp8_jax._src.kernels import _ffi
     from mxfp8_jax.bench._timing import cpu_model, environment, memcpy_seconds, print_table, write_json
 
     console = console or Console(width=max(160, Console().width))
@@ -363,7 +363,7 @@ def run(cases=CASES, *, quick: bool = False, json_path: str | None = None, conso
         "cases": {},
     }
     if jax.default_backend() == "cpu":
-        from mxfp8_jax._src import cpu_isa
+        from mxfp8_jax._src.kernels import cpu_isa
 
         payload["environment"]["cpu_isa"] = cpu_isa.cpu_isa() if _ffi.available_backends() else None
     start = time.perf_counter()

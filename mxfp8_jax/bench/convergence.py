@@ -47,7 +47,8 @@ def run(
     from jax.sharding import Mesh
 
     from mxfp8_jax import demo
-    from mxfp8_jax._src import _ffi, mxfp8_gemm
+    from mxfp8_jax._src.kernels import _ffi
+    from mxfp8_jax._src.ops import mxfp8_gemm
 
     devs = demo.select_devices(devices)
     platform = devs[0].platform

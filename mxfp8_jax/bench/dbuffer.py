@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import argparse
 
-from mxfp8_jax._src import hlo
+from mxfp8_jax._src.tooling import hlo
 
 
 def _shapes(hidden: int, mlp: int) -> list[tuple[int, int]]:
@@ -56,7 +56,7 @@ def run(
     from jax.sharding import PartitionSpec as P
 
     import mxfp8_jax as mx
-    from mxfp8_jax._src import _ffi, cpu_isa
+    from mxfp8_jax._src.kernels import _ffi, cpu_isa
     from mxfp8_jax.bench._timing import Memcpy, environment, interleaved_ratios, print_table, time_fn, write_json
 
     platform = jax.default_backend()

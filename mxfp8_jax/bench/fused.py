@@ -59,8 +59,8 @@ def run(
     from jax.sharding import PartitionSpec as P
 
     import mxfp8_jax as mx
-    from mxfp8_jax._src import _ffi
-    from mxfp8_jax._src.spmd import shard_map as _shard_map
+    from mxfp8_jax._src.core.spmd import shard_map as _shard_map
+    from mxfp8_jax._src.kernels import _ffi
     from mxfp8_jax.bench._timing import environment, print_table, time_fn, write_json
 
     for target in ("mxfp8_rmsnorm_quantize", "mxfp8_allgather_rmsnorm_quantize"):

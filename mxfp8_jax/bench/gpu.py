@@ -24,8 +24,8 @@ import jax.numpy as jnp
 import numpy as np
 
 import mxfp8_jax as mx
-from mxfp8_jax._src import _ffi, ffi_calls
-from mxfp8_jax._src.segments import quantize_segments_reference
+from mxfp8_jax._src.buffers.segments import quantize_segments_reference
+from mxfp8_jax._src.kernels import _ffi, ffi_calls
 from mxfp8_jax.bench._timing import environment, print_table, time_fn, write_json
 
 K = 4096  # row length of the quantize inputs

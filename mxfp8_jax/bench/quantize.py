@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 
 import mxfp8_jax as mx
-from mxfp8_jax._src import _ffi, cpu_isa
+from mxfp8_jax._src.kernels import _ffi, cpu_isa
 from mxfp8_jax.bench._timing import (
     Memcpy,
     add_fresh_pages_flag,

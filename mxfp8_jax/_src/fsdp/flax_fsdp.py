@@ -1,0 +1,957 @@
+"""Flax NNX training with MXFP8 FSDP weights: per-unit gathers, just in time, for any model.
+
+One training step, with every mesh axis in the FSDP group and the batch split over it::
+
+    master     per unit, fp32 rows of W [*stack, N_padded, K], sharded over the mesh
+      |  quantize after every optimizer update: each device its own rows, no communication
+    planes     per MXFP8 unit, E4M3 codes + E8M0 scales, rowwise and columnwise, sharded like it
+      |  the loss, evaluated op by op (``fsdp_eval``): each op that reads a unit, when it runs,
+      |    forward:  all-gathers the unit's planes blocked along its contraction (8-bit),
+      |              runs on the dequantized weight, drops it
+      |    backward: all-gathers the other planes for the dgrad; dW (fp32) leaves through one
+      |              reduce-scatter into the unit's master rows
+      |  each plain parameter is gathered by the first op that reads it (its gradient
+      |  reduce-scattered back)
+    optax update on the parameters' shards (elementwise: no communication)
+
+What each parameter becomes is the plan's (``fsdp_plan``): with ``loss_fn`` and an
+``example_batch``, the loss is traced and every parameter that a GEMM contracts or a lookup
+reads is a unit, whatever layer holds it (``nnx.Linear``, ``nnx.LinearGeneral`` and so
+``nnx.MultiHeadAttention``, ``nnx.Einsum``, ``nnx.Embed``, an ``nnx.Param`` under
+``jnp.einsum`` / ``lax.dot_general`` / ``@``); without one, units are ``nnx.Linear`` and
+``mxfp8_jax.flax.Linear`` kernels, found by class. Kernels stacked with ``nnx.vmap`` and run
+by ``nnx.scan`` are gathered one layer per iteration inside the loop; a Python loop over an
+``nnx.List`` gathers each layer's units when the layer runs (each gather waits for the layer's
+input), so per-device memory is the shards, a unit or two being computed and the activations
+the model saves, flat in depth either way. ``nnx.remat`` recomputes the gathers in the
+backward.
+
+The optimizer sees the model's parameters: ``tx`` is initialised and applied on nested dicts
+with the paths of ``nnx.state(model, nnx.Param).to_pure_dict()``, whose leaves are the
+sharded fp32 arrays (a unit's leaf is its master ``W``, rows padded; a plain one has the
+parameter's own shape). Masks and labels by path (``optax.adamw(mask=...)``,
+``optax.multi_transform``, ``optax.masked``), elementwise transforms and global norms therefore
+behave as on the unsharded model; the padding rows of a master hold zeros and receive zero
+gradients. Elementwise updates run on each device's shard with no communication.
+
+The model's other state (the RNG streams of ``nnx.Dropout`` and the like) travels in the
+state: each device draws from its stream folded with its index (its own examples, its own
+dropout masks); the counts advance as in the unsharded model.
+
+Overlap: on GPUs, ``--xla_gpu_enable_latency_hiding_scheduler=true`` overlaps the gathers of
+one step with compute, and ``--xla_gpu_enable_pipelined_all_gather=true`` with
+``--xla_gpu_enable_pipelined_reduce_scatter=true`` (XLA's collective pipeliner) moves the next
+scan iteration's gather (and the previous one's reduce-scatter) into the current iteration
+(set them through ``XLA_FLAGS``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+from jax import lax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from mxfp8_jax._src.core import spmd
+from mxfp8_jax._src.fsdp import fsdp_checkpoint
+from mxfp8_jax._src.fsdp.flax_layers import unit_kernel_shape
+from mxfp8_jax._src.fsdp.fsdp_eval import PlainValue, UnitValue, evaluate
+from mxfp8_jax._src.fsdp.fsdp_plan import (
+    Mesh1D,
+    ParamInfo,
+    check_rule,
+    check_uses,
+    describe,
+    plan_from_uses,
+    split_axis,
+    uses_from_layers,
+)
+from mxfp8_jax._src.fsdp.fsdp_trace import View, analyse, trace_uses
+from mxfp8_jax._src.fsdp.fsdp_unit import PRECISIONS
+from mxfp8_jax._src.numerics.format import BLOCK, ScaleRule
+from mxfp8_jax._src.ops import mxfp8_gemm
+from mxfp8_jax._src.ops.quantize import quantize
+
+# ------------------------------------------------------------------------------------------------
+# State
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class UnitPlanes:
+    """The MXFP8 planes of one unit's master ``[*stack, N_padded, K]``, sharded like it.
+
+    ``rowwise_data``/``columnwise_data``: E4M3 bit patterns as uint8 ``[*stack, N_padded, K]``
+    (XLA:CPU widens float8 arrays that cross a loop to f16, twice the bytes; codes are bitcast
+    to ``float8_e4m3fn`` where they are dequantized);
+    ``rowwise_scale``: uint8 ``[*stack, N_padded, K/32]``; ``columnwise_scale``: uint8
+    ``[*stack, N_padded/32, K]``. Every device's rows are whole 32-row blocks of each layer.
+    """
+
+    rowwise_data: jax.Array
+    rowwise_scale: jax.Array
+    columnwise_data: jax.Array
+    columnwise_scale: jax.Array
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class TrainState:
+    """Everything a step updates. Invariant: ``quantized`` is the quantization of the MXFP8
+    units' masters.
+
+    ``master``: parameter name (its path joined by ``/``) -> fp32 array, for every trained
+    parameter: a unit's ``W`` with its rows padded, ``[*stack, N_padded, K]``, rows sharded
+    over the mesh; a plain parameter in its own shape, split along ``ParamInfo.shard_axis`` (or
+    replicated).
+    ``quantized``: MXFP8 unit name -> its ``UnitPlanes`` (empty without MXFP8 units).
+    ``frozen``: name -> value of each non-floating parameter, replicated, never trained.
+    ``rest``: the values of the model's other state (RNG keys and counts), replicated.
+    ``opt_state``: the optax state of ``FSDP.param_tree(master)``, sharded like the parameters.
+    """
+
+    master: dict[str, jax.Array]
+    quantized: dict[str, UnitPlanes]
+    frozen: dict[str, jax.Array]
+    rest: tuple
+    opt_state: Any
+    step: jax.Array
+
+
+# ------------------------------------------------------------------------------------------------
+# The plan
+
+
+class FSDP:
+    """MXFP8 FSDP training of an NNX model over every axis of ``mesh``.
+
+    ``FSDP(model, mesh, loss_fn=..., example_batch=...)`` traces the loss on the example to
+    find how each parameter is read (its values are not used), and plans what each becomes
+    (``print(fsdp)`` shows it). Then::
+
+        state = fsdp.init(model, tx)           # shard, quantize, optimizer state
+        step = fsdp.train_step(loss_fn, tx)    # jitted; donates the state
+        state, loss = step(state, batch)
+        model = fsdp.gather(state)             # an ordinary nnx module again
+
+    Args:
+      model: the ``nnx.Module`` (concrete or from ``nnx.eval_shape``).
+      mesh: every axis is an FSDP axis (but ``tp_axis``); the batch is split over all of them.
+      precision: ``"mxfp8"`` or ``"bf16"``: the units' default precision (projections;
+        embeddings and output heads are bf16 by default).
+      scale_rule: the MXFP8 scale rule (``"rceil"``, ``"floor"``).
+      tp_axis: a mesh axis for tensor parallelism of the layers marked by ``tensor_parallel``.
+      loss_fn: ``loss_fn(model, batch)``, traced on ``example_batch`` to find the units by
+        operation (with ``example_batch``; the same loss the steps run).
+      example_batch: a batch as the steps take it (arrays or ``jax.ShapeDtypeStruct``s; only
+        shapes and dtypes are read), every leaf's leading axis split over the mesh.
+      precision_by_path: per-parameter precision, overriding the defaults: a mapping of
+        regular expressions on the parameter name (``"blocks/attn/q/kernel"``) to
+        ``"mxfp8"``, ``"bf16"`` or ``"plain"`` (the first that matches wins), or a callable
+        ``(name, role) -> precision | None`` (role: ``"projection"``, ``"embedding"``,
+        ``"head"``).
+      gemm: how MXFP8 units multiply: ``"dequantized"`` (default: the gathered planes are
+        dequantized exactly and the layer's own GEMM runs in its dtype) or ``"mxfp8"``
+        (Transformer Engine's MXFP8BlockScaling recipe: the forward, dgrad and wgrad GEMMs take
+        E4M3 operands blocked along their own contraction, the weight's the gathered planes;
+        bf16 units keep their bf16 GEMMs).
+      gemm_path: with ``gemm="mxfp8"``: ``"auto"`` (the native block-scaled GEMM on CUDA and
+        ROCm, the exact path elsewhere), ``"native"`` (an error where the platform has none) or
+        ``"exact"`` (operands dequantized exactly, fp32 accumulation). ``gemm_paths()`` lists
+        what ``"auto"`` takes.
+
+    ``loss_fn(model, batch) -> scalar`` is the mean loss over the batch it is given (with
+    ``has_aux=True``: ``-> (scalar, aux)``). Each device runs it on its slice of the batch and
+    the step returns the mean over devices. The model may use ``nnx.scan``, ``nnx.vmap``,
+    ``nnx.remat`` and Python loops freely. ``tx`` sees the parameters by path (``param_tree``).
+    """
+
+    def __init__(
+        self,
+        model: nnx.Module,
+        mesh: Mesh,
+        *,
+        precision: str = "mxfp8",
+        scale_rule: str = "rceil",
+        tp_axis: str | None = None,
+        loss_fn: Callable | None = None,
+        example_batch: Any = None,
+        precision_by_path=None,
+        gemm: str = "dequantized",
+        gemm_path: str = "auto",
+    ) -> None:
+        if not isinstance(model, nnx.Module):
+            raise TypeError(f"model must be a flax.nnx.Module, got {type(model).__name__}")
+        if not isinstance(mesh, Mesh):
+            raise TypeError(f"mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}")
+        if precision not in PRECISIONS:
+            raise ValueError(f"precision={precision!r} must be one of {PRECISIONS}")
+        if (loss_fn is None) != (example_batch is None):
+            raise ValueError(
+                "loss_fn and example_batch go together: the plan traces loss_fn(model, example_batch) "
+                "to find the parameters GEMMs and lookups read (give both, or neither for units by layer class)"
+            )
+        check_rule(precision_by_path)
+        self.mesh = Mesh(mesh.devices, mesh.axis_names)  # Auto axes: shard_map does the placing
+        self.precision = precision
+        self.scale_rule = ScaleRule.parse(scale_rule).value
+        self.gemm, self.gemm_path = gemm, gemm_path
+        self._gemm_mode = mxfp8_gemm.check_mode(gemm, gemm_path, scale_rule)
+        self.precision_by_path = precision_by_path
+        graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+        self._graphdef = graphdef
+        self._treedef = jax.tree.structure(params)  # one leaf per Variable: its value
+        self._rest_treedef = jax.tree.structure(rest)
+        rest_flat = jax.tree_util.tree_flatten_with_path(rest)[0]
+        self.rest_names = tuple("/".join(map(str, fsdp_checkpoint.path_names(k))) for k, _ in rest_flat)
+        self._rest_avals = tuple(jax.ShapeDtypeStruct(np.shape(v), v.dtype) for _, v in rest_flat)
+        self._axes = spmd.axis_group(self.mesh.axis_names)  # all axes, innermost first
+        n = self.mesh.size
+        self.tp_axis, self.tp_size = tp_axis, 1
+        self._fsdp_axes, n_fsdp = self._axes, n
+        if tp_axis is not None:
+            if tp_axis not in mesh.axis_names or len(mesh.axis_names) < 2:
+                raise ValueError(
+                    f"tp_axis={tp_axis!r} must be one axis of a mesh with at least one other (FSDP) "
+                    f"axis; the mesh has {tuple(mesh.axis_names)}"
+                )
+            self.tp_size = int(mesh.shape[tp_axis])
+            self._fsdp_axes = spmd.axis_group([a for a in mesh.axis_names if a != tp_axis])
+            n_fsdp = n // self.tp_size
+        flat = jax.tree_util.tree_flatten_with_path(params, is_leaf=_is_variable)[0]
+        found = [
+            (fsdp_checkpoint.path_names(k), tuple(np.shape(v.get_value())), jnp.dtype(v.get_value().dtype))
+            for k, v in flat
+        ]
+        self.traced = loss_fn is not None
+        self._jitted: dict[tuple, Callable] = {}
+        if self.traced:
+            avals = [jax.ShapeDtypeStruct(shape, dtype) for _, shape, dtype in found]
+            batch = self._local_batch(example_batch)
+            uses, _ = trace_uses(self._traceable(loss_fn), avals, list(self._rest_avals), batch)
+        else:
+            uses = uses_from_layers(found, _unit_kernels(model))
+        tp = (tp_axis, self.tp_size, Mesh1D(n_fsdp, self._fsdp_axes)) if tp_axis is not None else None
+        self.params = plan_from_uses(
+            found,
+            uses,
+            Mesh1D(n, self._axes),
+            precision=precision,
+            rule=precision_by_path,
+            tp_roles=_tp_roles(model),
+            tp=tp,
+        )
+        if not self.units:
+            raise ValueError(
+                "model has no eligible weight: "
+                + (
+                    "the loss contracts no parameter in a GEMM and looks none up"
+                    if self.traced
+                    else f"without an example batch FSDP keeps as units the kernels of flax.nnx.Linear (default "
+                    f"dot_general) and mxfp8_jax.flax.Linear layers whose in and out features are both multiples "
+                    f"of {BLOCK}; give loss_fn= and example_batch= to find units by operation"
+                )
+                + f"; parameters found: {[(p.name, p.shape) for p in self.params]}"
+            )
+
+    # -- what the plan holds ---------------------------------------------------------------------
+
+    def __str__(self) -> str:
+        return self.summary()
+
+    def summary(self) -> str:
+        """The plan as a table: every parameter, what it became and why, its stored bytes per
+        device and bytes gathered per step; totals."""
+        return describe(self.params, self.mesh.size, traced=self.traced)
+
+    @property
+    def units(self) -> tuple[ParamInfo, ...]:
+        """The units (MXFP8 and bf16), in parameter order."""
+        return tuple(p for p in self.params if p.is_unit)
+
+    @property
+    def mxfp8_units(self) -> tuple[ParamInfo, ...]:
+        """The MXFP8 units, in parameter order."""
+        return tuple(p for p in self.params if p.kind == "mxfp8")
+
+    @property
+    def plain(self) -> tuple[ParamInfo, ...]:
+        """The plain (fp32, not units) trained parameters, in parameter order."""
+        return tuple(p for p in self.params if p.kind == "plain")
+
+    @property
+    def frozen(self) -> tuple[ParamInfo, ...]:
+        """The non-floating parameters (kept, not trained)."""
+        return tuple(p for p in self.params if p.kind == "frozen")
+
+    @property
+    def trained(self) -> tuple[ParamInfo, ...]:
+        """Every parameter the optimizer updates (units and plain), in parameter order."""
+        return tuple(p for p in self.params if p.kind != "frozen")
+
+    @property
+    def weight_elements(self) -> int:
+        """Elements of the units' parameters (what the model holds)."""
+        return sum(int(np.prod(p.shape)) for p in self.units)
+
+    @property
+    def plain_elements(self) -> int:
+        """Elements of the plain parameters."""
+        return sum(int(np.prod(p.shape)) for p in self.plain)
+
+    @property
+    def stored_elements(self) -> int:
+        """Elements of the units' masters as stored, rows padded so every device holds the same
+        number of rows (the elements a gather moves per element of this)."""
+        return sum(int(np.prod(p.stored_shape)) for p in self.units)
+
+    def master_sharding(self, info: ParamInfo) -> NamedSharding:
+        """A unit's master (and planes): the row axis (second to last) split over the mesh.
+        A plain parameter: split along its ``shard_axis``, or replicated."""
+        return NamedSharding(self.mesh, self._spec(info))
+
+    def logical_sharding(self, info: ParamInfo) -> NamedSharding:
+        """A parameter in its own shape (a checkpoint's tensor): split along the first axis the
+        device count divides."""
+        if info.unit is None:
+            return self.master_sharding(info)
+        axis = split_axis(info.shape, self.mesh.size)
+        if axis is None:
+            return NamedSharding(self.mesh, PartitionSpec())
+        return NamedSharding(self.mesh, PartitionSpec(*(None,) * axis, self._axes))
+
+    def param_tree(self, arrays: dict[str, Any]) -> dict:
+        """``{name: array}`` (like ``TrainState.master``) as nested dicts keyed by the parameter
+        paths of ``nnx.state(model, nnx.Param)`` (its ``to_pure_dict()`` structure): the tree
+        ``tx`` is initialised and applied on."""
+        tree: dict = {}
+        for p in self.trained:
+            node = tree
+            for key in p.path[:-1]:
+                node = node.setdefault(key, {})
+            node[p.path[-1]] = arrays[p.name]
+        return tree
+
+    def from_param_tree(self, tree: dict) -> dict[str, Any]:
+        """The inverse of ``param_tree``."""
+        out = {}
+        for p in self.trained:
+            node = tree
+            for key in p.path:
+                node = node[key]
+            out[p.name] = node
+        return out
+
+    def owner_of(self, key_path, leaf) -> ParamInfo | None:
+        """The parameter an optimizer leaf belongs to: its key path ends with the parameter's
+        path and it has the parameter's stored shape (adam's moments, masked or labelled)."""
+        names = fsdp_checkpoint.path_names(key_path)
+        by_path = self._by_path
+        for k in range(min(max(map(len, by_path)), len(names)), 0, -1):
+            p = by_path.get(tuple(names[-k:]))
+            if p is not None and tuple(np.shape(leaf)) == p.stored_shape:
+                return p
+        return None
+
+    @functools.cached_property
+    def _by_path(self) -> dict[tuple, ParamInfo]:
+        return {p.path: p for p in self.trained}
+
+    # -- state ---------------------------------------------------------------------------------
+
+    def init(self, model: nnx.Module, tx: optax.GradientTransformation) -> TrainState:
+        """Shards ``model``'s parameters, quantizes the MXFP8 units, initialises ``tx``.
+
+        The parameters may be host arrays or ``jax.Array``s with any sharding (e.g. created
+        under ``jax.jit`` with ``out_shardings``, across several processes): they are placed by
+        one jitted program, device to device, with no host gather."""
+        values, rest = self._values_of(model)
+        master, frozen, rest, step = self._place_fn(
+            {p.name: values[j] for j, p in enumerate(self.params) if p.kind != "frozen"},
+            {p.name: values[j] for j, p in enumerate(self.params) if p.kind == "frozen"},
+            rest,
+        )
+        quantized = self._quantize_fn(master)
+        params = self.param_tree(master)
+        opt_shardings = self._opt_shardings(jax.eval_shape(tx.init, params))
+        opt_state = jax.jit(tx.init, out_shardings=opt_shardings)(params)
+        state = TrainState(master, quantized, frozen, tuple(rest), opt_state, step)
+        return jax.device_put(state, self._shardings(state))
+
+    def abstract_state(self, tx: optax.GradientTransformation) -> TrainState:
+        """The ``TrainState`` that ``init`` would return, as ``jax.ShapeDtypeStruct``s with their
+        shardings: for ``lower_train_step`` (memory analysis, HLO) without building the model."""
+        sds = jax.ShapeDtypeStruct
+        master, quantized = {}, {}
+        for p in self.trained:
+            master[p.name] = sds(p.stored_shape, jnp.float32, sharding=self.master_sharding(p))
+        for p in self.mxfp8_units:
+            s = self.master_sharding(p)
+            codes, row_scale, col_scale = (sds(p.tp_global(a), jnp.uint8, sharding=s) for a in p.unit.plane_shapes())
+            quantized[p.name] = UnitPlanes(codes, row_scale, codes, col_scale)
+        rep = NamedSharding(self.mesh, PartitionSpec())
+        frozen = {p.name: sds(p.shape, p.dtype, sharding=rep) for p in self.frozen}
+        rest = tuple(sds(a.shape, a.dtype, sharding=rep) for a in self._rest_avals)
+        shapes = jax.eval_shape(tx.init, self.param_tree(master))
+        opt_state = jax.tree.map(lambda a, s: sds(a.shape, a.dtype, sharding=s), shapes, self._opt_shardings(shapes))
+        return TrainState(master, quantized, frozen, rest, opt_state, sds((), jnp.int32, sharding=rep))
+
+    def gather(self, state: TrainState) -> nnx.Module:
+        """The model with the full fp32 master parameters (one all-gather per array) and the
+        state's RNG streams."""
+        self.check_state(state, "state")
+        return self._merge(self._logical_fn(state.master, state.frozen), list(state.rest))
+
+    def check_state(self, state: Any, argname: str = "state") -> None:
+        """Raises ``ValueError`` unless ``state`` is a ``TrainState`` of this plan: the same
+        parameter names, stored shapes and dtypes, planes exactly for the MXFP8 units."""
+        if not isinstance(state, TrainState):
+            raise TypeError(f"{argname} must be a TrainState (from FSDP.init), got {type(state).__name__}")
+        planes = sorted(state.quantized or {})
+        if planes != sorted(p.name for p in self.mxfp8_units):
+            raise ValueError(
+                f"{argname} has MXFP8 planes for {planes}, but this plan's MXFP8 units are "
+                f"{sorted(p.name for p in self.mxfp8_units)} (precision={self.precision!r})"
+            )
+        want = {p.name: (p.stored_shape, jnp.dtype(jnp.float32)) for p in self.trained}
+        got = {k: (tuple(np.shape(v)), jnp.dtype(v.dtype)) for k, v in state.master.items()}
+        want.update({p.name: (p.shape, p.dtype) for p in self.frozen})
+        got.update({k: (tuple(np.shape(v)), jnp.dtype(v.dtype)) for k, v in state.frozen.items()})
+        if want != got:
+            missing = sorted(want.keys() - got.keys())
+            extra = sorted(got.keys() - want.keys())
+            differ = sorted(k for k in want.keys() & got.keys() if want[k] != got[k])
+            detail = "; ".join(
+                part
+                for part in (
+                    f"missing {missing}" if missing else "",
+                    f"not in this plan {extra}" if extra else "",
+                    ", ".join(
+                        f"{k}: {got[k][0]} {got[k][1]}, the plan stores {want[k][0]} {want[k][1]}" for k in differ
+                    ),
+                )
+                if part
+            )
+            raise ValueError(f"{argname} is not a state of this FSDP plan (another model or mesh?): {detail}")
+
+    # -- checkpoints ---------------------------------------------------------------------------
+
+    def save(self, state: TrainState, directory, *, async_save: bool = False, overwrite: bool = False):
+        """Writes ``state`` to ``directory`` as LOGICAL tensors, shard by shard (orbax).
+
+        Stored: every trained parameter by its model path in its own shape (a unit as the
+        parameter, padding dropped), every optimizer leaf that belongs to a parameter in that
+        parameter's shape under ``opt/<optimizer path>/<parameter path>`` (the others, e.g. step
+        counts, as they are), the frozen parameters, the model's other state (RNG streams), the
+        step, the precision of each parameter and the scale rule. Never the mesh, the padding
+        or the planes (recomputed on ``restore``), so a checkpoint restores onto any mesh.
+        Every process must call it. Returns a handle; with ``async_save`` call ``.wait()``
+        before relying on the files.
+        """
+        self.check_state(state, "state")
+        self._check_live(state)
+        return fsdp_checkpoint.save(self, state, directory, async_save=async_save, overwrite=overwrite)
+
+    def restore(self, directory, tx: optax.GradientTransformation) -> TrainState:
+        """The ``TrainState`` saved in ``directory``, placed on this plan's mesh: parameters and
+        optimizer moments read shard by shard into their shardings, planes re-quantized.
+
+        Before any data moves, a ``ValueError`` names every path that does not fit this plan
+        and ``tx``: a missing or extra parameter, another shape or dtype, another optimizer
+        structure; a checkpoint whose parameters were saved with other precisions or another
+        scale rule is refused too."""
+        master, frozen, rest, opt_state, step = fsdp_checkpoint.restore(self, directory, self.abstract_state(tx))
+        state = TrainState(master, self._quantize_fn(master), frozen, tuple(rest), opt_state, step)
+        return jax.device_put(state, self._shardings(state))
+
+    # -- steps ---------------------------------------------------------------------------------
+
+    def place_batch(self, batch: Any) -> Any:
+        """``batch`` with every leaf's leading axis split over the mesh (as a step takes it);
+        under tensor parallelism the leading axis over the FSDP axes and the second (sequence)
+        over the tp axis.
+
+        ``jax.ShapeDtypeStruct`` leaves get the sharding attached (for lowering only)."""
+        self._check_batch(batch)
+        sharding = NamedSharding(self.mesh, self._batch_spec)
+        if all(isinstance(leaf, jax.ShapeDtypeStruct) for leaf in jax.tree.leaves(batch)):
+            return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding), batch)
+        return jax.device_put(batch, sharding)
+
+    def _check_batch(self, batch) -> None:
+        n_batch = self.mesh.size // self.tp_size
+        for leaf in jax.tree.leaves(batch):
+            shape = np.shape(leaf)
+            if len(shape) == 0 or shape[0] % n_batch:
+                raise ValueError(
+                    f"batch leaf of shape {shape}: its leading (batch) axis must be divisible by the "
+                    f"{n_batch} devices it is split over"
+                )
+            if self.tp_axis is not None and (len(shape) < 2 or shape[1] % self.tp_size):
+                raise ValueError(
+                    f"batch leaf of shape {shape}: under tp_axis={self.tp_axis!r} its second (sequence) "
+                    f"axis is split over {self.tp_size} devices and must be divisible by them"
+                )
+
+    def _local_batch(self, batch) -> Any:
+        """One device's slice of ``batch``, as ``jax.ShapeDtypeStruct``s."""
+        self._check_batch(batch)
+        n_batch = self.mesh.size // self.tp_size
+
+        def local(leaf):
+            shape = list(np.shape(leaf))
+            shape[0] //= n_batch
+            if self.tp_axis is not None:
+                shape[1] //= self.tp_size
+            return jax.ShapeDtypeStruct(
+                tuple(shape), jnp.asarray(leaf).dtype if not hasattr(leaf, "dtype") else leaf.dtype
+            )
+
+        return jax.tree.map(local, batch)
+
+    @functools.cached_property
+    def _batch_spec(self) -> PartitionSpec:
+        if self.tp_axis is None:
+            return PartitionSpec(self._axes)
+        return PartitionSpec(self._fsdp_axes, self.tp_axis)
+
+    def loss_and_grads(self, loss_fn: Callable, *, has_aux: bool = False) -> Callable:
+        """``fn(state, batch) -> (loss, grads)`` (``((loss, aux), grads)`` with ``has_aux``),
+        jitted: the step's gradients, a dict like ``state.master`` (a unit's is
+        ``[*stack, N_padded, K]`` fp32, rows sharded; a plain parameter's its own shape)."""
+
+        def make():
+            grads_fn = self._grads_fn(loss_fn, has_aux)
+
+            def fn(state, batch):
+                loss, aux, grads, _ = grads_fn(state, batch)
+                return ((loss, aux), grads) if has_aux else (loss, grads)
+
+            return jax.jit(fn)
+
+        jitted = self._jit(("loss_and_grads", loss_fn, has_aux), make)
+
+        def call(state, batch):
+            self._check_live(state)
+            return jitted(state, self.place_batch(batch))
+
+        return call
+
+    def eval_step(self, loss_fn: Callable) -> Callable:
+        """``fn(state, batch) -> loss``, jitted: the loss the training step would see (the same
+        gathers, precisions and GEMMs), the mean over devices; no gradient is computed (XLA
+        drops the backward), the state is not donated."""
+
+        def make():
+            grads_fn = self._grads_fn(loss_fn, False)
+            return jax.jit(lambda state, batch: grads_fn(state, batch)[0])
+
+        jitted = self._jit(("eval_step", loss_fn), make)
+
+        def call(state, batch):
+            self._check_live(state)
+            return jitted(state, self.place_batch(batch))
+
+        return call
+
+    def train_step(self, loss_fn: Callable, tx: optax.GradientTransformation, *, has_aux: bool = False) -> Callable:
+        """``step(state, batch) -> (state, loss)`` (``(state, loss, aux)`` with ``has_aux``):
+        gradients, the ``tx`` update on the shards, re-quantization. Jitted; the input state is
+        donated, and calling it again with a consumed state is a ``ValueError``. ``aux`` leaves
+        are floating and averaged over devices, like the loss."""
+        jitted = self._jit(("train_step", loss_fn, tx, has_aux), lambda: self._train_jit(loss_fn, tx, has_aux))
+
+        def call(state, batch):
+            self._check_live(state)
+            return jitted(state, self.place_batch(batch))
+
+        return call
+
+    def lower_train_step(
+        self,
+        loss_fn: Callable,
+        tx: optax.GradientTransformation,
+        state: TrainState,
+        batch: Any,
+        *,
+        has_aux: bool = False,
+    ) -> jax.stages.Lowered:
+        """``train_step`` lowered for ``state`` and ``batch`` (arrays, or ``abstract_state`` and
+        ``jax.ShapeDtypeStruct`` leaves). ``.compile()`` gives a step to call as
+        ``compiled(state, fsdp.place_batch(batch))`` (donating ``state``), its HLO text and its
+        ``memory_analysis()``."""
+        return self._train_jit(loss_fn, tx, has_aux).lower(state, self.place_batch(batch))
+
+    def _train_jit(self, loss_fn: Callable, tx, has_aux: bool):
+        return jax.jit(self._step(loss_fn, tx, has_aux), donate_argnums=0)
+
+    def _jit(self, key: tuple, make: Callable) -> Callable:
+        """The jitted function made for ``key`` (what, and the loss, optimizer and flags it was
+        made for), made once: asking ``train_step``/``loss_and_grads``/``eval_step`` again for
+        the same loss reuses its compiled programs instead of tracing and compiling anew."""
+        if key not in self._jitted:
+            self._jitted[key] = make()
+        return self._jitted[key]
+
+    # -- parameter shapes ----------------------------------------------------------------------
+
+    def to_logical(self, info: ParamInfo, stored: jax.Array) -> jax.Array:
+        """Any parameter's stored array (``TrainState.master`` entry, its gradient or an
+        optimizer moment) in the parameter's own shape (a unit's padding rows dropped); works
+        on sharded arrays."""
+        g = info.unit
+        if g is None:
+            return stored
+        if info.tp is None:
+            return g.from_master(stored)
+        # a tensor-parallel Linear kernel [*stack, in, out]: W = kernel.T, tp slices side by side
+        if info.tp == "column":  # [*stack, tp * out_padded, in]: each slice's padding dropped
+            t = info.tp_size
+            w = stored.reshape(*stored.shape[:-2], t, g.out_padded, stored.shape[-1])[..., : g.out_features, :]
+            return jnp.swapaxes(w.reshape(*stored.shape[:-2], t * g.out_features, stored.shape[-1]), -1, -2)
+        return jnp.swapaxes(stored[..., : g.out_features, :], -1, -2)
+
+    def from_logical(self, info: ParamInfo, value: jax.Array, dtype=jnp.float32) -> jax.Array:
+        """The inverse of ``to_logical``: a unit's parameter-shaped array as its padded master
+        (zero rows), in ``dtype``."""
+        value = jnp.asarray(value, dtype)
+        g = info.unit
+        if g is None:
+            return value
+        if info.tp is None:
+            return g.to_master(value)
+        w = jnp.swapaxes(value, -1, -2)  # [*stack, out, in]
+        stack, pad = len(info.stack), g.out_padded - g.out_features
+        if info.tp == "column":  # each tp slice of rows padded on its own
+            t = info.tp_size
+            w = w.reshape(*w.shape[:-2], t, g.out_features, w.shape[-1])
+            w = jnp.pad(w, [(0, 0)] * (stack + 1) + [(0, pad), (0, 0)])
+            return w.reshape(*w.shape[:-3], t * g.out_padded, w.shape[-1])
+        return jnp.pad(w, [(0, 0)] * stack + [(0, pad), (0, 0)])
+
+    # -- internals -----------------------------------------------------------------------------
+
+    def _check_live(self, state) -> None:
+        if isinstance(state, TrainState) and any(
+            isinstance(a, jax.Array) and a.is_deleted() for a in jax.tree.leaves(state)
+        ):
+            raise ValueError(
+                "this state was consumed by an earlier step (a step donates its input state); "
+                "use the state that step returned"
+            )
+
+    def _check_opt_state(self, tx, params, opt_state) -> None:
+        want = jax.eval_shape(tx.init, params)
+        w_leaves, w_def = jax.tree.flatten(want)
+        g_leaves, g_def = jax.tree.flatten(opt_state)
+        same = w_def == g_def and all(
+            tuple(a.shape) == tuple(np.shape(b)) and jnp.dtype(a.dtype) == jnp.dtype(b.dtype)
+            for a, b in zip(w_leaves, g_leaves)
+        )
+        if not same:
+            raise ValueError(
+                "state.opt_state was not initialised by the tx given to train_step (its structure "
+                f"differs: {g_def} vs {w_def}); build the state with fsdp.init(model, tx) using the "
+                "same optimizer"
+            )
+
+    def _step(self, loss_fn: Callable, tx, has_aux: bool) -> Callable:
+        grads_fn = self._grads_fn(loss_fn, has_aux)
+        quantize_local = self._quantize_local()
+
+        def step(state: TrainState, batch):
+            self.check_state(state, "state")
+            loss, aux, grads, rest = grads_fn(state, batch)
+            params = self.param_tree(state.master)
+            self._check_opt_state(tx, params, state.opt_state)
+            updates, opt_state = tx.update(self.param_tree(grads), state.opt_state, params)
+            master = self.from_param_tree(optax.apply_updates(params, updates))
+            master = {k: v.astype(jnp.float32) for k, v in master.items()}
+            new_state = TrainState(master, quantize_local(master), state.frozen, tuple(rest), opt_state, state.step + 1)
+            new_state = lax.with_sharding_constraint(new_state, self._shardings(new_state))
+            return (new_state, loss, aux) if has_aux else (new_state, loss)
+
+        return step
+
+    def _traceable(self, loss_fn: Callable) -> Callable:
+        """``(parameter values, rest values, batch) -> (loss_fn's output, rest values after)``:
+        the loss as a function of arrays, for tracing."""
+
+        def fn(values, rest, batch):
+            model = self._merge(values, rest)
+            out = loss_fn(model, batch)
+            _, _, after = nnx.split(model, nnx.Param, ...)
+            return out, jax.tree.leaves(after)
+
+        return fn
+
+    def _grads_fn(self, loss_fn: Callable, has_aux: bool) -> Callable:
+        """Loss, aux, gradients and the model's new other state of one step: one shard_map."""
+        mesh, axes, n = self.mesh, self._axes, self.mesh.size
+        master_specs = {p.name: self._spec(p) for p in self.trained}
+        planes_specs = {p.name: UnitPlanes(*(self._spec(p),) * 4) for p in self.mxfp8_units}
+        frozen_specs = {p.name: PartitionSpec() for p in self.frozen}
+        rest_specs = tuple(PartitionSpec() for _ in self._rest_avals)
+        replicated = [p.name for p in self.plain if p.shard_axis is None]
+        traceable = self._traceable(loss_fn)
+
+        def local(master, planes, frozen, rest, batch):
+            avals = [jax.ShapeDtypeStruct(p.step_shape, p.dtype) for p in self.params]
+            closed, shapes = jax.make_jaxpr(traceable, return_shape=True)(avals, list(self._rest_avals), batch)
+            check_uses(self.params, analyse(closed, len(self.params)), traced=self.traced)
+            out_tree = jax.tree.structure(shapes)
+            drawn = list(self._per_device_keys(rest))
+            batch_leaves = jax.tree.leaves(batch)
+
+            def loss_of(master):
+                args = [*self._step_values(master, planes, frozen), *drawn, *batch_leaves]
+                out, after = jax.tree.unflatten(out_tree, evaluate(closed, args))
+                loss, aux = _split_loss(out, has_aux)
+                return loss.astype(jnp.float32) / n, (aux, after)
+
+            (loss, (aux, after)), grads = jax.value_and_grad(loss_of, has_aux=True)(master)
+            for name in replicated:  # used whole on every device: sum the devices' parts
+                grads[name] = lax.psum(grads[name], axes)
+            aux = jax.tree.map(lambda a: lax.pmean(a, axes), aux)
+            return lax.psum(loss, axes), aux, grads, self._next_rest(rest, after)
+
+        def grads_fn(state: TrainState, batch):
+            fn = spmd.shard_map(
+                local,
+                mesh,
+                (master_specs, planes_specs, frozen_specs, rest_specs, jax.tree.map(lambda _: self._batch_spec, batch)),
+                (PartitionSpec(), PartitionSpec(), master_specs, rest_specs),
+            )
+            return fn(state.master, state.quantized, state.frozen, tuple(state.rest), batch)
+
+        return grads_fn
+
+    def _step_values(self, master, planes, frozen) -> list:
+        """Each parameter as the evaluated loss holds it on this device (``fsdp_eval``)."""
+        values = []
+        for j, p in enumerate(self.params):
+            if p.kind == "frozen":
+                values.append(frozen[p.name])
+            elif p.unit is not None:
+                leaves = (master[p.name],)
+                if p.kind == "mxfp8":
+                    q = planes[p.name]
+                    leaves += (q.rowwise_data, q.rowwise_scale, q.columnwise_data, q.columnwise_scale)
+                view = View(j, tuple((a,) for a in range(len(p.step_shape))))
+                gemm = self._gemm_mode if p.kind == "mxfp8" else None
+                values.append(UnitValue(p.name, p.unit, p.dtype, leaves, view, gemm=gemm))
+            else:
+                axes = self._axes if p.shard_axis is not None else None
+                values.append(PlainValue(p.name, master[p.name], p.shard_axis, axes, p.dtype, _layer_of(p.path)))
+        return values
+
+    def _per_device_keys(self, rest) -> tuple:
+        """The model's RNG keys folded with this device's index: each device its own draws."""
+        if not any(_is_key(r) for r in rest):
+            return tuple(rest)
+        index = spmd.shard_position(self.mesh, self.mesh.axis_names)
+        return tuple(jax.random.fold_in(r, index) if _is_key(r) else r for r in rest)
+
+    def _next_rest(self, before, after) -> tuple:
+        """The model's other state after the step: keys as they were (each step draws by the
+        advanced counts), floating values averaged over devices, the rest (counts) as is."""
+        out = []
+        for b, a in zip(before, after):
+            if _is_key(b):
+                out.append(b)
+            elif jnp.issubdtype(a.dtype, jnp.floating):
+                out.append(lax.pmean(a, self._axes))
+            else:
+                out.append(a)
+        return tuple(out)
+
+    def _spec(self, info: ParamInfo) -> PartitionSpec:
+        stack = (None,) * len(info.stack)
+        if info.tp == "column":  # rows: tp slices, each split over the FSDP axes
+            fsdp = self._fsdp_axes if isinstance(self._fsdp_axes, tuple) else (self._fsdp_axes,)
+            return PartitionSpec(*stack, (self.tp_axis, *fsdp), None)
+        if info.tp == "row":  # rows over the FSDP axes, columns over tp
+            return PartitionSpec(*stack, self._fsdp_axes, self.tp_axis)
+        if info.unit is not None:
+            return PartitionSpec(*stack, self._axes, None)
+        if info.shard_axis is None:
+            return PartitionSpec()
+        return PartitionSpec(*(None,) * info.shard_axis, self._axes)
+
+    @functools.cached_property
+    def _place_fn(self):
+        trained = self.trained
+        shardings = {p.name: self.master_sharding(p) for p in trained}
+        rep = NamedSharding(self.mesh, PartitionSpec())
+        frozen_shardings = {p.name: rep for p in self.frozen}
+
+        def place(values, frozen, rest):  # the step counter too: made on the devices, not sent
+            master = {p.name: self.from_logical(p, values[p.name]) for p in trained}
+            frozen = {k: jnp.asarray(v) for k, v in frozen.items()}
+            return master, frozen, [jnp.asarray(r) for r in rest], jnp.zeros((), jnp.int32)
+
+        rest_shardings = [rep] * len(self._rest_avals)
+        return jax.jit(place, out_shardings=(shardings, frozen_shardings, rest_shardings, rep))
+
+    @functools.cached_property
+    def _logical_fn(self):
+        """``(master, frozen) -> values`` in parameter order, each whole (replicated), in the
+        parameter's dtype."""
+        rep = NamedSharding(self.mesh, PartitionSpec())
+
+        def logical(master, frozen):
+            values = []
+            for p in self.params:
+                if p.kind == "frozen":
+                    values.append(frozen[p.name])
+                else:
+                    values.append(self.to_logical(p, master[p.name]).astype(p.dtype))
+            return values
+
+        return jax.jit(logical, out_shardings=[rep] * len(self.params))
+
+    def _quantize_local(self) -> Callable:
+        """``master -> {name: UnitPlanes}``: every device quantizes its own rows (no collective)."""
+        units, rule = self.mxfp8_units, self.scale_rule
+        if not units:
+            return lambda master: {}
+        specs = {p.name: self._spec(p) for p in units}
+
+        def local(master):
+            out = {}
+            for p in units:
+                w = master[p.name]  # [*stack, rows, K]: whole 32-row blocks of each layer
+                codes, row_scale, col_scale = p.unit.plane_shapes(rows=w.shape[-2], stack=w.shape[:-2])
+                t = quantize(w.reshape(-1, w.shape[-1]), scale_rule=rule)
+                as_bytes = lambda q: lax.bitcast_convert_type(q, jnp.uint8).reshape(codes)
+                out[p.name] = UnitPlanes(
+                    as_bytes(t.rowwise_data),
+                    t.rowwise_scale.reshape(row_scale),
+                    as_bytes(t.columnwise_data),
+                    t.columnwise_scale.reshape(col_scale),
+                )
+            return out
+
+        planes_specs = {name: UnitPlanes(*(s,) * 4) for name, s in specs.items()}
+        fn = spmd.shard_map(local, self.mesh, (specs,), planes_specs)
+        return lambda master: fn({p.name: master[p.name] for p in units})
+
+    @functools.cached_property
+    def _quantize_fn(self):
+        return jax.jit(self._quantize_local())
+
+    def _opt_shardings(self, shapes):
+        """Optimizer leaves that belong to a parameter (``owner_of``) are sharded like it; the
+        rest (step counts, scalars) replicated. Init and step agree, so the step compiles once."""
+        replicated = NamedSharding(self.mesh, PartitionSpec())
+
+        def sharding(key_path, leaf):
+            p = self.owner_of(key_path, leaf)
+            return replicated if p is None else self.master_sharding(p)
+
+        return jax.tree_util.tree_map_with_path(sharding, shapes)
+
+    def _shardings(self, state: TrainState):
+        master = {p.name: self.master_sharding(p) for p in self.trained}
+        quantized = {p.name: UnitPlanes(*(self.master_sharding(p),) * 4) for p in self.mxfp8_units}
+        replicated = NamedSharding(self.mesh, PartitionSpec())
+        frozen = {k: replicated for k in state.frozen}
+        rest = tuple(replicated for _ in state.rest)
+        return TrainState(master, quantized, frozen, rest, self._opt_shardings(state.opt_state), replicated)
+
+    def _values_of(self, model: nnx.Module) -> tuple[list, list]:
+        if not isinstance(model, nnx.Module):
+            raise TypeError(f"model must be a flax.nnx.Module, got {type(model).__name__}")
+        _, params, rest = nnx.split(model, nnx.Param, ...)
+        variables = jax.tree.leaves(params, is_leaf=_is_variable)
+        found = tuple(
+            (fsdp_checkpoint.path_names(k), tuple(v.get_value().shape))
+            for k, v in jax.tree_util.tree_flatten_with_path(params, is_leaf=_is_variable)[0]
+        )
+        want = tuple((p.path, p.shape) for p in self.params)
+        if found != want:
+            raise ValueError(f"model has parameters {found}, but this FSDP plan was built for {want}")
+        rest = jax.tree.leaves(rest)
+        if len(rest) != len(self._rest_avals):
+            raise ValueError(
+                f"model has {len(rest)} values of state other than nnx.Param, the plan {len(self._rest_avals)}"
+            )
+        return [v.get_value() for v in variables], rest
+
+    def _merge(self, values, rest) -> nnx.Module:
+        return nnx.merge(
+            self._graphdef, jax.tree.unflatten(self._treedef, values), jax.tree.unflatten(self._rest_treedef, rest)
+        )
+
+
+def _split_loss(out, has_aux: bool):
+    if has_aux:
+        if not (isinstance(out, tuple) and len(out) == 2):
+            raise ValueError(f"loss_fn must return (loss, aux) with has_aux=True, got {type(out).__name__}")
+        loss, aux = out
+        for leaf in jax.tree.leaves(aux):
+            if not jnp.issubdtype(jnp.result_type(leaf), jnp.floating):
+                raise ValueError(
+                    "loss_fn's aux leaves must be floating (they are averaged over devices), "
+                    f"got {jnp.result_type(leaf)}"
+                )
+    else:
+        if isinstance(out, tuple):
+            raise ValueError(
+                "loss_fn returned a tuple; for (loss, aux) pass has_aux=True to train_step / loss_and_grads"
+            )
+        loss, aux = out, None
+    if jnp.ndim(loss) != 0:
+        raise ValueError(f"loss_fn must return a scalar (the mean loss of its batch), got shape {jnp.shape(loss)}")
+    if not jnp.issubdtype(jnp.result_type(loss), jnp.floating):
+        raise ValueError(f"loss_fn must return a floating scalar, got {jnp.result_type(loss)}")
+    return loss, aux
+
+
+def _unit_kernels(model: nnx.Module) -> dict[tuple, tuple[tuple[int, ...], int, int]]:
+    """Kernel path -> ``(stack, in, out)`` for every layer whose kernel is a unit by class."""
+    found = {}
+    for path, node in nnx.iter_graph(model):
+        kernel = getattr(node, "kernel", None) if isinstance(node, nnx.Module) else None
+        if not isinstance(kernel, nnx.Variable):
+            continue
+        spec = unit_kernel_shape(node, tuple(kernel.get_value().shape))
+        if spec is not None and jnp.issubdtype(kernel.get_value().dtype, jnp.floating):
+            found[(*tuple(path), "kernel")] = spec
+    return found
+
+
+def _tp_roles(model: nnx.Module) -> dict[tuple, str]:
+    """Kernel path -> tensor-parallel role, for the layers ``tensor_parallel`` marked."""
+    roles = {}
+    for path, node in nnx.iter_graph(model):
+        role = getattr(node, "tensor_parallel", None) if isinstance(node, nnx.Module) else None
+        if role is not None and isinstance(getattr(node, "kernel", None), nnx.Variable):
+            roles[(*tuple(path), "kernel")] = role
+    return roles
+
+
+def _layer_of(path) -> tuple:
+    """The layer a parameter belongs to, for gathering its plain parameters together: its path
+    up to the first list index (``blocks/3``), else its first name (a scanned stack ``blocks``,
+    a top-level module ``norm``)."""
+    for k, key in enumerate(path[:-1]):
+        if isinstance(key, int):
+            return tuple(path[: k + 1])
+    return tuple(path[:1])
+
+
+def _is_variable(x) -> bool:
+    return isinstance(x, nnx.Variable)
+
+
+def _is_key(x) -> bool:
+    return jax.dtypes.issubdtype(getattr(x, "dtype", None), jax.dtypes.prng_key)

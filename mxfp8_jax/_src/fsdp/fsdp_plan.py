@@ -1,0 +1,464 @@
+"""The FSDP plan: what each parameter of a model becomes, and why.
+
+Four kinds, one word each (``ParamInfo.kind``):
+
+- ``"mxfp8"``: an MXFP8 unit. fp32 master rows ``W [*stack, N, K]`` sharded over the mesh in
+  whole 32-row blocks, plus their rowwise and columnwise planes; gathered as 8-bit planes for
+  each GEMM or lookup that reads it, dropped after (``fsdp_unit``).
+- ``"bf16"``: a bf16 unit. The same without planes: the master rows rounded to bf16 and
+  gathered as 16-bit words. The default for embeddings and output heads (MXFP8 training recipes
+  keep them in higher precision), and for contracted weights whose ``K`` or ``N`` is not a
+  multiple of 32.
+- ``"plain"``: fp32 in its own shape, split over the mesh along an axis the device count
+  divides (after its layer axes), gathered where it is read (norm scales, biases, anything
+  that is not a GEMM operand or a lookup table).
+- ``"frozen"``: not floating; replicated, passed to the model, never trained.
+
+What a parameter is read by comes from a trace of the loss (``fsdp_trace``): a parameter
+contracted by ``dot_general`` (any layer: ``nnx.Linear``, ``nnx.LinearGeneral``,
+``nnx.Einsum``, ``jnp.einsum`` / ``@`` in a custom layer) or looked up (``nnx.Embed``,
+``table[ids]``) is a unit. Its role sets its default precision: ``"embedding"`` (looked up),
+``"head"`` (its GEMMs feed no other parameter's GEMM: the logits) or ``"projection"``. Without a
+trace (no example batch), units are found by layer class as before: ``nnx.Linear`` (default
+``dot_general``) and ``mxfp8_jax.flax.Linear`` kernels whose two sides are multiples of 32.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import jax.numpy as jnp
+import numpy as np
+
+from mxfp8_jax._src.fsdp.fsdp_trace import Use, Uses, describe_shape, product
+from mxfp8_jax._src.fsdp.fsdp_unit import PRECISIONS, UnitGeometry
+from mxfp8_jax._src.numerics.format import BLOCK
+
+KINDS = ("mxfp8", "bf16", "plain", "frozen")
+ROLES = ("projection", "embedding", "head")
+
+
+@dataclasses.dataclass(frozen=True)
+class ParamInfo:
+    """One model parameter as the plan sees it; ``path`` as in ``nnx.to_flat_state``.
+
+    ``kind`` is one of ``KINDS``; a unit (``"mxfp8"``/``"bf16"``) has its ``unit`` geometry and
+    ``role``; a plain parameter its ``shard_axis`` (None: whole on every device) and ``level``
+    (leading layer axes that scans slice). ``reason`` says why a unit is bf16 or why a
+    parameter is not a unit. Under tensor parallelism a unit's ``tp`` is ``"column"`` (``N``
+    split over the ``tp_size`` devices of the tp axis) or ``"row"`` (``K`` split); its ``unit``
+    geometry is then that of one tp slice. ``sites`` / ``remat_sites``: the ops of the loss that
+    read it, and those of them inside rematerialised regions.
+    """
+
+    path: tuple[str | int, ...]
+    shape: tuple[int, ...]
+    dtype: Any
+    kind: str
+    unit: UnitGeometry | None = None
+    role: str | None = None
+    shard_axis: int | None = None
+    level: int = 0
+    tp: str | None = None
+    tp_size: int = 1
+    reason: str = ""
+    gemm_sites: int = 0
+    lookup_sites: int = 0
+    remat_sites: int = 0
+
+    @property
+    def name(self) -> str:
+        return "/".join(map(str, self.path))
+
+    @property
+    def is_unit(self) -> bool:
+        return self.unit is not None
+
+    @property
+    def stack(self) -> tuple[int, ...]:
+        """A unit's stack axes: its layers, then the axes its GEMMs batch over."""
+        return self.unit.stack if self.unit is not None else ()
+
+    @property
+    def stored_shape(self) -> tuple[int, ...]:
+        """The shape of its array in ``TrainState.master`` (a unit's padded ``W``; the tp
+        slices side by side along rows for ``"column"``, along columns for ``"row"``)."""
+        return self.shape if self.unit is None else self.tp_global(self.unit.padded_shape())
+
+    @property
+    def step_shape(self) -> tuple[int, ...]:
+        """The parameter's shape as the model sees it inside a step (one tp slice)."""
+        return self.shape if self.unit is None else self.unit.param_shape
+
+    def tp_global(self, local: tuple[int, ...]) -> tuple[int, ...]:
+        """A unit array's shape for one tp slice -> for all of them."""
+        if self.tp is None:
+            return tuple(local)
+        axis = len(local) - (2 if self.tp == "column" else 1)
+        return tuple(d * self.tp_size if a == axis else d for a, d in enumerate(local))
+
+
+@dataclasses.dataclass(frozen=True)
+class Mesh1D:
+    """The plan's view of the mesh: ``size`` devices in the collective group ``axes``."""
+
+    size: int
+    axes: Any
+
+
+def split_axis(shape: tuple[int, ...], n: int, first: int = 0) -> int | None:
+    """The first axis from ``first`` on that ``n`` devices split evenly (None: none does)."""
+    return next((a for a in range(first, len(shape)) if shape[a] > 0 and shape[a] % n == 0), None)
+
+
+def resolve_rule(rule, name: str, role: str) -> str | None:
+    """The precision ``rule`` asks for ``name`` (None: no opinion). ``rule``: a mapping of
+    regular expressions to precisions (the first that ``re.search``es the name wins) or a
+    callable ``(name, role) -> precision | None``."""
+    if rule is None:
+        return None
+    if callable(rule):
+        return rule(name, role)
+    for pattern, precision in rule.items():
+        if re.search(pattern, name):
+            return precision
+    return None
+
+
+def check_rule(rule) -> None:
+    if rule is None or callable(rule):
+        return
+    if not isinstance(rule, Mapping):
+        raise TypeError(
+            "precision_by_path must be a mapping {regex: precision} or a callable (name, role) -> precision | None, "
+            f"got {type(rule).__name__}"
+        )
+    for pattern, precision in rule.items():
+        re.compile(pattern)
+        _check_precision(precision, f"precision_by_path[{pattern!r}]")
+
+
+def _check_precision(precision, where: str) -> None:
+    if precision not in (*PRECISIONS, "plain"):
+        raise ValueError(f"{where}={precision!r} must be one of {(*PRECISIONS, 'plain')}")
+
+
+# ------------------------------------------------------------------------------------------------
+# From the uses of a traced loss
+
+
+def plan_from_uses(
+    params: list[tuple[tuple, tuple[int, ...], Any]],
+    uses: Uses,
+    mesh: Mesh1D,
+    *,
+    precision: str,
+    rule=None,
+    tp_roles: Mapping[tuple, str] | None = None,
+    tp: tuple[str, int, Mesh1D] | None = None,
+) -> tuple[ParamInfo, ...]:
+    """``ParamInfo`` for every ``(path, shape, dtype)`` of ``params`` from how the loss reads it.
+
+    ``tp``: ``(axis name, tp size, the FSDP group)`` under tensor parallelism, with the roles of
+    the marked layers' kernels in ``tp_roles``."""
+    out = []
+    for j, (path, shape, dtype) in enumerate(params):
+        out.append(
+            _classify(path, shape, dtype, uses.by_param[j], uses.is_head(j), mesh, precision, rule, tp_roles, tp)
+        )
+    return tuple(out)
+
+
+def _classify(path, shape, dtype, uses: list[Use], head, mesh, precision, rule, tp_roles, tp) -> ParamInfo:
+    name = "/".join(map(str, path))
+    shape = tuple(int(d) for d in shape)
+    if not jnp.issubdtype(dtype, jnp.floating):
+        return ParamInfo(path, shape, dtype, "frozen", reason="not floating: kept as it is, not trained")
+    gemms = [u for u in uses if u.kind == "gemm"]
+    lookups = [u for u in uses if u.kind == "lookup"]
+    level = min((u.level for u in uses), default=0)
+
+    def plain(reason: str) -> ParamInfo:
+        return ParamInfo(
+            path,
+            shape,
+            dtype,
+            "plain",
+            shard_axis=split_axis(shape, mesh.size, level),
+            level=level,
+            reason=reason,
+            remat_sites=sum(u.remat for u in uses),
+        )
+
+    if not uses:
+        return plain("not read by the loss")
+    other = next((u for u in uses if u.kind == "other"), None)
+    if other is not None:
+        return plain(f"read by {other.what}")
+    if len({u.level for u in uses}) > 1:
+        return plain("read both inside and outside the loop over its layers")
+    if gemms:
+        first = gemms[0]
+        batch, k_axes, n_axes = first.batch, first.contract, first.free
+        for g in gemms[1:]:
+            if g.batch != batch or set(g.contract) not in (set(k_axes), set(n_axes)):
+                return plain("contracted in two different ways")
+    else:  # a table that is only looked up: its rows are its first axis after the layers
+        batch, n_axes, k_axes = (), (level,), tuple(range(level + 1, len(shape)))
+    if not n_axes or not k_axes:
+        return plain("a vector: nothing to split into rows")
+    role = "embedding" if lookups else "head" if head else "projection"
+    k, n = product([shape[a] for a in k_axes]), product([shape[a] for a in n_axes])
+    asked = resolve_rule(rule, name, role)
+    if asked is not None:
+        _check_precision(asked, f"precision_by_path for {name}")
+    if asked == "plain":
+        return plain("precision_by_path asks for it")
+    chosen = asked or (precision if role == "projection" else "bf16")
+    reason = "" if asked or role == "projection" else f"{role}: bf16 by default"
+    if lookups and gemms and not asked:
+        reason = "tied embedding and output head: bf16 by default"
+    if chosen == "mxfp8" and (k % BLOCK or n % BLOCK):
+        if asked == "mxfp8":
+            raise ValueError(
+                f"precision_by_path asks for {name} {describe_shape(shape)} as MXFP8, but its GEMMs have "
+                f"K={k} and N={n}; both must be multiples of {BLOCK} (MXFP8 blocks)"
+            )
+        chosen, reason = "bf16", f"K={k}, N={n}: not both multiples of {BLOCK}"
+    role_tp = (tp_roles or {}).get(tuple(path)) if tp is not None else None
+    group, axes = mesh.size, mesh.axes
+    geometry_shape = shape
+    if role_tp is not None:
+        axis_name, t, fsdp = tp
+        geometry_shape = _tp_slice(name, shape, level, batch, n_axes, k_axes, role_tp, axis_name, t)
+        group, axes = fsdp.size, fsdp.axes
+    unit = UnitGeometry.build(
+        geometry_shape,
+        level=level,
+        batch_axes=batch,
+        n_axes=n_axes,
+        k_axes=k_axes,
+        num_shards=group,
+        axes=axes,
+        precision=chosen,
+    )
+    return ParamInfo(
+        path,
+        shape,
+        dtype,
+        chosen,
+        unit=unit,
+        role=role,
+        level=level,
+        tp=role_tp,
+        tp_size=tp[1] if role_tp is not None else 1,
+        reason=reason,
+        gemm_sites=len(gemms),
+        lookup_sites=len(lookups),
+        remat_sites=sum(u.remat for u in uses),
+    )
+
+
+def _tp_slice(name, shape, level, batch, n_axes, k_axes, role, axis_name, t) -> tuple[int, ...]:
+    """A tensor-parallel kernel ``[*layers, in, out]`` -> its shape on one device of the tp axis."""
+    if role not in ("column", "row"):
+        raise ValueError(f"{name}: tensor_parallel={role!r} must be 'column' or 'row'")
+    if batch or n_axes != (len(shape) - 1,) or k_axes != (len(shape) - 2,) or level != len(shape) - 2:
+        raise ValueError(
+            f"{name}: tensor_parallel applies to a Linear-like kernel [*layers, in, out] contracted over in; "
+            f"this {describe_shape(shape)} parameter is contracted over its axes {k_axes} (batch axes {batch})"
+        )
+    axis = len(shape) - (1 if role == "column" else 2)
+    if shape[axis] % (t * BLOCK):
+        raise ValueError(
+            f"{name}: a {role}-parallel kernel {describe_shape(shape[-2:])} splits its "
+            f"{'out' if role == 'column' else 'in'} features over the {t} devices of {axis_name!r}; "
+            f"they must be a multiple of {t} x {BLOCK}"
+        )
+    return tuple(d // t if a == axis else d for a, d in enumerate(shape))
+
+
+def check_uses(infos, uses: Uses, *, traced: bool) -> None:
+    """The loss a step runs reads every unit of the plan ``infos`` the way the plan keeps it:
+    GEMMs and lookups only, with its layer axes, batch axes and contraction (else a
+    ``ValueError`` naming the parameter and what the loss does with it)."""
+    for j, p in enumerate(infos):
+        g = p.unit
+        if g is None:
+            continue
+        for u in uses.by_param[j]:
+            problem = None
+            if u.kind == "other":
+                problem = f"read by {u.what}"
+            elif u.level != g.level:
+                problem = f"read with {u.level} layer axes sliced off by scans, where the plan has {g.level}" + (
+                    " (a stacked layer called without nnx.scan?)" if u.level < g.level else ""
+                )
+            elif u.kind == "gemm" and (
+                u.batch != g.batch_axes
+                or {frozenset(u.contract), frozenset(u.free)} != {frozenset(g.k_axes), frozenset(g.n_axes)}
+            ):
+                problem = f"contracted over its axes {u.contract} (batch {u.batch})"
+            if problem is None:
+                continue
+            fix = (
+                "the loss given to the step must read parameters as the loss the plan traced"
+                if traced
+                else "build FSDP(model, mesh, loss_fn=..., example_batch=...) with this loss so that the plan "
+                "follows what it does"
+            )
+            raise ValueError(
+                f"{p.name} {list(p.step_shape)}: the FSDP plan keeps it as a {p.kind} unit contracted over its "
+                f"axes {g.k_axes} (batch {g.batch_axes}, {g.level} layer axes), but this loss has it {problem}; {fix}"
+            )
+
+
+# ------------------------------------------------------------------------------------------------
+# Without a trace: by layer class
+
+
+def uses_from_layers(params, unit_kernels: Mapping[tuple, tuple[tuple[int, ...], int, int]]) -> Uses:
+    """The uses the layer classes imply: the kernel ``[*stack, in, out]`` of each layer in
+    ``unit_kernels`` is contracted over ``in`` by one GEMM per layer (its stack axes sliced by
+    a scan); nothing else is known (no head, no embedding), so everything else is plain. A plain
+    parameter of a stacked module (a scanned block's norm scale ``[L, D]``) is read one layer at
+    a time like the block's kernels, so it has as many layer axes as they have."""
+    roots = stack_roots(params, unit_kernels)
+    by_param = []
+    for path, _, _ in params:
+        spec = unit_kernels.get(tuple(path))
+        if spec is None:
+            level = next((k for root, k in roots.items() if tuple(path[: len(root)]) == root), 0)
+            by_param.append(
+                [Use("other", level, "no GEMM of an nnx.Linear or mxfp8_jax.flax.Linear (units by layer class)")]
+            )
+            continue
+        stack, _, _ = spec
+        level = len(stack)
+        by_param.append([Use("gemm", level, "dot_general", contract=(level,), free=(level + 1,))])
+    return Uses(by_param, feeds_gemm=set(range(len(params))))
+
+
+def stack_roots(params, unit_kernels: Mapping[tuple, tuple[tuple[int, ...], int, int]]) -> dict[tuple, int]:
+    """Path prefix of each stacked module -> its number of layer axes. A stacked kernel
+    ``[*stack, in, out]`` belongs to the outermost module on its path whose parameters all start
+    with ``stack`` (an ``nnx.vmap``-made stack has every parameter stacked; its parent holds
+    unstacked ones too: the final norm, the embedding)."""
+    shapes = [(tuple(path), tuple(shape)) for path, shape, _ in params]
+    roots = {}
+    for kernel_path, (stack, _, _) in unit_kernels.items():
+        if not stack:
+            continue
+        for depth in range(1, len(kernel_path)):
+            prefix = tuple(kernel_path[:depth])
+            if all(shape[: len(stack)] == tuple(stack) for path, shape in shapes if path[:depth] == prefix):
+                roots.setdefault(prefix, len(stack))
+                break
+    return roots
+
+
+# ------------------------------------------------------------------------------------------------
+# The table
+
+
+def describe(infos, mesh_size: int, *, traced: bool) -> str:
+    """``print(fsdp)``: every parameter with what it became, stored bytes per device, bytes
+    gathered per step, and totals."""
+    rows = []
+    for p in infos:
+        rows.append(
+            (
+                p.name,
+                describe_shape(p.shape),
+                _what(p),
+                _fmt(stored_bytes(p, mesh_size)),
+                _fmt(gathered_bytes(p, mesh_size)),
+                p.reason,
+            )
+        )
+    header = ("parameter", "shape", "kind", "stored/device", "gathered/step", "why")
+    widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
+    line = lambda r: "  ".join(str(c).ljust(w) for c, w in zip(r, widths)).rstrip()
+    total = lambda kinds: sum(int(np.prod(p.shape)) * 4 for p in infos if p.kind in kinds)
+    model = total(("mxfp8", "bf16", "plain"))
+    out = [
+        f"FSDP plan over {mesh_size} devices ("
+        + ("units found by tracing the loss" if traced else "units found by layer class: no example batch was traced")
+        + ")",
+        line(header),
+        line(tuple("-" * w for w in widths)),
+        *map(line, rows),
+        "",
+    ]
+    by_kind = {k: sum(1 for p in infos if p.kind == k) for k in KINDS}
+    unit_bytes = total(("mxfp8", "bf16"))
+    out.append(
+        "parameters: "
+        + ", ".join(f"{by_kind[k]} {k}" for k in KINDS if by_kind[k])
+        + f"; units hold {unit_bytes / max(model, 1):.1%} of the {_fmt(model)} of trained fp32 parameters"
+    )
+    out.append(
+        f"per device: {_fmt(sum(stored_bytes(p, mesh_size) for p in infos))} stored (masters, planes, plain "
+        f"slices; optimizer state not included), {_fmt(sum(gathered_bytes(p, mesh_size) for p in infos))} "
+        "gathered per step (each GEMM forward and backward, each lookup, each rematerialised read; XLA drops "
+        "the backward gather of a GEMM whose input needs no gradient)"
+    )
+    return "\n".join(out)
+
+
+def _what(p: ParamInfo) -> str:
+    if p.unit is None:
+        if p.kind == "plain":
+            return "plain fp32" + ("" if p.shard_axis is not None else ", whole on every device")
+        return p.kind
+    g = p.unit
+    stack = f"{describe_shape(g.stack)} x " if g.stack else ""
+    tp = f", {p.tp}-parallel" if p.tp else ""
+    return f"{p.kind} {p.role} {stack}N={g.out_features} K={g.in_features}{tp}"
+
+
+def stored_bytes(p: ParamInfo, n: int) -> int:
+    """Bytes one device stores for ``p`` (master, planes; optimizer state not included)."""
+    if p.kind == "frozen":
+        return int(np.prod(p.shape)) * jnp.dtype(p.dtype).itemsize
+    if p.unit is None:
+        whole = int(np.prod(p.shape)) * 4
+        return whole if p.shard_axis is None else whole // n
+    elements = int(np.prod(p.stored_shape)) // (p.unit.num_shards * p.tp_size)
+    if p.kind == "mxfp8":  # fp32 master + two code planes + two scale planes
+        return elements * (4 + 2 + 2 / BLOCK)
+    return elements * 4
+
+
+def gathered_bytes(p: ParamInfo, n: int) -> int:
+    """Bytes gathered into one device per step for ``p`` (its whole stack), from the reads the
+    trace found: each GEMM once forward and once backward, each lookup once, each read inside
+    a rematerialised region once more."""
+    if p.kind == "frozen":
+        return 0
+    if p.unit is None:
+        if p.shard_axis is None:
+            return 0
+        return int(np.prod(p.shape)) * 4 * (1 + min(p.remat_sites, 1))
+    g = p.unit
+    per_gather = int(np.prod(g.padded_shape())) * (1 + 1 / BLOCK if p.kind == "mxfp8" else 2)
+    gathers = 2 * p.gemm_sites + p.lookup_sites + p.remat_sites
+    return int(per_gather * gathers)
+
+
+def _fmt(b: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if b < 1024 or unit == "GiB":
+            return f"{b:.0f} {unit}" if unit == "B" else f"{b:.1f} {unit}"
+        b /= 1024
+    raise AssertionError
+
+
+def is_unit_kind(kind: str) -> bool:
+    return kind in PRECISIONS
+
+
+Rule = Mapping[str, str] | Callable[[str, str], "str | None"] | None

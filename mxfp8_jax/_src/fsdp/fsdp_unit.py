@@ -1,0 +1,574 @@
+"""One FSDP unit inside a training step: a weight's local shards, gathered just in time.
+
+A unit is a parameter that the loss contracts in GEMMs or reads by lookups (``fsdp_trace``),
+whatever layer holds it. Its GEMM geometry comes from the contraction: ``K`` is the product of
+the parameter axes its GEMMs contract, ``N`` of the axes they keep, and the axes they batch
+over (an MoE's experts) are stack axes, like the layer axis that ``nnx.vmap`` stacks and
+``nnx.scan`` slices. Each device stores its rows of ``W [*stack, N, K]`` (the parameter's axes
+moved to ``stack, N, K`` and merged; Transformer Engine's ``[out, in]`` for a Linear kernel):
+
+    master      fp32        [*stack, rows, K]         rows = N_padded / n
+    rowwise     E4M3 codes  [*stack, rows, K]         E8M0 scales [*stack, rows, K/32]
+    columnwise  E4M3 codes  [*stack, rows, K]         E8M0 scales [*stack, rows/32, K]
+
+An MXFP8 unit's rows are whole 32-row blocks on every device (``N_padded`` a multiple of
+``32 n``), so quantizing a shard equals quantizing the whole weight; a bf16 unit stores the
+master only, rows padded to a multiple of ``n``.
+
+Every op of the loss that reads a unit runs as ONE ``custom_vjp`` over the local shards
+(``unit_gemm``, ``unit_lookup``):
+
+    forward   all-gather the planes blocked along the op's contraction (a GEMM contracting K:
+              the rowwise planes; one contracting N, the transposed use of a tied weight: the
+              columnwise), dequantize exactly, rebuild the value the layer saw (its reshapes,
+              transposes and casts replayed) and run the op as written; save the activation
+              and the LOCAL planes of the other direction: no gathered weight outlives the op
+    backward  all-gather the other planes for the dgrad; dW in fp32 leaves through one
+              reduce-scatter into this device's master rows (a lookup: the scattered rows)
+
+A gather waits for the op's activation (forward) or cotangent (backward) by a data dependency
+(``after``), so in a Python loop over layers each unit is gathered when its layer runs, not at
+the start of the step. ``precision="bf16"`` units are the same with the master rows rounded to
+bf16 and gathered as 16-bit words, once for the forward and once for the backward.
+
+By default (``gemm="dequantized"``) the gathered planes are dequantized (exact) and the GEMMs
+run on the values as the layer wrote them; the backward GEMMs take fp32 operands (products of
+bf16 and dequantized MXFP8 values are exact in fp32) and accumulate in fp32. With
+``gemm="mxfp8"`` an MXFP8 unit's GEMM is ``_mx_gemm``: the layer's ``dot_general`` rewritten as
+the canonical block-scaled product (``_Canonical``), forward, dgrad and wgrad on E4M3 operands
+(``mxfp8_gemm``), the gathered planes as the weight operands. Quantization is the identity for
+the gradient (straight-through).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from mxfp8_jax._src.core import spmd
+from mxfp8_jax._src.fsdp.fsdp_trace import P, product
+from mxfp8_jax._src.numerics.format import BLOCK
+from mxfp8_jax._src.numerics.tensor import MXFP8Tensor
+from mxfp8_jax._src.ops import mxfp8_gemm
+from mxfp8_jax._src.ops.quantize import dequantize
+
+PRECISIONS = ("mxfp8", "bf16")
+
+
+@dataclasses.dataclass(frozen=True)
+class UnitGeometry:
+    """Static geometry of one unit: the parameter ``param_shape`` as ``W [*stack, N, K]``, its
+    ``N`` rows padded to ``out_padded`` and split evenly over ``num_shards`` devices (``axes``:
+    the collective axis name(s), in shard order).
+
+    ``level`` leading parameter axes are sliced off by scans (layers); ``batch_axes`` are
+    parameter axes its GEMMs batch over; ``n_axes`` / ``k_axes`` the kept and contracted ones.
+    ``in_features`` is ``K``, ``out_features`` is ``N`` (a Linear kernel ``[in, out]``).
+    """
+
+    in_features: int
+    out_features: int
+    out_padded: int
+    num_shards: int
+    axes: Any
+    precision: str
+    param_shape: tuple[int, ...]
+    level: int
+    batch_axes: tuple[int, ...]
+    n_axes: tuple[int, ...]
+    k_axes: tuple[int, ...]
+
+    @classmethod
+    def build(
+        cls,
+        param_shape: tuple[int, ...],
+        *,
+        level: int,
+        batch_axes: tuple[int, ...],
+        n_axes: tuple[int, ...],
+        k_axes: tuple[int, ...],
+        num_shards: int,
+        axes,
+        precision: str,
+    ) -> UnitGeometry:
+        if precision not in PRECISIONS:
+            raise ValueError(f"precision={precision!r} must be one of {PRECISIONS}")
+        shape = tuple(int(d) for d in param_shape)
+        roles = tuple(range(level)) + tuple(batch_axes) + tuple(n_axes) + tuple(k_axes)
+        if sorted(roles) != list(range(len(shape))):
+            raise ValueError(f"axes {roles} are not a permutation of the axes of {shape}")
+        k, n = product([shape[a] for a in k_axes]), product([shape[a] for a in n_axes])
+        if precision == "mxfp8" and (k % BLOCK or n % BLOCK):
+            raise ValueError(f"an MXFP8 unit's W [N={n}, K={k}] needs both to be multiples of {BLOCK} (MXFP8 blocks)")
+        # MXFP8: every device holds the same number of whole 32-row blocks; bf16: the same rows
+        quantum = BLOCK * num_shards if precision == "mxfp8" else num_shards
+        return cls(
+            k,
+            n,
+            -(-n // quantum) * quantum,
+            num_shards,
+            axes,
+            precision,
+            shape,
+            level,
+            tuple(batch_axes),
+            tuple(n_axes),
+            tuple(k_axes),
+        )
+
+    @property
+    def rows(self) -> int:
+        """Rows of ``W`` each device stores (a multiple of 32 for MXFP8)."""
+        return self.out_padded // self.num_shards
+
+    @property
+    def stack(self) -> tuple[int, ...]:
+        """The stack axes' sizes: the layers (scan), then the GEMM batch axes."""
+        return self.param_shape[: self.level] + tuple(self.param_shape[a] for a in self.batch_axes)
+
+    def padded_shape(self, stack: tuple[int, ...] | None = None) -> tuple[int, ...]:
+        """The stored master ``[*stack, out_padded, K]`` (all devices' rows)."""
+        return (*(self.stack if stack is None else stack), self.out_padded, self.in_features)
+
+    def plane_shapes(self, stack: tuple[int, ...] | None = None, rows: int | None = None):
+        """``(codes, rowwise scales, columnwise scales)`` of ``rows`` rows (default all):
+        ``[*stack, rows, K]``, ``[*stack, rows, K/32]``, ``[*stack, rows/32, K]``."""
+        stack = self.stack if stack is None else stack
+        rows = self.out_padded if rows is None else rows
+        k = self.in_features
+        return (*stack, rows, k), (*stack, rows, k // BLOCK), (*stack, rows // BLOCK, k)
+
+    @property
+    def perm(self) -> tuple[int, ...]:
+        """Parameter axes in the order of ``W``'s: layers, batch, N, K."""
+        return tuple(range(self.level)) + self.batch_axes + self.n_axes + self.k_axes
+
+    def to_master(self, value: jax.Array, level: int = 0) -> jax.Array:
+        """The parameter's value (its first ``level`` axes already sliced off) as ``W`` with
+        zero padding rows ``[*stack, out_padded, K]``."""
+        w = self.to_rows(value, level)
+        pad = [(0, 0)] * (w.ndim - 2) + [(0, self.out_padded - self.out_features), (0, 0)]
+        return jnp.pad(w, pad)
+
+    def to_rows(self, value: jax.Array, level: int = 0) -> jax.Array:
+        """The parameter's value as ``W [*stack, N, K]`` (no padding)."""
+        perm = [a - level for a in self.perm[level:]]
+        w = jnp.transpose(value, perm)
+        lead = w.shape[: w.ndim - len(self.n_axes) - len(self.k_axes)]
+        return w.reshape(*lead, self.out_features, self.in_features)
+
+    def from_master(self, w: jax.Array, level: int = 0) -> jax.Array:
+        """``W [*stack, out_padded or N, K]`` (the first ``level`` layer axes sliced off) as the
+        parameter's value (padding rows dropped)."""
+        w = w[..., : self.out_features, :]
+        shape = self.param_shape
+        perm = self.perm[level:]
+        w = w.reshape(*w.shape[:-2], *(shape[a] for a in self.n_axes), *(shape[a] for a in self.k_axes))
+        return jnp.transpose(w, np.argsort([a - level for a in perm]))
+
+
+# ------------------------------------------------------------------------------------------------
+# One op reading a unit
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class UnitOp:
+    """Static description of one op of the loss that reads a unit (hashed by identity).
+
+    ``ops``: the layout ops ``(primitive, params)`` between the parameter and the op, replayed
+    on the gathered weight; ``prim``/``params``: the op itself (``dot_general``, ``gather``,
+    ``dynamic_slice``), the unit its operand ``position``; ``transposed``: a GEMM contracting
+    the unit's N axes (its forward reads the columnwise planes).
+    """
+
+    geometry: UnitGeometry
+    param_dtype: Any
+    ops: tuple
+    prim: Any
+    params: dict
+    position: int
+    transposed: bool = False
+    gemm: Any = None  # an mxfp8_gemm.GemmMode: the GEMMs of an MXFP8 unit run in MXFP8
+
+    def value(self, w: jax.Array) -> jax.Array:
+        """``W [*batch, N, K]`` (gathered) -> the operand as the layer's op sees it."""
+        v = self.geometry.from_master(w.astype(self.param_dtype), self.geometry.level)
+        for prim, params in self.ops:
+            v = prim.bind(v, **params)
+        return v
+
+    def layout(self, v: jax.Array) -> jax.Array:
+        """The layout ops alone (casts left out), for carrying fp32 gradients back."""
+        for prim, params in self.ops:
+            if prim is not P.convert_element_type_p:
+                v = prim.bind(v, **params)
+        return v
+
+    def bind(self, unit_operand, others: tuple) -> jax.Array:
+        operands = list(others)
+        operands.insert(self.position, unit_operand)
+        return self.prim.bind(*operands, **self.params)
+
+
+def unit_gemm(op: UnitOp, act: jax.Array, leaves: tuple, given=None) -> jax.Array:
+    """The ``dot_general`` of ``op`` with the unit as one operand and ``act`` the other, run on
+    this device's shards ``leaves`` (``(master, *planes)``): one ``custom_vjp``. ``given``: the
+    MXFP8 planes of ``act`` when it is one (``mxfp8_gemm.GivenOperand``), used by MXFP8 GEMMs
+    whose activation is the marked value itself, rows by tokens and K last."""
+    if op.gemm is not None and op.geometry.precision == "mxfp8":
+        canon = _Canonical.of(op, act)
+        if given is not None and not canon.takes(given, act):
+            given = None
+        order = None if given is None else given.order
+        arrays = None if given is None else given.arrays
+        return _mx_gemm(op, canon, order, act, leaves[0], tuple(leaves[1:]), arrays)
+    return _gemm(op, act, leaves[0], tuple(leaves[1:]))
+
+
+def unit_lookup(op: UnitOp, others: tuple, leaves: tuple) -> jax.Array:
+    """A ``gather`` / ``dynamic_slice`` of the unit (``others``: its index operands), on this
+    device's shards: the table gathered for the lookup, the gradient reduce-scattered."""
+    return _lookup(op, tuple(others), leaves[0], tuple(leaves[1:]))
+
+
+def _local(op: UnitOp, master, planes, *, backward: bool):
+    """The local shards a gather of ``op`` reads: MXFP8 planes blocked along its forward
+    contraction (``backward``: the other direction), or the bf16 master."""
+    if op.geometry.precision != "mxfp8":
+        return master
+    rowwise = op.transposed == backward  # forward of a K-contracting GEMM: rowwise
+    return planes[:2] if rowwise else planes[2:]
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _gemm(op: UnitOp, act, master, planes):
+    local = after(_local(op, master, planes, backward=False), act)
+    w = gathered(op.geometry, local, columnwise=op.transposed)
+    return _forward_dot(op, act, op.value(w))
+
+
+def _gemm_fwd(op: UnitOp, act, master, planes):
+    y = _gemm(op, act, master, planes)
+    return y, (act, _local(op, master, planes, backward=True))
+
+
+def _gemm_bwd(op: UnitOp, residuals, dy):
+    act, local = residuals
+    local = after(local, dy)  # the backward gather waits for the gradient that needs it
+    v = op.value(gathered(op.geometry, local, columnwise=not op.transposed))
+    f32 = lambda a: a.astype(jnp.float32)
+    params = dict(op.params, preferred_element_type=jnp.float32)
+
+    def dot32(a, b):
+        return P.dot_general_p.bind(*((a, b) if op.position == 1 else (b, a)), **params)
+
+    _, vjp = jax.vjp(dot32, f32(act), f32(v))
+    d_act, d_v = vjp(f32(dy))
+    return d_act.astype(act.dtype), _to_local_grad(op, d_v), None
+
+
+_gemm.defvjp(_gemm_fwd, _gemm_bwd)
+
+
+# ------------------------------------------------------------------------------------------------
+# MXFP8 GEMMs (``FSDP(gemm="mxfp8")``)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
+def _mx_gemm(op: UnitOp, canon: _Canonical, order, act, master, planes, given):
+    return _mx_gemm_fwd(op, canon, order, act, master, planes, given)[0]
+
+
+def _mx_gemm_fwd(op: UnitOp, canon: _Canonical, order, act, master, planes, given):
+    local = after(_local(op, master, planes, backward=False), act)
+    w = _weight(op.geometry, local, op.transposed)
+    if given is None:
+        y, x_col = mxfp8_gemm.forward(canon.act_to_x(act), w, op.gemm)
+    else:  # x is MXFP8 already: its rowwise planes go into the GEMM as they are
+        normed, codes, scales, cq, cs = given
+        rows = lambda a: a.reshape(1, -1, a.shape[-1])
+        y = mxfp8_gemm.scaled_matmul(rows(codes), rows(scales), *w, path=op.gemm.path)
+        if cq is not None:  # and its columnwise planes are the wgrad's x
+            x_col = mxfp8_gemm.Quantized(None, (rows(mxfp8_gemm.as_bytes(cq)), rows(cs)), canon.m)
+        else:
+            x_col = mxfp8_gemm.quantize_tokens(canon.act_to_x(normed), op.gemm.scale_rule, rowwise=False)
+    # saved: x's columnwise planes (8.25 bits a value) and the LOCAL planes of the dgrad
+    return canon.y_to_out(y), (x_col, _local(op, master, planes, backward=True))
+
+
+def _mx_gemm_bwd(op: UnitOp, canon: _Canonical, order, residuals, dy):
+    x_col, local = residuals
+    local = after(local, dy)  # the backward gather waits for the gradient that needs it
+    w_t = _weight(op.geometry, local, not op.transposed)
+    dx, dv = mxfp8_gemm.backward(canon.out_to_y(dy), x_col, w_t, op.gemm, order=order)
+    return canon.x_to_act(dx), _scatter_rows(op.geometry, canon.v_to_w(dv)), None, None
+
+
+_mx_gemm.defvjp(_mx_gemm_fwd, _mx_gemm_bwd)
+
+
+def _weight(g: UnitGeometry, local, columnwise: bool) -> tuple[jax.Array, jax.Array]:
+    """The gathered planes of one direction as the block-scaled GEMM's weight operand: rowwise
+    ``[B, N, K]`` blocked along K, columnwise ``[B, K, N]`` blocked along N (no dequantize)."""
+    codes, scales = (all_gather_rows(p, g.axes) for p in local)
+    n, b = g.out_features, product(g.stack[g.level :])
+    codes = codes[..., :n, :].reshape(b, n, g.in_features)
+    scales = scales[..., : n // BLOCK, :] if columnwise else scales[..., :n, :]
+    return mxfp8_gemm.weight_operand(codes, scales.reshape(b, -1, scales.shape[-1]), columnwise=columnwise)
+
+
+def _scatter_rows(g: UnitGeometry, dw: jax.Array) -> jax.Array:
+    """``dW [*batch, N, K]`` fp32 -> this device's rows (one reduce-scatter of the padded rows)."""
+    pad = [(0, 0)] * (dw.ndim - 2) + [(0, g.out_padded - g.out_features), (0, 0)]
+    dw = jnp.pad(dw, pad)
+    return lax.psum_scatter(dw, g.axes, scatter_dimension=dw.ndim - 2, tiled=True)
+
+
+_CANONICAL: dict = {}
+
+
+@dataclasses.dataclass(frozen=True)
+class _Canonical:
+    """The layer's ``dot_general`` of ``act`` and the unit as the canonical GEMM
+    ``y [B, M, D] = x [B, M, C] . V [B, D, C]^T``, where ``V`` is ``W [B, N, K]`` (C = K, D = N),
+    or ``W^T`` for a GEMM contracting the unit's N axes (C = N, D = K).
+
+    ``act_perm`` moves act's axes to (batch, free, contracting); ``pb``/``pd``/``pc`` say which
+    index of ``W``'s batch / D / C each flattened dot axis holds (None: in order), found by
+    replaying the layer's layout ops on the indices of ``W`` (a reshape or transpose of the
+    kernel reorders them); ``y_perm`` puts the result in the dot's output order.
+    """
+
+    act_perm: tuple
+    act_sizes: tuple
+    act_dtype: Any
+    out_sizes: tuple
+    y_perm: tuple | None
+    out_dtype: Any
+    b: int
+    m: int
+    c: int
+    d: int
+    pb: tuple | None
+    pd: tuple | None
+    pc: tuple | None
+    transposed: bool
+    w_shape: tuple
+
+    @classmethod
+    def of(cls, op: UnitOp, act) -> _Canonical:
+        key = (op.geometry, repr(op.ops), repr(op.params), op.position, op.transposed, act.shape, act.dtype)
+        if key not in _CANONICAL:
+            _CANONICAL[key] = cls._build(op, act)
+        return _CANONICAL[key]
+
+    @classmethod
+    def _build(cls, op: UnitOp, act) -> _Canonical:
+        g, pos = op.geometry, op.position
+        (lc, rc), (lb, rb) = op.params["dimension_numbers"]
+        cu, bu = (lc, lb) if pos == 0 else (rc, rb)
+        ca, ba = (rc, rb) if pos == 0 else (lc, lb)
+        batch = g.stack[g.level :]
+        n, k, b = g.out_features, g.in_features, product(batch)
+        with jax.ensure_compile_time_eval():
+            idx = np.arange(b * n * k, dtype=np.int32).reshape(*batch, n, k)
+            iv = np.asarray(op.layout(g.from_master(jnp.asarray(idx), g.level)))
+        fu = [a for a in range(iv.ndim) if a not in cu and a not in bu]
+        fa = [a for a in range(act.ndim) if a not in ca and a not in ba]
+        size = lambda shape, axes: product([shape[a] for a in axes])
+        v_shape = iv.shape
+        bd, dd, cd = size(v_shape, bu), size(v_shape, fu), size(v_shape, cu)
+        iv = iv.transpose([*bu, *fu, *cu]).reshape(bd, dd, cd)
+        bi, ni, ki = iv // (n * k), (iv // k) % n, iv % k
+        di, ci = (ki, ni) if op.transposed else (ni, ki)
+        pb, pd, pc = bi[:, 0, 0], di[0, :, 0], ci[0, 0, :]
+        separable = (
+            (bd, dd, cd) == (b, *((k, n) if op.transposed else (n, k)))
+            and (bi == pb[:, None, None]).all()
+            and (di == pd[None, :, None]).all()
+            and (ci == pc[None, None, :]).all()
+        )
+        if not separable:
+            raise ValueError(
+                f"gemm='mxfp8': the GEMM {op.params['dimension_numbers']} of a unit {g.param_shape} mixes its "
+                f"kernel's axes across batch, kept and contracted roles after the layer's reshapes; "
+                f"give this parameter precision 'bf16' (precision_by_path) or use gemm='dequantized'"
+            )
+        ident = lambda p: None if (p == np.arange(p.size)).all() else tuple(int(i) for i in p)
+        act_perm = (*ba, *fa, *ca)
+        if size(act.shape, ba) != b or size(act.shape, ca) != cd:
+            raise ValueError(f"activation {act.shape} does not match the unit GEMM {op.params['dimension_numbers']}")
+        nb, na, nu = len(ba), len(fa), len(fu)
+        free_u = tuple(v_shape[a] for a in fu)
+        out_sizes = (*(act.shape[a] for a in ba), *(act.shape[a] for a in fa), *free_u)
+        y_perm = None  # the dot's output: batch, lhs free, rhs free
+        if pos == 0:
+            y_perm = (*range(nb), *range(nb + na, nb + na + nu), *range(nb, nb + na))
+        v_aval = jax.ShapeDtypeStruct((*batch, n, k), jnp.float32)
+        out = jax.eval_shape(
+            lambda a, w: op.bind(op.value(w), (a,)), jax.ShapeDtypeStruct(act.shape, act.dtype), v_aval
+        )
+        return cls(
+            act_perm=act_perm,
+            act_sizes=tuple(act.shape[a] for a in act_perm),
+            act_dtype=act.dtype,
+            out_sizes=out_sizes,
+            y_perm=y_perm,
+            out_dtype=out.dtype,
+            b=b,
+            m=size(act.shape, fa),
+            c=cd,
+            d=dd,
+            pb=ident(pb),
+            pd=ident(pd),
+            pc=ident(pc),
+            transposed=op.transposed,
+            w_shape=(*batch, n, k),
+        )
+
+    def takes(self, given, act) -> bool:
+        """Whether ``given`` planes (of ``act`` as it is) can be this GEMM's x: tokens by rows,
+        K last, in order, no batch axes."""
+        codes = given.arrays[1]
+        plain = self.act_perm == tuple(range(len(self.act_perm))) and self.b == 1 and self.pc is None
+        return plain and tuple(codes.shape) == tuple(act.shape)
+
+    def act_to_x(self, act: jax.Array) -> jax.Array:
+        """The layer's activation -> ``x [B, M, C]``, C in ``W``'s order."""
+        x = jnp.transpose(act, self.act_perm).reshape(self.b, self.m, self.c)
+        x = x if self.pb is None else x[np.argsort(self.pb)]
+        return x if self.pc is None else x[..., np.argsort(self.pc)]
+
+    def x_to_act(self, dx: jax.Array) -> jax.Array:
+        """``dx [B, M, C]`` fp32 -> the activation's cotangent (its layout and dtype)."""
+        dx = dx if self.pc is None else dx[..., np.asarray(self.pc)]
+        dx = dx if self.pb is None else dx[np.asarray(self.pb)]
+        dx = dx.reshape(self.act_sizes).astype(self.act_dtype)
+        return jnp.transpose(dx, np.argsort(self.act_perm))
+
+    def y_to_out(self, y: jax.Array) -> jax.Array:
+        """``y [B, M, D]`` fp32 -> the dot's output (its layout and dtype)."""
+        y = y if self.pb is None else y[np.asarray(self.pb)]
+        y = y if self.pd is None else y[..., np.asarray(self.pd)]
+        y = y.reshape(self.out_sizes).astype(self.out_dtype)
+        return y if self.y_perm is None else jnp.transpose(y, self.y_perm)
+
+    def out_to_y(self, dy: jax.Array) -> jax.Array:
+        """The output's cotangent -> ``dy [B, M, D]`` (its dtype kept: quantized next)."""
+        dy = dy if self.y_perm is None else jnp.transpose(dy, np.argsort(self.y_perm))
+        dy = dy.reshape(self.b, self.m, self.d)
+        dy = dy if self.pb is None else dy[np.argsort(self.pb)]
+        return dy if self.pd is None else dy[..., np.argsort(self.pd)]
+
+    def v_to_w(self, dv: jax.Array) -> jax.Array:
+        """The wgrad ``dV [B, D, C]`` -> ``dW [*batch, N, K]``."""
+        dw = jnp.swapaxes(dv, 1, 2) if self.transposed else dv
+        return dw.reshape(self.w_shape)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _lookup(op: UnitOp, others, master, planes):
+    local = after(_local(op, master, planes, backward=False), others[0] if others else None)
+    return op.bind(op.value(gathered(op.geometry, local, columnwise=False)), others)
+
+
+def _lookup_fwd(op: UnitOp, others, master, planes):
+    return _lookup(op, others, master, planes), others
+
+
+def _lookup_bwd(op: UnitOp, others, dy):
+    shape = jax.ShapeDtypeStruct(_value_shape(op), jnp.float32)
+    (d_v,) = jax.linear_transpose(lambda v: op.bind(v, others), shape)(dy.astype(jnp.float32))
+    return None, _to_local_grad(op, d_v), None
+
+
+_lookup.defvjp(_lookup_fwd, _lookup_bwd)
+
+
+def _value_shape(op: UnitOp) -> tuple[int, ...]:
+    g = op.geometry
+    w = jax.ShapeDtypeStruct((*g.stack[g.level :], g.out_features, g.in_features), jnp.float32)
+    return jax.eval_shape(lambda w: op.layout(g.from_master(w, g.level)), w).shape
+
+
+def _to_local_grad(op: UnitOp, d_v: jax.Array) -> jax.Array:
+    """The fp32 cotangent of the op's operand -> this device's rows of ``dW`` (one
+    reduce-scatter of the padded ``[*batch, N_padded, K]``)."""
+    g = op.geometry
+    param_shape = g.param_shape[g.level :]
+    (d_param,) = jax.linear_transpose(op.layout, jax.ShapeDtypeStruct(param_shape, jnp.float32))(d_v)
+    dw = g.to_master(d_param, g.level)
+    return lax.psum_scatter(dw, g.axes, scatter_dimension=dw.ndim - 2, tiled=True)
+
+
+def _forward_dot(op: UnitOp, act, v):
+    """The layer's own ``dot_general``. XLA:CPU has no fast 16-bit GEMM: there 16-bit operands
+    are multiplied as fp32 (exact products, fp32 accumulation) and the result cast back."""
+    narrow = lambda a: jnp.issubdtype(a.dtype, jnp.floating) and jnp.dtype(a.dtype).itemsize < 4
+    if jax.default_backend() == "cpu" and narrow(act) and narrow(v):
+        out = op.params.get("preferred_element_type") or jnp.result_type(act, v)
+        params = dict(op.params, preferred_element_type=jnp.float32)
+        y = op.prim.bind(*_in_order(op, act.astype(jnp.float32), v.astype(jnp.float32)), **params)
+        return y.astype(out)
+    return op.prim.bind(*_in_order(op, act, v), **op.params)
+
+
+def _in_order(op: UnitOp, act, v):
+    return (act, v) if op.position == 1 else (v, act)
+
+
+# ------------------------------------------------------------------------------------------------
+# Gathers
+
+
+def all_gather_rows(x: jax.Array, axes) -> jax.Array:
+    """This device's rows ``[..., rows, K]`` -> every device's, in shard order (narrow floats as bits)."""
+    return spmd.all_gather_bits(x, axes, axis=x.ndim - 2)
+
+
+def gathered(g: UnitGeometry, local, *, columnwise: bool) -> jax.Array:
+    """``W [*batch, N, K]`` from this device's shards: the MXFP8 planes of one direction
+    dequantized exactly to fp32, or the master rows rounded to bf16."""
+    if g.precision != "mxfp8":
+        return all_gather_rows(local.astype(jnp.bfloat16), g.axes)[..., : g.out_features, :]
+    codes, scales = (all_gather_rows(p, g.axes) for p in local)
+    batch = codes.shape[:-2]
+    n, k = g.out_features, g.in_features
+    codes = lax.bitcast_convert_type(codes[..., :n, :], jnp.float8_e4m3fn).reshape(-1, k)
+    scales = scales[..., : n // BLOCK, :] if columnwise else scales[..., :n, :]
+    scales = scales.reshape(-1, scales.shape[-1])
+    shape = (*batch, n, k)
+    planes = (
+        dict(columnwise_data=codes, columnwise_scale=scales)
+        if columnwise
+        else dict(rowwise_data=codes, rowwise_scale=scales)
+    )
+    t = MXFP8Tensor(
+        **{name: planes.get(name) for name in ("rowwise_data", "rowwise_scale", "columnwise_data", "columnwise_scale")},
+        shape=shape,
+    )
+    return dequantize(t, columnwise=columnwise, dtype=jnp.float32)
+
+
+def after(tree, token):
+    """``tree`` unchanged, but computed from ``token``: work on the result can neither start
+    before ``token`` exists nor be merged with the same work on ``tree`` itself (the forward's
+    gather of the same bytes, a recomputed forward under remat).
+
+    ``lax.optimization_barrier`` means this, but XLA:CPU expands barriers before common-
+    subexpression elimination; a select on ``token < -inf`` (never true, not even for NaN, yet
+    not folded by XLA) is a real data dependency for the cost of one pass over a local shard.
+    """
+    if token is None or not hasattr(token, "dtype") or token.size == 0:
+        return tree
+    first = token.reshape(-1)[0]
+    if not jnp.issubdtype(first.dtype, jnp.number):
+        return tree
+    never = first.astype(jnp.float32) < -jnp.inf
+    return jax.tree.map(lambda x: jnp.where(never, jnp.zeros_like(x), x), tree)

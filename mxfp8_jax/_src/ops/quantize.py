@@ -1,0 +1,131 @@
+"""``quantize`` / ``dequantize``: argument checks, then the reference or the kernel
+(``backend.run``; see ``backend`` for what ``"auto"``, ``"ffi"`` and ``"jax"`` mean).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax.typing import DTypeLike
+
+from mxfp8_jax._src.core.tracing import is_traced
+from mxfp8_jax._src.kernels import backend as backends
+from mxfp8_jax._src.kernels import ffi_calls
+from mxfp8_jax._src.numerics import format as fmt
+from mxfp8_jax._src.numerics.tensor import MXFP8Tensor, carries_tangent, not_differentiable, zero_tangent
+
+INPUT_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
+
+
+def check_input(x, *, rowwise: bool, columnwise: bool, argname: str = "x") -> tuple[int, int]:
+    """Validates a quantize input; returns its 2-D view ``(M, K)``."""
+    dt = jnp.dtype(getattr(x, "dtype", None))
+    if dt not in [jnp.dtype(d) for d in INPUT_DTYPES]:
+        raise TypeError(f"{argname} has dtype {dt}; MXFP8 quantize takes bfloat16, float16 or float32 input")
+    if x.ndim < 2:
+        raise ValueError(
+            f"{argname} has shape {tuple(x.shape)}; MXFP8 quantize needs at least 2-D input "
+            f"(N-D input is quantized as its [prod(leading axes), K] view)"
+        )
+    if not (rowwise or columnwise):
+        raise ValueError("at least one of rowwise=True or columnwise=True is required")
+    m, k = math.prod(x.shape[:-1]), x.shape[-1]
+    if k % fmt.BLOCK:
+        raise ValueError(f"{argname}: K={k} (last axis) must be a multiple of 32 for MXFP8 blocks")
+    if columnwise and m % fmt.BLOCK:
+        raise ValueError(
+            f"{argname}: M={m} (product of the leading axes) must be a multiple of 32 for "
+            f"MXFP8 columnwise blocks; pass columnwise=False for a rowwise-only tensor"
+        )
+    return m, k
+
+
+def quantize(
+    x: jax.Array,
+    *,
+    rowwise: bool = True,
+    columnwise: bool = True,
+    scale_rule: str = "rceil",
+    backend: str = "auto",
+) -> MXFP8Tensor:
+    """Quantizes ``x`` (bf16/fp16/fp32, ``[..., K]``) to MXFP8.
+
+    Rowwise blocks run along the last axis, columnwise blocks along the rows of the 2-D view
+    ``[M, K]`` with ``M = prod(shape[:-1])``. Returns an ``MXFP8Tensor`` holding the requested
+    planes; ``shape`` and ``dtype`` record the input.
+
+    Not differentiable: ``jax.grad``/``jax.jvp`` through it raises a TypeError for every backend
+    (the planes cannot carry a gradient; docs/design.md §2). Quantize
+    ``jax.lax.stop_gradient(x)`` for a constant, or write a straight-through estimator as
+    ``x + stop_gradient(dequantize(quantize(stop_gradient(x))) - x)``.
+    """
+    # checked as given: jnp.asarray would turn a float64 array into float32 silently
+    x = x if hasattr(x, "dtype") else jnp.asarray(x)
+    m, k = check_input(x, rowwise=rowwise, columnwise=columnwise)
+    x = jnp.asarray(x)
+    rule = fmt.ScaleRule.parse(scale_rule)
+    backends.check(backend)
+    # Eager calls (a notebook cell) run one executable compiled per configuration and shape
+    # instead of dispatching the reference's few dozen operations one by one; traced calls are
+    # inlined (see MXFP8Tensor.dequantize for why not as a nested jit).
+    fn = _planes if is_traced(x) else _planes_jit
+    rq, rs, cq, cs = fn(x.reshape(m, k), rowwise=rowwise, columnwise=columnwise, rule=rule, backend=backend)
+    return MXFP8Tensor(
+        rowwise_data=rq, rowwise_scale=rs, columnwise_data=cq, columnwise_scale=cs, shape=tuple(x.shape), dtype=x.dtype
+    )
+
+
+def _planes(x2d, *, rowwise: bool, columnwise: bool, rule: fmt.ScaleRule, backend: str):
+    return _planes_no_grad(x2d, rowwise, columnwise, rule, backend)
+
+
+# One gradient behaviour for every backend: the reference's bit manipulation would give silent
+# zeros and an FFI call cannot be differentiated at all, so differentiating either is an error.
+@functools.partial(jax.custom_jvp, nondiff_argnums=(1, 2, 3, 4))
+def _planes_no_grad(x2d, rowwise: bool, columnwise: bool, rule: fmt.ScaleRule, backend: str):
+    def reference(x2d):
+        row = fmt.quantize_rowwise(x2d, rule) if rowwise else (None, None)
+        col = fmt.quantize_columnwise(x2d, rule) if columnwise else (None, None)
+        return row + col
+
+    def kernel(x2d):
+        (rq, rs), (cq, cs) = ffi_calls.quantize(x2d, scale_rule=rule.code, rowwise=rowwise, columnwise=columnwise)
+        return rq, rs, cq, cs
+
+    return backends.run("mxfp8_quantize", backend, kernel, reference, x2d)
+
+
+@functools.partial(_planes_no_grad.defjvp, symbolic_zeros=True)
+def _planes_jvp(rowwise, columnwise, rule, backend, primals, tangents):
+    if carries_tangent(tangents[0]):
+        raise not_differentiable("mx.quantize")
+    out = _planes_no_grad(*primals, rowwise, columnwise, rule, backend)
+    return out, jax.tree.map(zero_tangent, out)
+
+
+_planes_jit = jax.jit(_planes, static_argnames=("rowwise", "columnwise", "rule", "backend"))
+
+
+def dequantize(t: MXFP8Tensor, *, columnwise: bool = False, dtype: DTypeLike | None = None) -> jax.Array:
+    """``fp32(q) * 2^(byte - 127)`` of the rowwise (default) or columnwise plane, as ``dtype``.
+
+    Exact in fp32 (subnormal results included); bf16 output is rounded to nearest even. Not
+    differentiable in the planes (see ``quantize``). The same operation as
+    ``MXFP8Tensor.dequantize``, with the same default.
+
+    Args:
+      t: an ``MXFP8Tensor`` satisfying ``MXFP8Tensor.validate`` (E4M3 data, uint8 scales of the
+        planes' shapes).
+      columnwise: dequantize the columnwise plane instead of the rowwise one.
+      dtype: a floating-point output type; ``None`` (default) gives ``t.dtype``, the dtype of
+        the array ``t`` was quantized from.
+
+    Returns:
+      A ``[*t.shape]`` array of ``dtype``.
+    """
+    if not isinstance(t, MXFP8Tensor):
+        raise TypeError(f"t must be an MXFP8Tensor, got {type(t).__name__}")
+    return t.dequantize(columnwise=columnwise, dtype=dtype)

@@ -1,0 +1,1 @@
+"""Around the library: Transformer Engine interop, HLO accounting, local multi-process runs."""
