@@ -395,6 +395,8 @@ def test_master_weight_must_match():
     plane = mx.DBuffer.zeros(other_mesh, q.rowwise_data.placements, q.rowwise_data.layout, jnp.uint8)
     with pytest.raises(ValueError, match=r"rowwise_data is on another mesh than the buffer: device order"):
         dataclasses.replace(q, rowwise=dataclasses.replace(q.rowwise, data=plane))
+    with pytest.raises(ValueError, match=r"rowwise_data is on another mesh than the buffer: device order"):
+        mx.QuantizedDBuffer.from_planes(**{**planes_of(q), "rowwise_data": plane})
     with pytest.raises(ValueError, match="main_weight.placements"):
         q.quantize(w.redistribute((mx.Replicate(),)))
     w_layout = mx.DBuffer.distribute_tensors(
@@ -408,6 +410,23 @@ def test_master_weight_must_match():
         q.quantize(tensors[0])
     with pytest.raises(ValueError, match="scale_rule='nearest'"):
         q.quantize(w, scale_rule="nearest")
+
+
+def planes_of(q):
+    names = ("rowwise_data", "rowwise_scale", "columnwise_data", "columnwise_scale", "mesh", "layout")
+    return {n: getattr(q, n) for n in names} | dict(
+        rowwise_placements=q.rowwise_placements, columnwise_placements=q.columnwise_placements
+    )
+
+
+def test_from_planes_rebuilds_the_buffer():
+    q, _, _ = build("n", mx.ShardLayout.PADDED, [(64, 64), (32, 96)])
+    again = mx.QuantizedDBuffer.from_planes(**planes_of(q))
+    assert again == q
+    half = q.release_storage(rowwise_only=True)
+    assert mx.QuantizedDBuffer.from_planes(**planes_of(half)) == half
+    with pytest.raises(ValueError, match="rowwise data and scale planes must both be present"):
+        mx.QuantizedDBuffer.from_planes(**{**planes_of(q), "rowwise_scale": None})
 
 
 def test_local_tensor_view_of_a_released_buffer_raises():

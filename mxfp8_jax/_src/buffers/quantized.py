@@ -303,6 +303,42 @@ class QuantizedDBuffer:
         )
         return released.reallocate_storage(rowwise=rowwise, columnwise=columnwise)
 
+    @classmethod
+    def from_planes(
+        cls,
+        *,
+        rowwise_data: DBuffer | None,
+        rowwise_scale: DBuffer | None,
+        columnwise_data: DBuffer | None,
+        columnwise_scale: DBuffer | None,
+        mesh: Mesh,
+        layout: GlobalLayout,
+        rowwise_placements: pl.Placements,
+        columnwise_placements: pl.Placements,
+    ) -> QuantizedDBuffer:
+        """A buffer from existing planes (``None`` for a released direction), checked against
+        ``layout`` and the placements as every buffer is.
+
+        Args:
+          rowwise_data, rowwise_scale, columnwise_data, columnwise_scale: uint8 ``DBuffer``s of
+            the geometry the class docstring gives, or ``None`` (a direction's two together).
+          mesh, layout: the buffer's mesh and MXFP8 data layout.
+          rowwise_placements, columnwise_placements: each direction's data placements.
+
+        Returns:
+          The ``QuantizedDBuffer``; a plane of the wrong mesh, layout, placements or dtype raises.
+        """
+        return cls(
+            rowwise=Direction(
+                data=rowwise_data, scale=rowwise_scale, kind=ROWWISE, placements=tuple(rowwise_placements)
+            ),
+            columnwise=Direction(
+                data=columnwise_data, scale=columnwise_scale, kind=COLUMNWISE, placements=tuple(columnwise_placements)
+            ),
+            mesh=mesh,
+            layout=layout,
+        )
+
     # -- structure -----------------------------------------------------------------------------
 
     @property
