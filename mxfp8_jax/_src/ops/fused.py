@@ -488,21 +488,30 @@ def allgather_rmsnorm_quant(
     scale_rule: str = "rceil",
     p2p_timeout_s: float | None = DEFAULT_P2P_TIMEOUT_S,
 ) -> tuple[jax.Array, ...]:
-    """All-gather + RMSNorm + MXFP8 quantize of ``x`` over mesh axis ``axis`` (docs/design.md §5).
+    """All-gather + RMSNorm + MXFP8 quantize of ``x`` over mesh axis ``axis`` (docs/design.md §5),
+    byte-identical to gathering, then ``rmsnorm_quant``.
 
-    ``x [n * rows_max, H]`` bf16 is row-sharded along ``axis`` (device ``k`` of the axis holds
-    rows ``[k * rows_max, (k+1) * rows_max)``, its first ``row_counts[k]`` valid);
-    ``gamma`` is ``[H]`` (shared) or ``[n, H]`` (device ``k`` uses row ``k``), bf16.
+    Args:
+      x: bf16 ``[n * rows_max, H]``, row-sharded along ``axis`` (device ``k`` of the axis holds
+        rows ``[k * rows_max, (k+1) * rows_max)``, its first ``row_counts[k]`` valid).
+      gamma: bf16 ``[H]`` (shared) or ``[n, H]`` (device ``k`` uses row ``k``).
+      mesh, axis: the mesh and the name of the axis to gather over (``n`` devices).
+      eps, weight_offset, quantize_from, scale_rule: the norm and quantize, as ``rmsnorm_quant``.
+      group_size: gather within contiguous groups of this many devices (default: all ``n``).
+      row_counts: the valid rows of every device of the axis (default: ``rows_max`` each); every
+        group must gather the same total ``R``.
+      columnwise: also make the columnwise planes (``R`` a multiple of 32).
+      strategy: ``"auto"`` takes ``"p2p"`` when the mesh is on CPU with every device of the axis
+        in this process, ``"xla"`` otherwise (always on GPUs, where an explicit ``"p2p"`` is
+        experimental: see the module docstring).
+      p2p_timeout_s: how long a ``"p2p"`` device waits for its peers (``None``: no deadline).
 
-    Returns ``(normed, quant, scales, residual)`` (plus the columnwise planes when
-    ``columnwise=True``; R must then be a multiple of 32). With one group (``group_size`` None
-    or n) and a shared gamma they are the ``[R, ...]`` gathered results, replicated. With
-    several groups, or per-device gammas, devices' results differ, so the outputs stack every
-    device's copy along ``axis``: ``[n * R, ...]``, device ``k``'s rows ``[k * R, (k+1) * R)``.
-
-    ``strategy="auto"`` takes ``"p2p"`` when the mesh is on CPU with every device of the axis in
-    this process, ``"xla"`` otherwise (always on GPUs, where an explicit ``"p2p"`` is
-    experimental: see the module docstring).
+    Returns:
+      ``(normed, quant, scales, residual)``, plus ``(columnwise_quant, columnwise_scales)`` when
+      ``columnwise=True``. With one group and a shared gamma they are the ``[R, ...]`` gathered
+      results, replicated. With several groups, or per-device gammas, devices' results differ,
+      so the outputs stack every device's copy along ``axis``: ``[n * R, ...]``, device ``k``'s
+      rows ``[k * R, (k+1) * R)``.
     """
     if not isinstance(mesh, Mesh):
         raise TypeError(f"mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}")

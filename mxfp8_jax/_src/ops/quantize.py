@@ -51,11 +51,29 @@ def quantize(
     scale_rule: str = "rceil",
     backend: str = "auto",
 ) -> MXFP8Tensor:
-    """Quantizes ``x`` (bf16/fp16/fp32, ``[..., K]``) to MXFP8.
+    """Quantizes ``x`` to MXFP8.
 
     Rowwise blocks run along the last axis, columnwise blocks along the rows of the 2-D view
-    ``[M, K]`` with ``M = prod(shape[:-1])``. Returns an ``MXFP8Tensor`` holding the requested
-    planes; ``shape`` and ``dtype`` record the input.
+    ``[M, K]`` with ``M = prod(shape[:-1])``.
+
+    Args:
+      x: bf16, fp16 or fp32 ``[..., K]``.
+      rowwise: make the rowwise planes (needs ``K % 32 == 0``): data ``[M, K]``, scales
+        ``[M, K/32]``.
+      columnwise: make the columnwise planes (needs ``M % 32 == 0``): data ``[M, K]`` (not
+        transposed), scales ``[M/32, K]``.
+      scale_rule: ``"rceil"`` (TE, cuBLAS, MAX) or ``"floor"`` (OCP MX v1.0).
+      backend: ``"auto"`` (the kernel where the lowering platform has one), ``"ffi"`` (the
+        kernel or an error) or ``"jax"`` (the pure-JAX reference; the same bytes).
+
+    Returns:
+      An ``MXFP8Tensor`` holding the requested planes (the others ``None``); its ``shape`` and
+      ``dtype`` record ``x``'s.
+
+    Example::
+
+        t = mx.quantize(x)                    # both planes, rceil
+        y = mx.dequantize(t, dtype=jnp.float32)
 
     Not differentiable: ``jax.grad``/``jax.jvp`` through it raises a TypeError for every backend
     (the planes cannot carry a gradient; docs/design.md §2). Quantize

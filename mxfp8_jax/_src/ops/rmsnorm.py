@@ -194,12 +194,24 @@ def rmsnorm_quant(
     scale_rule: str = "rceil",
     backend: str = "auto",
 ) -> tuple[jax.Array, ...]:
-    """RMSNorm + MXFP8 quantize of local rows ``x [R, H]`` bf16 with ``gamma [H]`` bf16.
+    """RMSNorm + MXFP8 quantize of local rows (the math is the module's). Differentiable in
+    ``x`` and ``gamma``.
 
-    Returns ``(normed, quant, scales)``, plus ``(columnwise_quant, columnwise_scales)`` when
-    ``columnwise=True``; the math is the module's. ``backend``: ``"ffi"`` the compiled kernel,
-    ``"jax"`` the pure-JAX reference of the same evaluation order, ``"auto"`` the kernel where
-    it is installed for the lowering platform. Differentiable in ``x`` and ``gamma``.
+    Args:
+      x: bf16 ``[R, H]``, ``H`` a multiple of 32.
+      gamma: bf16 ``[H]``.
+      eps: added to the mean square before the reciprocal square root.
+      weight_offset: added to ``gamma`` (1.0 for Gemma-style zero-centred weights).
+      quantize_from: ``"normed"`` quantizes the bf16 output, ``"fp32"`` the fp32 value before
+        its rounding to bf16.
+      columnwise: also make the columnwise planes (``R`` a multiple of 32).
+      scale_rule: ``"rceil"`` or ``"floor"``.
+      backend: ``"ffi"`` the compiled kernel, ``"jax"`` the pure-JAX reference of the same
+        evaluation order, ``"auto"`` the kernel where it is installed for the lowering platform.
+
+    Returns:
+      ``(normed [R, H] bf16, quant [R, H] e4m3, scales [R, H/32] uint8)``, plus
+      ``(columnwise_quant [R, H], columnwise_scales [R/32, H])`` when ``columnwise=True``.
     """
     r, h = check_rows(x)
     check_gamma(gamma, h, ((h,),))
