@@ -82,7 +82,19 @@ class DBuffer:
 
     @classmethod
     def zeros(cls, mesh: Mesh, placements: pl.Placements, layout: GlobalLayout, dtype: DTypeLike) -> DBuffer:
-        """A zero-filled buffer with an existing layout."""
+        """A zero-filled buffer with an existing layout.
+
+        Args:
+          mesh, placements: where the buffer lives; one placement per mesh axis, Shard placements a
+            suffix.
+          layout: the packing; ``layout.dp_size == mesh.size``, at least one tensor, and
+            ``layout.block_size`` a multiple of every ``BlockAtomic(n)``'s ``n``.
+          dtype: the element type of ``data``.
+
+        Returns:
+          A ``DBuffer`` whose ``data`` is zeros of shape ``[layout.physical_size]`` and type ``dtype``,
+          sharded as ``NamedSharding(mesh, partition_spec(mesh, placements))``.
+        """
         placements = pl.validate_placements(mesh, placements)
         check_static(mesh, placements, layout)
         sharding = NamedSharding(mesh, pl.partition_spec(mesh, placements))
@@ -103,6 +115,17 @@ class DBuffer:
         """A buffer for ``tensor_shapes`` (zero-filled), its layout built for ``mesh.size`` segments.
 
         The layout's block is ``lcm(block_size, n)`` over the placements' ``BlockAtomic(n)``.
+
+        Args:
+          mesh, placements: where the buffer lives, as in ``DBuffer.zeros``.
+          tensor_shapes: at least one shape; each has at least one axis, positive dimensions, and
+            ``shape[0]`` a multiple of the layout's block.
+          dtype: the element type of ``data``.
+          shard_layout: ``ShardLayout.PADDED`` or ``ShardLayout.UNPADDED`` (``GlobalLayout.build``).
+          block_size: a positive number of rows per block.
+
+        Returns:
+          A zero-filled ``DBuffer`` (``DBuffer.zeros``) over the built layout.
         """
         layout = _build_layout(mesh, placements, tensor_shapes, shard_layout, block_size)
         return cls.zeros(mesh, placements, layout, dtype)
@@ -129,6 +152,18 @@ class DBuffer:
         spread over several devices or processes (sharded, or spanning non-addressable devices),
         on the devices with ``pack_logical`` (no host copy; every process must make the call);
         otherwise (host arrays, single-device arrays) on the host, then one transfer.
+
+        Args:
+          tensors: at least one array (host or ``jax.Array``), each with at least one axis; with
+            ``layout``, their shapes must equal ``layout.tensor_shapes``.
+          mesh, placements: where the buffer lives, as in ``DBuffer.zeros``.
+          dtype: the buffer's element type (default ``jnp.result_type`` of ``tensors``).
+          shard_layout, block_size: how to build the layout, as in ``DBuffer.empty``; unused when
+            ``layout`` is given.
+          layout: an existing packing of the tensors (``dp_size == mesh.size``).
+
+        Returns:
+          A ``DBuffer`` under ``placements`` whose logical tensors are ``tensors`` cast to ``dtype``.
         """
         tensors = list(tensors)
         shapes = [tuple(np.shape(t)) for t in tensors]
@@ -158,6 +193,11 @@ class DBuffer:
         """Every tensor as a global ``jax.Array`` with ``logical_sharding`` (``unpack_logical``).
 
         Partial axes are reduced first (the buffer's value). Runs on the devices: no host copy.
+
+        Returns:
+          A list with one array per tensor, in layout order: shape ``layout.tensor_shapes[i]``, the
+          buffer's dtype, and ``logical_sharding`` over ``mesh`` and the placements with Partial
+          axes replaced by ``Replicate``.
         """
         reduced = tuple(pl.Replicate() if pl.is_partial(p) else p for p in self.placements)
         buf = self.redistribute(reduced)
@@ -265,7 +305,14 @@ class DBuffer:
         return self.layout.local_size(self.num_shards)
 
     def segments_of(self, device: jax.Device) -> range:
-        """Layout segments held by ``device``, in local-buffer order."""
+        """Layout segments held by ``device``, in local-buffer order.
+
+        Args:
+          device: a ``jax.Device`` of ``mesh``.
+
+        Returns:
+          A ``range`` of segment indices: ``segments_of_shard`` of the shard the device holds.
+        """
         pos = pl.device_position(self.mesh, device)
         return pl.segments_of_shard(self.mesh, self.placements, pl.shard_index(self.mesh, self.placements, pos))
 
@@ -276,6 +323,12 @@ class DBuffer:
 
         A sharded buffer is first all-gathered (one all-gather of the whole buffer); a buffer with
         Partial axes must be reduced first (``redistribute``).
+
+        Args:
+          i: the tensor index, in ``[0, layout.num_tensors)``.
+
+        Returns:
+          A ``jax.Array`` of shape ``layout.tensor_shapes[i]`` and the buffer's dtype.
         """
         checks.index(i, self.layout.num_tensors)
         self._check_no_partial("get_tensor")
@@ -283,7 +336,12 @@ class DBuffer:
         return _unpack_one(self.layout, i, full.data)
 
     def get_tensors(self) -> list[jax.Array]:
-        """Every tensor, as ``get_tensor`` gives it (one gather for all of them)."""
+        """Every tensor, as ``get_tensor`` gives it (one gather for all of them).
+
+        Returns:
+          A list with one ``jax.Array`` per tensor, in layout order, each of shape
+          ``layout.tensor_shapes[i]``.
+        """
         self._check_no_partial("get_tensors")
         full = self if self.num_shards == 1 else self.allgather()
         return list(_unpack_all(self.layout, full.data))
@@ -293,6 +351,15 @@ class DBuffer:
 
         The rows are ``layout.rows_in_segments(i, segs.start, segs.stop)`` for
         ``segs = self.segments_of(device)``; under Partial axes they are that device's addends.
+
+        Args:
+          i: the tensor index, in ``[0, layout.num_tensors)``.
+          device: a ``jax.Device`` of ``mesh`` whose shard is addressable in this process. The
+            buffer must be concrete (not traced).
+
+        Returns:
+          A ``np.ndarray`` of the buffer's dtype, ``[n_rows, *shape[1:]]`` with ``shape =
+          layout.tensor_shapes[i]``; ``n_rows`` is 0 when the device holds none of the tensor.
         """
         checks.index(i, self.layout.num_tensors)
         if is_traced(self.data):
@@ -320,6 +387,13 @@ class DBuffer:
 
         Only the outermost Shard axes can be gathered (the result must keep the suffix rule);
         they become ``Replicate``.
+
+        Args:
+          mesh_axes: a mesh axis name or index, or an iterable of them; each must have a Shard
+            placement. ``None`` gathers every Shard axis.
+
+        Returns:
+          A ``DBuffer`` with the same value, those axes ``Replicate`` and the others unchanged.
         """
         names = self._axis_names(mesh_axes)
         for n in names:
@@ -344,6 +418,14 @@ class DBuffer:
         Replicate -> Partial: local (sum keeps the first device's copy, avg keeps all);
         Shard kinds (RowAtomic/BlockAtomic) change freely. Each kind of collective needed is one
         collective over all its axes and the whole local buffer.
+
+        Args:
+          placements: the target, one per mesh axis (Shard placements a suffix); every
+            ``BlockAtomic(n)`` needs ``layout.block_size % n == 0``.
+
+        Returns:
+          A ``DBuffer`` with the same mesh, layout and dtype under ``placements`` (``self`` when they
+          are the current ones).
         """
         new = pl.validate_placements(self.mesh, placements)
         check_static(self.mesh, new, self.layout)
@@ -359,6 +441,12 @@ class DBuffer:
 
         Allowed per axis: unchanged; one Shard kind to another (same split); Replicate -> Shard
         (each device keeps its slice). Anything else raises; use ``redistribute``.
+
+        Args:
+          placements: the target, one per mesh axis, each reachable from the current one as above.
+
+        Returns:
+          A ``DBuffer`` with the same value under ``placements`` (``redistribute``'s result).
         """
         new = pl.validate_placements(self.mesh, placements)
         for name, old, p in zip(self.mesh.axis_names, self.placements, new):
@@ -372,7 +460,15 @@ class DBuffer:
         return self.redistribute(new)
 
     def cast(self, dtype: DTypeLike) -> DBuffer:
-        """The buffer converted elementwise to ``dtype`` on every device (no communication)."""
+        """The buffer converted elementwise to ``dtype`` on every device (no communication).
+
+        Args:
+          dtype: the new element type.
+
+        Returns:
+          A ``DBuffer`` with the same mesh, placements and layout whose ``data`` is ``dtype``
+          (``self`` when the dtype is already ``dtype``).
+        """
         if jnp.dtype(dtype) == self.dtype:
             return self
         fn = _cast(self.mesh, self.placements, jnp.dtype(dtype))

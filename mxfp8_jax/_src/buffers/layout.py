@@ -94,7 +94,18 @@ class GlobalLayout:
         block_size: int = 1,
         shard_layout: ShardLayout = ShardLayout.PADDED,
     ) -> GlobalLayout:
-        """Packs ``tensor_shapes`` for ``dp_size`` segments with the chosen ``shard_layout``."""
+        """Packs ``tensor_shapes`` for ``dp_size`` segments with the chosen ``shard_layout``.
+
+        Args:
+          tensor_shapes: the tensors' shapes, in id order; each has at least one axis, positive
+            dimensions, and ``shape[0] % block_size == 0``.
+          dp_size: the number of segments, a positive int.
+          block_size: rows per block, a positive int; segment bounds fall on block boundaries.
+          shard_layout: ``ShardLayout.PADDED`` or ``ShardLayout.UNPADDED``.
+
+        Returns:
+          The ``GlobalLayout``.
+        """
         block_size = checks.positive_int(block_size, "block_size")
         shapes = _check_shapes(tensor_shapes, block_size)
         dp_size = checks.positive_int(dp_size, "dp_size")
@@ -156,25 +167,63 @@ class GlobalLayout:
         return 0.0 if phys == 0 else (phys - self.numel_total) / phys
 
     def row_size(self, i: int) -> int:
+        """Elements per row of tensor ``i``.
+
+        Args:
+          i: the tensor index.
+
+        Returns:
+          The product of ``tensor_shapes[i][1:]`` (1 for a 1-D tensor).
+        """
         return math.prod(self.tensor_shapes[i][1:])
 
     def numel(self, i: int) -> int:
+        """Elements of tensor ``i``.
+
+        Args:
+          i: the tensor index.
+
+        Returns:
+          The product of ``tensor_shapes[i]``.
+        """
         return math.prod(self.tensor_shapes[i])
 
     def tensor_range(self, i: int) -> tuple[int, int]:
-        """Logical ``(start, end)`` of tensor ``i``."""
+        """Logical ``(start, end)`` of tensor ``i``.
+
+        Args:
+          i: the tensor index.
+
+        Returns:
+          ``(tensor_to_offset[i], tensor_to_offset[i] + numel(i))``.
+        """
         o = self.tensor_to_offset[i]
         return o, o + self.numel(i)
 
     def local_size(self, num_shards: int) -> int:
         """Elements of each device's local buffer when the physical array is split into
-        ``num_shards`` equal shards (a shard holds ``dp_size / num_shards`` whole segments)."""
+        ``num_shards`` equal shards (a shard holds ``dp_size / num_shards`` whole segments).
+
+        Args:
+          num_shards: the number of shards; must divide ``dp_size``.
+
+        Returns:
+          ``physical_size // num_shards``.
+        """
         if self.dp_size % num_shards:
             raise ValueError(f"num_shards={num_shards} must divide dp_size={self.dp_size}")
         return self.physical_size // num_shards
 
     def overlap(self, i: int, k: int) -> tuple[int, int] | None:
-        """Logical ``(start, end)`` of the part of tensor ``i`` that segment ``k`` holds, or None."""
+        """Logical ``(start, end)`` of the part of tensor ``i`` that segment ``k`` holds, or None.
+
+        Args:
+          i: the tensor index.
+          k: the segment index, in ``[0, dp_size)``.
+
+        Returns:
+          The logical ``(start, end)`` of the intersection, or ``None`` when it is empty.
+        """
         return self._intersect(i, *self.rank_segments[k])
 
     def _intersect(self, i: int, start: int, end: int) -> tuple[int, int] | None:
@@ -185,11 +234,28 @@ class GlobalLayout:
     def local_offset(self, logical: int, segment: int, slot: int) -> int:
         """Where logical position ``logical`` of ``segment`` is stored in a buffer that holds the
         segment as its ``slot``-th (segments back to back, ``segment_capacity`` elements each):
-        a device's local buffer, or the physical array (``slot == segment``)."""
+        a device's local buffer, or the physical array (``slot == segment``).
+
+        Args:
+          logical: a logical position inside ``segment``.
+          segment: the segment index.
+          slot: the segment's position in the buffer.
+
+        Returns:
+          ``slot * segment_capacity + logical - rank_segment_offsets[segment]``.
+        """
         return slot * self.segment_capacity + logical - self.rank_segment_offsets[segment]
 
     def physical_offset(self, logical: int, segment: int) -> int:
-        """Where logical position ``logical`` of ``segment`` is stored in the physical array."""
+        """Where logical position ``logical`` of ``segment`` is stored in the physical array.
+
+        Args:
+          logical: a logical position inside ``segment``.
+          segment: the segment index.
+
+        Returns:
+          ``local_offset(logical, segment, segment)``.
+        """
         return self.local_offset(logical, segment, segment)
 
     def pieces(self, k: int) -> tuple[tuple[int, int, int, int], ...]:
@@ -197,6 +263,13 @@ class GlobalLayout:
 
         One entry per tensor that intersects the segment, in storage order; ``offset_in_segment``
         counts from the segment's first element (physical ``k * segment_capacity``).
+
+        Args:
+          k: the segment index, in ``[0, dp_size)``.
+
+        Returns:
+          A tuple of ``(tensor, first_row, n_rows, offset_in_segment)`` int tuples, sorted by
+          ``offset_in_segment``; empty when the segment holds no tensor data.
         """
         if not 0 <= k < self.dp_size:
             raise ValueError(f"segment index k={k} must be in [0, {self.dp_size})")
@@ -213,6 +286,14 @@ class GlobalLayout:
         """``(first_row, n_rows)`` of tensor ``i`` held by the consecutive segments ``[first, stop)``.
 
         Consecutive segments cover one logical range, so the rows form one contiguous run.
+
+        Args:
+          i: the tensor index.
+          first, stop: segment indices, ``0 <= first <= stop <= dp_size``.
+
+        Returns:
+          ``(first_row, n_rows)``, rows counted from the tensor's first row; ``(0, 0)`` when the
+          segments hold none of tensor ``i``.
         """
         part = self._intersect(i, self.rank_segment_offsets[first], self.rank_segment_offsets[stop])
         if part is None:

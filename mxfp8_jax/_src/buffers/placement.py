@@ -109,7 +109,16 @@ def shard_axes(mesh: Mesh, placements: Sequence[Placement]) -> tuple[str, ...]:
 
 
 def partition_spec(mesh: Mesh, placements: Sequence[Placement]) -> PartitionSpec:
-    """The PartitionSpec of the flat 1-D buffer: the Shard axes, innermost first (most significant)."""
+    """The PartitionSpec of the flat 1-D buffer: the Shard axes, innermost first (most significant).
+
+    Args:
+      mesh: the device mesh.
+      placements: one per mesh axis, Shard placements a suffix (checked).
+
+    Returns:
+      ``PartitionSpec(None)`` without Shard axes, ``PartitionSpec(name)`` with one, and
+      ``PartitionSpec((innermost, ..., outermost))`` with several.
+    """
     axes = tuple(reversed(shard_axes(mesh, placements)))
     if not axes:
         return PartitionSpec(None)
@@ -144,6 +153,14 @@ def segments_of_shard(mesh: Mesh, placements: Sequence[Placement], index: int) -
 
     Shard ``s`` holds segments ``[s * g, (s + 1) * g)`` with ``g = mesh.size // num_shards``,
     stored back to back in its local buffer (each ``layout.segment_capacity`` elements).
+
+    Args:
+      mesh: the device mesh.
+      placements: one per mesh axis, Shard placements a suffix (checked).
+      index: the shard index, in ``[0, num_shards(mesh, placements))``.
+
+    Returns:
+      ``range(index * g, (index + 1) * g)``.
     """
     n = num_shards(mesh, placements)
     if not 0 <= index < n:

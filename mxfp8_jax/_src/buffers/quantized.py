@@ -269,6 +269,18 @@ class QuantizedDBuffer:
 
         The layout has ``dp_size = mesh.size`` and ``block_size = 32``; build the master weights
         on it (``DBuffer.distribute_tensors(..., layout=qbuf.layout)``) so ``quantize`` accepts them.
+
+        Args:
+          mesh: the device mesh; the layout has one segment per device.
+          placements: the data placements of both directions, one per mesh axis; no ``Partial``,
+            and ``BlockAtomic(n)`` needs ``n`` dividing 32.
+          tensor_shapes: the ``[M, K]`` shapes of the packed tensors.
+          shard_layout: the packing of the layout (``GlobalLayout.build``).
+          rowwise, columnwise: allocate that direction's planes; an unselected direction starts
+            released.
+
+        Returns:
+          The new ``QuantizedDBuffer``, as ``zeros`` gives it over the built layout.
         """
         tensor_shapes = [tuple(s) for s in tensor_shapes]
         check_mxfp8_shapes(tensor_shapes)
@@ -292,7 +304,19 @@ class QuantizedDBuffer:
         rowwise: bool = True,
         columnwise: bool = True,
     ) -> QuantizedDBuffer:
-        """Zero-filled planes over an existing MXFP8 layout (``check_mxfp8_layout``)."""
+        """Zero-filled planes over an existing MXFP8 layout (``check_mxfp8_layout``).
+
+        Args:
+          mesh: the device mesh; ``layout.dp_size`` must equal ``mesh.size``.
+          placements: the data placements of both directions, one per mesh axis; no ``Partial``.
+          layout: the MXFP8 data layout (``block_size == 32``, ``[M, K]`` tensors with M and K
+            multiples of 32, segment bounds multiples of 32).
+          rowwise, columnwise: allocate that direction's planes; an unselected direction starts
+            released.
+
+        Returns:
+          The new ``QuantizedDBuffer``, its allocated planes uint8 zeros.
+        """
         check_mxfp8_layout(layout)
         placements = _check_placements(mesh, placements, "placements")
         released = cls(
@@ -387,7 +411,16 @@ class QuantizedDBuffer:
         return self.rowwise_data, self.columnwise_data, self.rowwise_scale, self.columnwise_scale
 
     def planes_for(self, *, rowwise: bool, columnwise: bool) -> tuple[DBuffer, ...]:
-        """The data and scale planes of the selected directions, in ``planes`` order."""
+        """The data and scale planes of the selected directions, in ``planes`` order.
+
+        Args:
+          rowwise, columnwise: include that direction's planes; at least one must be selected,
+            and a selected direction must be allocated (ValueError otherwise).
+
+        Returns:
+          A tuple of ``DBuffer``s: the selected ones of ``(rowwise_data, columnwise_data,
+          rowwise_scale, columnwise_scale)``.
+        """
         self._require(rowwise, columnwise, "planes_for")
         keep = (rowwise, columnwise, rowwise, columnwise)
         return tuple(p for p, k in zip(self.planes, keep) if k)
@@ -410,13 +443,28 @@ class QuantizedDBuffer:
         """Planes dropped (``None``): all of them, or only the rowwise pair.
 
         The memory is freed when the last reference to the old arrays dies.
+
+        Args:
+          rowwise_only: drop only the rowwise data and scale planes, keeping the columnwise ones.
+
+        Returns:
+          A new ``QuantizedDBuffer`` with the dropped planes ``None``; every direction keeps its
+          placements.
         """
         columnwise = self.columnwise if rowwise_only else self.columnwise.released()
         return dataclasses.replace(self, rowwise=self.rowwise.released(), columnwise=columnwise)
 
     def reallocate_storage(self, *, rowwise: bool = True, columnwise: bool = True) -> QuantizedDBuffer:
         """Released planes of the selected directions back, zero-filled (contents undefined until
-        re-quantized or re-gathered); allocated planes are kept as they are."""
+        re-quantized or re-gathered); allocated planes are kept as they are.
+
+        Args:
+          rowwise, columnwise: reallocate that direction's planes if released, at the placements
+            the direction kept.
+
+        Returns:
+          The buffer with the selected directions allocated; ``self`` when none was released.
+        """
         selected = {ROWWISE: rowwise, COLUMNWISE: columnwise}
         missing = [(kind, d) for kind, d in self.directions if selected[kind] and not d.allocated]
         if not missing:
@@ -433,6 +481,16 @@ class QuantizedDBuffer:
         ``main_weight`` (f32/bf16/f16) must have this buffer's mesh, layout and the placements
         of each allocated direction. Functional form of Megatron's ``quantize_``: returns the new
         buffer; released planes stay released.
+
+        Args:
+          main_weight: the master weights, a bf16, fp16 or fp32 ``DBuffer`` with this buffer's
+            mesh and layout and the placements of every allocated direction.
+          scale_rule: ``"rceil"`` or ``"floor"`` (``ScaleRule``).
+          backend: ``"auto"``, ``"ffi"`` or ``"jax"``, as for ``quantize``.
+
+        Returns:
+          A new ``QuantizedDBuffer`` whose allocated planes hold the quantized ``main_weight``;
+          with every plane released this raises ValueError.
         """
         if not isinstance(main_weight, DBuffer):
             raise TypeError(f"main_weight must be a DBuffer, got {type(main_weight).__name__}")
@@ -567,6 +625,15 @@ class QuantizedDBuffer:
         are allocated and replicated along the flat dimension (gathered): after
         ``allgather(rowwise=True, columnwise=False)`` the view holds the rowwise planes only.
         A selected direction must be allocated and gathered; at least one must be included.
+
+        Args:
+          i: the tensor's index in ``layout``.
+          rowwise, columnwise: ``True`` to include that direction, ``False`` to leave it out,
+            ``None`` to include it when it is gathered.
+
+        Returns:
+          An ``MXFP8Tensor`` of shape ``layout.tensor_shapes[i]`` and nominal dtype bfloat16, with
+          E4M3 data ``[M, K]`` and uint8 scales; planes left out are ``None``.
         """
         checks.index(i, self.layout.num_tensors)
         planes = {}
@@ -593,7 +660,16 @@ class QuantizedDBuffer:
 
     def get_tensor(self, i: int, *, rowwise: bool | None = None, columnwise: bool | None = None) -> PaddedMXFP8Tensor:
         """``get_tensor_view`` with the scales in the padded shapes an MXFP8 GEMM takes
-        (``MXFP8Tensor.padded``)."""
+        (``MXFP8Tensor.padded``).
+
+        Args:
+          i: the tensor's index in ``layout``.
+          rowwise, columnwise: as for ``get_tensor_view``.
+
+        Returns:
+          A ``PaddedMXFP8Tensor``: data ``[M, K]`` as is, scales padded with 0 (unswizzled);
+          planes left out are ``None``.
+        """
         return self.get_tensor_view(i, rowwise=rowwise, columnwise=columnwise).padded()
 
     def local_tensor_view(self, i: int, device: jax.Device) -> MXFP8Tensor:
@@ -601,6 +677,15 @@ class QuantizedDBuffer:
 
         Shape ``[n_rows, K]`` (``n_rows`` may be 0); scales ``[n_rows, K/32]``/``[n_rows/32, K]``.
         The planes of a released direction are None; with both released this raises.
+
+        Args:
+          i: the tensor's index in ``layout``.
+          device: a device of the mesh that holds an addressable shard; concrete buffers only
+            (not under ``jit``).
+
+        Returns:
+          An ``MXFP8Tensor`` of numpy arrays (data ``float8_e4m3fn``, scales uint8), shape
+          ``(n_rows, K)``, nominal dtype bfloat16.
         """
         checks.index(i, self.layout.num_tensors)
         if not (self.is_rowwise_allocated or self.is_columnwise_allocated):
@@ -621,14 +706,33 @@ class QuantizedDBuffer:
     # -- movement ------------------------------------------------------------------------------
 
     def view(self, placements: pl.Placements) -> QuantizedDBuffer:
-        """Every plane under ``placements`` without communication (``DBuffer.view`` rules)."""
+        """Every plane under ``placements`` without communication (``DBuffer.view`` rules).
+
+        Args:
+          placements: the new data placements of both directions, one per mesh axis; no
+            ``Partial`` (the columnwise scales take them with ``BlockAtomic`` mapped to
+            ``RowAtomic``).
+
+        Returns:
+          A new ``QuantizedDBuffer`` with both directions at ``placements``; released planes stay
+          ``None``.
+        """
         new = _check_placements(self.mesh, placements, "placements")
         return self._move(new, rowwise=True, columnwise=True, move=DBuffer.view)
 
     def redistribute(
         self, placements: pl.Placements, *, rowwise: bool = True, columnwise: bool = True
     ) -> QuantizedDBuffer:
-        """The selected directions' planes under ``placements``; the others stay as they are."""
+        """The selected directions' planes under ``placements``; the others stay as they are.
+
+        Args:
+          placements: the new data placements, one per mesh axis; no ``Partial``.
+          rowwise, columnwise: move that direction's planes (with ``DBuffer.redistribute``); at
+            least one must be selected, and a selected direction must be allocated.
+
+        Returns:
+          A new ``QuantizedDBuffer`` with the selected directions at ``placements``.
+        """
         new = _check_placements(self.mesh, placements, "placements")
         self._require(rowwise, columnwise, "redistribute")
         return self._move(new, rowwise=rowwise, columnwise=columnwise, move=DBuffer.redistribute)
@@ -644,6 +748,16 @@ class QuantizedDBuffer:
 
         One uint8 all-gather per selected plane (data, then scale); unselected planes keep their
         placements and contents.
+
+        Args:
+          mesh_axes: the mesh axes to gather, names or indices (``None``: every Shard axis); as
+            for ``DBuffer.allgather``, only the outermost Shard axes can be gathered.
+          rowwise, columnwise: gather that direction's planes; at least one must be selected, and
+            a selected direction must be allocated.
+
+        Returns:
+          A new ``QuantizedDBuffer`` whose selected directions have the gathered axes
+          ``Replicate``.
         """
         self._require(rowwise, columnwise, "allgather")
         selected = {ROWWISE: rowwise, COLUMNWISE: columnwise}

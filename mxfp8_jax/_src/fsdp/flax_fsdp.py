@@ -269,7 +269,11 @@ class FSDP:
 
     def summary(self) -> str:
         """The plan as a table: every parameter, what it became and why, its stored bytes per
-        device and bytes gathered per step; totals."""
+        device and bytes gathered per step; totals.
+
+        Returns:
+          The table as a multi-line ``str`` (what ``print(fsdp)`` prints).
+        """
         return describe(self.params, self.mesh.size, traced=self.traced)
 
     @property
@@ -315,12 +319,31 @@ class FSDP:
 
     def master_sharding(self, info: ParamInfo) -> NamedSharding:
         """A unit's master (and planes): the row axis (second to last) split over the mesh.
-        A plain parameter: split along its ``shard_axis``, or replicated."""
+        A plain parameter: split along its ``shard_axis``, or replicated.
+
+        Args:
+          info: a parameter of this plan (an entry of ``params``).
+
+        Returns:
+          The ``NamedSharding`` over ``mesh`` of its ``TrainState.master`` array
+          (``info.stored_shape``). Under tensor parallelism a ``"column"`` unit's rows are split
+          over the tp axis and then the FSDP axes; a ``"row"`` unit's rows over the FSDP axes and
+          its columns over the tp axis. A frozen parameter's is replicated.
+        """
         return NamedSharding(self.mesh, self._spec(info))
 
     def logical_sharding(self, info: ParamInfo) -> NamedSharding:
         """A parameter in its own shape (a checkpoint's tensor): split along the first axis the
-        device count divides."""
+        device count divides.
+
+        Args:
+          info: a parameter of this plan (an entry of ``params``).
+
+        Returns:
+          The ``NamedSharding`` over ``mesh`` for an array of ``info.shape``. For a unit, its first
+          axis that ``mesh.size`` divides is split over every mesh axis (replicated when none
+          does); for any other parameter, ``master_sharding(info)``.
+        """
         if info.unit is None:
             return self.master_sharding(info)
         axis = split_axis(info.shape, self.mesh.size)
@@ -331,7 +354,16 @@ class FSDP:
     def param_tree(self, arrays: dict[str, Any]) -> dict:
         """``{name: array}`` (like ``TrainState.master``) as nested dicts keyed by the parameter
         paths of ``nnx.state(model, nnx.Param)`` (its ``to_pure_dict()`` structure): the tree
-        ``tx`` is initialised and applied on."""
+        ``tx`` is initialised and applied on.
+
+        Args:
+          arrays: ``{name: value}`` with an entry for every trained parameter (``trained``), e.g.
+            ``TrainState.master`` or the gradients of ``loss_and_grads``; other entries are
+            ignored.
+
+        Returns:
+          Nested dicts holding the trained parameters' values from ``arrays``, as given.
+        """
         tree: dict = {}
         for p in self.trained:
             node = tree
@@ -341,7 +373,16 @@ class FSDP:
         return tree
 
     def from_param_tree(self, tree: dict) -> dict[str, Any]:
-        """The inverse of ``param_tree``."""
+        """The inverse of ``param_tree``.
+
+        Args:
+          tree: nested dicts holding a value at every trained parameter's path (as
+            ``param_tree`` builds them, e.g. after ``optax.apply_updates``); other entries are
+            ignored.
+
+        Returns:
+          ``{name: value}`` for every trained parameter, in parameter order.
+        """
         out = {}
         for p in self.trained:
             node = tree
@@ -352,7 +393,17 @@ class FSDP:
 
     def owner_of(self, key_path, leaf) -> ParamInfo | None:
         """The parameter an optimizer leaf belongs to: its key path ends with the parameter's
-        path and it has the parameter's stored shape (adam's moments, masked or labelled)."""
+        path and it has the parameter's stored shape (adam's moments, masked or labelled).
+
+        Args:
+          key_path: the leaf's key path in the optimizer state (as
+            ``jax.tree_util.tree_flatten_with_path`` gives it).
+          leaf: the leaf (an array or ``jax.ShapeDtypeStruct``); only its shape is read.
+
+        Returns:
+          The ``ParamInfo`` of the trained parameter whose path is the longest such suffix, or
+          None when no trained parameter matches.
+        """
         names = fsdp_checkpoint.path_names(key_path)
         by_path = self._by_path
         for k in range(min(max(map(len, by_path)), len(names)), 0, -1):
@@ -372,7 +423,19 @@ class FSDP:
 
         The parameters may be host arrays or ``jax.Array``s with any sharding (e.g. created
         under ``jax.jit`` with ``out_shardings``, across several processes): they are placed by
-        one jitted program, device to device, with no host gather."""
+        one jitted program, device to device, with no host gather.
+
+        Args:
+          model: the model this plan was built for, with its values: the same parameter paths and
+            shapes and as many values of other state (``ValueError`` otherwise).
+          tx: the optimizer, initialised on ``param_tree(master)``.
+
+        Returns:
+          A ``TrainState``: the masters sharded as ``master_sharding`` says, the planes
+          quantized from them, the frozen parameters and other state replicated, the optimizer
+          leaves that belong to a parameter (``owner_of``) sharded like it and the others
+          replicated, ``step`` 0.
+        """
         values, rest = self._values_of(model)
         master, frozen, rest, step = self._place_fn(
             {p.name: values[j] for j, p in enumerate(self.params) if p.kind != "frozen"},
@@ -388,7 +451,15 @@ class FSDP:
 
     def abstract_state(self, tx: optax.GradientTransformation) -> TrainState:
         """The ``TrainState`` that ``init`` would return, as ``jax.ShapeDtypeStruct``s with their
-        shardings: for ``lower_train_step`` (memory analysis, HLO) without building the model."""
+        shardings: for ``lower_train_step`` (memory analysis, HLO) without building the model.
+
+        Args:
+          tx: the optimizer ``init`` would be given.
+
+        Returns:
+          A ``TrainState`` whose leaves are ``jax.ShapeDtypeStruct``s with shapes, dtypes and
+          shardings as ``init`` makes them.
+        """
         sds = jax.ShapeDtypeStruct
         master, quantized = {}, {}
         for p in self.trained:
@@ -406,13 +477,26 @@ class FSDP:
 
     def gather(self, state: TrainState) -> nnx.Module:
         """The model with the full fp32 master parameters (one all-gather per array) and the
-        state's RNG streams."""
+        state's RNG streams.
+
+        Args:
+          state: a ``TrainState`` of this plan (``check_state``).
+
+        Returns:
+          An ``nnx.Module`` of the plan's model: every parameter in its own shape and dtype,
+          whole (replicated) on every device; the other state from ``state.rest``.
+        """
         self.check_state(state, "state")
         return self._merge(self._logical_fn(state.master, state.frozen), list(state.rest))
 
     def check_state(self, state: Any, argname: str = "state") -> None:
         """Raises ``ValueError`` unless ``state`` is a ``TrainState`` of this plan: the same
-        parameter names, stored shapes and dtypes, planes exactly for the MXFP8 units."""
+        parameter names, stored shapes and dtypes, planes exactly for the MXFP8 units.
+
+        Args:
+          state: the value to check; ``TypeError`` when it is not a ``TrainState``.
+          argname: the name the error messages give it.
+        """
         if not isinstance(state, TrainState):
             raise TypeError(f"{argname} must be a TrainState (from FSDP.init), got {type(state).__name__}")
         planes = sorted(state.quantized or {})
@@ -453,8 +537,18 @@ class FSDP:
         counts, as they are), the frozen parameters, the model's other state (RNG streams), the
         step, the precision of each parameter and the scale rule. Never the mesh, the padding
         or the planes (recomputed on ``restore``), so a checkpoint restores onto any mesh.
-        Every process must call it. Returns a handle; with ``async_save`` call ``.wait()``
-        before relying on the files.
+        Every process must call it.
+
+        Args:
+          state: a ``TrainState`` of this plan (``check_state``) not consumed by a step.
+          directory: a path that does not exist yet (unless ``overwrite``).
+          async_save: return once the device buffers are copied out; the files are written in
+            the background.
+          overwrite: replace an existing checkpoint at ``directory``.
+
+        Returns:
+          A ``SaveHandle``; with ``async_save`` call ``.wait()`` on it before relying on the
+          files.
         """
         self.check_state(state, "state")
         self._check_live(state)
@@ -467,7 +561,16 @@ class FSDP:
         Before any data moves, a ``ValueError`` names every path that does not fit this plan
         and ``tx``: a missing or extra parameter, another shape or dtype, another optimizer
         structure; a checkpoint whose parameters were saved with other precisions or another
-        scale rule is refused too."""
+        scale rule is refused too.
+
+        Args:
+          directory: a checkpoint written by ``FSDP.save``, on any mesh.
+          tx: the optimizer to go on training with; its state must have the saved structure.
+
+        Returns:
+          A ``TrainState`` sharded as ``init`` shards one, with the saved parameters, optimizer
+          state, other state and step, and planes quantized from the restored masters.
+        """
         master, frozen, rest, opt_state, step = fsdp_checkpoint.restore(self, directory, self.abstract_state(tx))
         state = TrainState(master, self._quantize_fn(master), frozen, tuple(rest), opt_state, step)
         return jax.device_put(state, self._shardings(state))
@@ -479,7 +582,17 @@ class FSDP:
         under tensor parallelism the leading axis over the FSDP axes and the second (sequence)
         over the tp axis.
 
-        ``jax.ShapeDtypeStruct`` leaves get the sharding attached (for lowering only)."""
+        ``jax.ShapeDtypeStruct`` leaves get the sharding attached (for lowering only).
+
+        Args:
+          batch: a pytree of arrays, or of ``jax.ShapeDtypeStruct``s only; every leaf's leading
+            axis divisible by the devices it is split over (``mesh.size / tp_size``) and, under
+            tensor parallelism, its second axis by ``tp_size`` (``ValueError`` otherwise).
+
+        Returns:
+          The same tree: ``jax.ShapeDtypeStruct``s with the ``NamedSharding`` attached, or the
+          arrays placed with it (``jax.device_put``).
+        """
         self._check_batch(batch)
         sharding = NamedSharding(self.mesh, self._batch_spec)
         if all(isinstance(leaf, jax.ShapeDtypeStruct) for leaf in jax.tree.leaves(batch)):
@@ -526,7 +639,19 @@ class FSDP:
     def loss_and_grads(self, loss_fn: Callable, *, has_aux: bool = False) -> Callable:
         """``fn(state, batch) -> (loss, grads)`` (``((loss, aux), grads)`` with ``has_aux``),
         jitted: the step's gradients, a dict like ``state.master`` (a unit's is
-        ``[*stack, N_padded, K]`` fp32, rows sharded; a plain parameter's its own shape)."""
+        ``[*stack, N_padded, K]`` fp32, rows sharded; a plain parameter's its own shape).
+
+        Args:
+          loss_fn: ``loss_fn(model, batch)``, as the class docstring describes.
+          has_aux: ``loss_fn`` returns ``(loss, aux)``; the ``aux`` leaves must be floating and
+            are averaged over devices.
+
+        Returns:
+          ``fn(state, batch)``. The loss is the mean over devices (fp32); the state is not
+          donated, and a state consumed by a step is a ``ValueError``. The batch goes through
+          ``place_batch``. Asking again for the same ``loss_fn`` and ``has_aux`` returns a
+          function that reuses the compiled program.
+        """
 
         def make():
             grads_fn = self._grads_fn(loss_fn, has_aux)
@@ -548,7 +673,16 @@ class FSDP:
     def eval_step(self, loss_fn: Callable) -> Callable:
         """``fn(state, batch) -> loss``, jitted: the loss the training step would see (the same
         gathers, precisions and GEMMs), the mean over devices; no gradient is computed (XLA
-        drops the backward), the state is not donated."""
+        drops the backward), the state is not donated.
+
+        Args:
+          loss_fn: ``loss_fn(model, batch) -> scalar``, as the class docstring describes (no
+            ``aux``).
+
+        Returns:
+          ``fn(state, batch)`` returning the loss as an fp32 scalar. The batch goes through
+          ``place_batch``; a state consumed by a step is a ``ValueError``.
+        """
 
         def make():
             grads_fn = self._grads_fn(loss_fn, False)
@@ -566,7 +700,20 @@ class FSDP:
         """``step(state, batch) -> (state, loss)`` (``(state, loss, aux)`` with ``has_aux``):
         gradients, the ``tx`` update on the shards, re-quantization. Jitted; the input state is
         donated, and calling it again with a consumed state is a ``ValueError``. ``aux`` leaves
-        are floating and averaged over devices, like the loss."""
+        are floating and averaged over devices, like the loss.
+
+        Args:
+          loss_fn: ``loss_fn(model, batch)``, as the class docstring describes.
+          tx: the optimizer the state was initialised with (``init``); another optimizer state
+            structure is a ``ValueError``.
+          has_aux: ``loss_fn`` returns ``(loss, aux)``.
+
+        Returns:
+          ``step(state, batch)``: the new state has the updated masters, their planes re-quantized,
+          the new optimizer and other state, and ``state.step + 1``. The loss is the mean over devices
+          (fp32). The batch goes through ``place_batch``. Asking again for the same ``loss_fn``,
+          ``tx`` and ``has_aux`` returns a step that reuses the compiled program.
+        """
         jitted = self._jit(("train_step", loss_fn, tx, has_aux), lambda: self._train_jit(loss_fn, tx, has_aux))
 
         def call(state, batch):
@@ -587,7 +734,16 @@ class FSDP:
         """``train_step`` lowered for ``state`` and ``batch`` (arrays, or ``abstract_state`` and
         ``jax.ShapeDtypeStruct`` leaves). ``.compile()`` gives a step to call as
         ``compiled(state, fsdp.place_batch(batch))`` (donating ``state``), its HLO text and its
-        ``memory_analysis()``."""
+        ``memory_analysis()``.
+
+        Args:
+          loss_fn, tx, has_aux: as for ``train_step``.
+          state: a ``TrainState`` of this plan, or ``abstract_state(tx)``.
+          batch: a batch as ``place_batch`` takes it (arrays or ``jax.ShapeDtypeStruct``s).
+
+        Returns:
+          The ``jax.stages.Lowered`` step, not yet compiled.
+        """
         return self._train_jit(loss_fn, tx, has_aux).lower(state, self.place_batch(batch))
 
     def _train_jit(self, loss_fn: Callable, tx, has_aux: bool):
@@ -606,7 +762,16 @@ class FSDP:
     def to_logical(self, info: ParamInfo, stored: jax.Array) -> jax.Array:
         """Any parameter's stored array (``TrainState.master`` entry, its gradient or an
         optimizer moment) in the parameter's own shape (a unit's padding rows dropped); works
-        on sharded arrays."""
+        on sharded arrays.
+
+        Args:
+          info: the parameter (an entry of ``params``).
+          stored: an array of ``info.stored_shape``.
+
+        Returns:
+          An array of ``info.shape`` in ``stored``'s dtype; ``stored`` itself for a parameter
+          that is not a unit.
+        """
         g = info.unit
         if g is None:
             return stored
@@ -621,7 +786,17 @@ class FSDP:
 
     def from_logical(self, info: ParamInfo, value: jax.Array, dtype=jnp.float32) -> jax.Array:
         """The inverse of ``to_logical``: a unit's parameter-shaped array as its padded master
-        (zero rows), in ``dtype``."""
+        (zero rows), in ``dtype``.
+
+        Args:
+          info: the parameter (an entry of ``params``).
+          value: an array of ``info.shape`` (anything ``jnp.asarray`` takes).
+          dtype: the result's dtype.
+
+        Returns:
+          An array of ``info.stored_shape`` in ``dtype``, its padding rows zero; for a parameter
+          that is not a unit, ``value`` in ``dtype``.
+        """
         value = jnp.asarray(value, dtype)
         g = info.unit
         if g is None:

@@ -101,6 +101,14 @@ def tensor_parallel(layer, role: str):
     reads and writes its slice only: the model's code shapes its activations for the slice
     and reduces the row-parallel outputs over the tp axis itself (see
     ``mxfp8_jax.models.TransformerLM``). Bias-free layers only (a bias would need splitting).
+
+    Args:
+      layer: an ``nnx.Linear`` or ``mxfp8_jax.flax.Linear`` without a bias (a bias is a
+        ``ValueError``).
+      role: ``"column"`` or ``"row"``.
+
+    Returns:
+      ``layer`` itself, its ``tensor_parallel`` attribute set to ``role``.
     """
     if role not in TP_ROLES:
         raise ValueError(f"role={role!r} must be one of {TP_ROLES}")

@@ -94,7 +94,16 @@ class ParamInfo:
         return self.shape if self.unit is None else self.unit.param_shape
 
     def tp_global(self, local: tuple[int, ...]) -> tuple[int, ...]:
-        """A unit array's shape for one tp slice -> for all of them."""
+        """A unit array's shape for one tp slice -> for all of them.
+
+        Args:
+          local: the shape of a unit array (master or plane) for one tp slice, rows second to
+            last.
+
+        Returns:
+          The shape as a tuple, the rows (``"column"``) or the last axis (``"row"``) multiplied
+          by ``tp_size``; ``local`` unchanged without tensor parallelism.
+        """
         if self.tp is None:
             return tuple(local)
         axis = len(local) - (2 if self.tp == "column" else 1)

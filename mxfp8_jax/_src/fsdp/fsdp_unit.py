@@ -97,6 +97,25 @@ class UnitGeometry:
         axes,
         precision: str,
     ) -> UnitGeometry:
+        """The geometry of a parameter whose GEMMs contract ``k_axes`` and keep ``n_axes``.
+
+        Args:
+          param_shape: the parameter's shape (one tp slice under tensor parallelism).
+          level: the number of leading axes that scans slice off (layers).
+          batch_axes: the parameter axes its GEMMs batch over (stack axes after the layers).
+          n_axes, k_axes: the parameter axes its GEMMs keep (``N``) and contract (``K``). The
+            ``level`` leading axes, ``batch_axes``, ``n_axes`` and ``k_axes`` together must be a
+            permutation of the parameter's axes (``ValueError`` otherwise).
+          num_shards: the devices the rows are split over.
+          axes: the collective axis name(s), in shard order.
+          precision: ``"mxfp8"`` (``N`` and ``K`` multiples of 32, else ``ValueError``) or
+            ``"bf16"``.
+
+        Returns:
+          The ``UnitGeometry``: ``K`` the product of the ``k_axes`` sizes, ``N`` of the
+          ``n_axes`` sizes, ``out_padded`` ``N`` rounded up to a multiple of ``32 * num_shards``
+          (MXFP8) or ``num_shards`` (bf16).
+        """
         if precision not in PRECISIONS:
             raise ValueError(f"precision={precision!r} must be one of {PRECISIONS}")
         shape = tuple(int(d) for d in param_shape)
@@ -133,12 +152,27 @@ class UnitGeometry:
         return self.param_shape[: self.level] + tuple(self.param_shape[a] for a in self.batch_axes)
 
     def padded_shape(self, stack: tuple[int, ...] | None = None) -> tuple[int, ...]:
-        """The stored master ``[*stack, out_padded, K]`` (all devices' rows)."""
+        """The stored master ``[*stack, out_padded, K]`` (all devices' rows).
+
+        Args:
+          stack: the stack axes' sizes (default ``self.stack``).
+
+        Returns:
+          The shape as a tuple.
+        """
         return (*(self.stack if stack is None else stack), self.out_padded, self.in_features)
 
     def plane_shapes(self, stack: tuple[int, ...] | None = None, rows: int | None = None):
         """``(codes, rowwise scales, columnwise scales)`` of ``rows`` rows (default all):
-        ``[*stack, rows, K]``, ``[*stack, rows, K/32]``, ``[*stack, rows/32, K]``."""
+        ``[*stack, rows, K]``, ``[*stack, rows, K/32]``, ``[*stack, rows/32, K]``.
+
+        Args:
+          stack: the stack axes' sizes (default ``self.stack``).
+          rows: the number of rows (default ``out_padded``), a multiple of 32.
+
+        Returns:
+          The three shapes as tuples.
+        """
         stack = self.stack if stack is None else stack
         rows = self.out_padded if rows is None else rows
         k = self.in_features
@@ -151,13 +185,29 @@ class UnitGeometry:
 
     def to_master(self, value: jax.Array, level: int = 0) -> jax.Array:
         """The parameter's value (its first ``level`` axes already sliced off) as ``W`` with
-        zero padding rows ``[*stack, out_padded, K]``."""
+        zero padding rows ``[*stack, out_padded, K]``.
+
+        Args:
+          value: the parameter's value, shape ``param_shape[level:]``.
+          level: how many leading layer axes are already sliced off (at most ``self.level``).
+
+        Returns:
+          ``W`` in ``value``'s dtype; ``stack`` lacks the sliced layer axes.
+        """
         w = self.to_rows(value, level)
         pad = [(0, 0)] * (w.ndim - 2) + [(0, self.out_padded - self.out_features), (0, 0)]
         return jnp.pad(w, pad)
 
     def to_rows(self, value: jax.Array, level: int = 0) -> jax.Array:
-        """The parameter's value as ``W [*stack, N, K]`` (no padding)."""
+        """The parameter's value as ``W [*stack, N, K]`` (no padding).
+
+        Args:
+          value: the parameter's value, shape ``param_shape[level:]``.
+          level: how many leading layer axes are already sliced off (at most ``self.level``).
+
+        Returns:
+          ``W`` in ``value``'s dtype; ``stack`` lacks the sliced layer axes.
+        """
         perm = [a - level for a in self.perm[level:]]
         w = jnp.transpose(value, perm)
         lead = w.shape[: w.ndim - len(self.n_axes) - len(self.k_axes)]
@@ -165,7 +215,15 @@ class UnitGeometry:
 
     def from_master(self, w: jax.Array, level: int = 0) -> jax.Array:
         """``W [*stack, out_padded or N, K]`` (the first ``level`` layer axes sliced off) as the
-        parameter's value (padding rows dropped)."""
+        parameter's value (padding rows dropped).
+
+        Args:
+          w: ``W`` with or without its padding rows.
+          level: how many leading layer axes are already sliced off (at most ``self.level``).
+
+        Returns:
+          An array of ``param_shape[level:]`` in ``w``'s dtype.
+        """
         w = w[..., : self.out_features, :]
         shape = self.param_shape
         perm = self.perm[level:]

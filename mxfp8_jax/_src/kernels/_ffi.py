@@ -101,7 +101,12 @@ def _load() -> tuple[dict[str, dict[str, object]], dict[str, str]]:
 
 
 def available_backends() -> tuple[str, ...]:
-    """Platforms whose handlers the installed extension carries, e.g. ``('cpu', 'cuda')``."""
+    """Platforms whose handlers the installed extension carries, e.g. ``('cpu', 'cuda')``.
+
+    Returns:
+      The platform names (``'cpu'``, ``'cuda'``, ``'rocm'``, in that order) whose extension module
+      imported here; empty without the extension.
+    """
     return tuple(_load()[0])
 
 

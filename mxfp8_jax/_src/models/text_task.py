@@ -228,7 +228,17 @@ class TextTask:
         return float(-(p * np.log(p)).sum())
 
     def batches(self, steps: int, batch: int) -> Iterator[np.ndarray]:
-        """``steps`` batches of ``batch`` training windows, the same sequence for the same seed."""
+        """``steps`` batches of ``batch`` training windows, the same sequence for the same seed.
+
+        Args:
+          steps: how many batches, a non-negative int.
+          batch: windows per batch, a positive int.
+
+        Returns:
+          An iterator of int32 arrays ``[batch, seq_len]`` of byte tokens, each window drawn
+          uniformly (with replacement) from the windows inside one training file. The arguments
+          are checked when this is called, not when the iterator is first advanced.
+        """
         if isinstance(steps, bool) or not isinstance(steps, numbers.Integral) or steps < 0:
             raise ValueError(f"steps={steps!r} must be a non-negative int")
         batch = checks.positive_int(batch, "batch")
@@ -243,7 +253,16 @@ class TextTask:
 
     def validation_batches(self, batch: int, count: int) -> list[np.ndarray]:
         """``count`` batches of ``batch`` validation windows, evenly spaced over the validation
-        files (distinct; independent of the seed)."""
+        files (distinct; independent of the seed).
+
+        Args:
+          batch: windows per batch, a positive int.
+          count: how many batches, a positive int; ``batch * count`` must be at most the number of
+            ``seq_len``-byte windows inside the validation files (else a ValueError).
+
+        Returns:
+          A list of ``count`` int32 arrays ``[batch, seq_len]`` of byte tokens.
+        """
         batch = checks.positive_int(batch, "batch")
         count = checks.positive_int(count, "count")
         windows, n = self.validation.windows(self.seq_len), batch * count
@@ -256,7 +275,12 @@ class TextTask:
         return [tokens[i * batch : (i + 1) * batch] for i in range(count)]
 
     def describe(self) -> str:
-        """One line: the text used, its split, and what was skipped."""
+        """One line: the text used, its split, and what was skipped.
+
+        Returns:
+          A string naming the number of source files and bytes read, the files and bytes held out
+          for validation, and the skipped files with the reason for each.
+        """
         used = len(self.train) + len(self.validation)
         skipped = "; ".join(f"{name} ({why})" for name, why in self.skipped)
         return (

@@ -92,7 +92,16 @@ def tp_size(axis: str) -> int:
 
 
 def rope(x: jax.Array, base: float) -> jax.Array:
-    """Rotary position embedding of ``x [batch, seq, heads, head_dim]`` (pairs of halves)."""
+    """Rotary position embedding of ``x [batch, seq, heads, head_dim]`` (pairs of halves).
+
+    Args:
+      x: ``[batch, seq, heads, head_dim]``, ``head_dim`` even; a token's position is its index
+        along ``seq``. Element ``i`` of the first half pairs with element ``i`` of the second.
+      base: the rotary base: pair ``i`` at position ``t`` turns by ``t * base ** (-2 * i / head_dim)``.
+
+    Returns:
+      The rotated ``x``, same shape and dtype (computed in fp32).
+    """
     seq, dim = x.shape[1], x.shape[-1]
     inv = base ** (-np.arange(0, dim, 2, dtype=np.float32) / dim)
     angle = np.arange(seq, dtype=np.float32)[:, None] * inv[None, :]  # [seq, dim/2]
@@ -239,7 +248,15 @@ class TransformerLM(nnx.Module):
 
 def init_transformer(cfg: TransformerConfig, seed: int = 0) -> TransformerLM:
     """The model with its parameters initialised in one compiled program (flax's initialisers:
-    LeCun-normal projections, normal embeddings, unit norm scales)."""
+    LeCun-normal projections, normal embeddings, unit norm scales).
+
+    Args:
+      cfg: the model's sizes and options.
+      seed: the seed of the ``nnx.Rngs`` the initialisers draw from.
+
+    Returns:
+      A ``TransformerLM`` for ``cfg``.
+    """
     abstract = nnx.eval_shape(lambda: TransformerLM(cfg, rngs=nnx.Rngs(seed)))
     graphdef, _ = nnx.split(abstract)
     state = jax.jit(lambda: nnx.state(TransformerLM(cfg, rngs=nnx.Rngs(seed))))()
@@ -249,14 +266,30 @@ def init_transformer(cfg: TransformerConfig, seed: int = 0) -> TransformerLM:
 def next_token_loss(model: TransformerLM, batch) -> jax.Array:
     """Mean cross-entropy of predicting ``tokens[:, 1:]`` from ``tokens[:, :-1]``, for
     ``batch = tokens [batch, seq + 1]``, or ``batch = (inputs, targets)`` already shifted
-    (``next_token_pairs``: what a sequence-split step needs)."""
+    (``next_token_pairs``: what a sequence-split step needs).
+
+    Args:
+      model: the LM, ``tokens [batch, seq] -> logits [batch, seq, vocab]``.
+      batch: int tokens ``[batch, seq + 1]``, or a tuple ``(inputs, targets)`` of int tokens, each
+        ``[batch, seq]``.
+
+    Returns:
+      The scalar loss: the negative log-likelihood of the targets, averaged over every position.
+    """
     inputs, target = batch if isinstance(batch, tuple) else (batch[:, :-1], batch[:, 1:])
     logp = jax.nn.log_softmax(model(inputs), axis=-1)
     return -jnp.take_along_axis(logp, target[..., None], axis=-1).mean()
 
 
 def next_token_pairs(tokens) -> tuple[np.ndarray, np.ndarray]:
-    """``tokens [batch, seq + 1]`` -> ``(inputs, targets)``, each ``[batch, seq]``."""
+    """``tokens [batch, seq + 1]`` -> ``(inputs, targets)``, each ``[batch, seq]``.
+
+    Args:
+      tokens: ``[batch, seq + 1]``, anything ``np.asarray`` takes.
+
+    Returns:
+      ``(tokens[:, :-1], tokens[:, 1:])`` as NumPy arrays (views of ``np.asarray(tokens)``).
+    """
     tokens = np.asarray(tokens)
     return tokens[:, :-1], tokens[:, 1:]
 
@@ -280,6 +313,16 @@ class SequenceTask:
         return float(np.log(self.vocab) / (self.seq_len - 1))
 
     def batches(self, steps: int, batch: int) -> Iterator[np.ndarray]:
+        """``steps`` batches of sequences, the same ones for the same ``seed``.
+
+        Args:
+          steps: how many batches to yield.
+          batch: sequences per batch.
+
+        Returns:
+          An iterator of int32 arrays ``[batch, seq_len]``: each sequence's first two tokens
+          uniform in ``[0, vocab)``, then ``x[t] = perm[x[t - 2]]``.
+        """
         rng = np.random.default_rng(self.seed)
         for _ in range(steps):
             x = np.empty((batch, self.seq_len), np.int32)

@@ -45,6 +45,15 @@ class ScaleRule(str, enum.Enum):
 
     @classmethod
     def parse(cls, rule: str | ScaleRule, *, argname: str = "scale_rule") -> ScaleRule:
+        """The ``ScaleRule`` that ``rule`` names.
+
+        Args:
+          rule: a ``ScaleRule`` or its value, ``"rceil"`` or ``"floor"`` (lower case).
+          argname: the argument name an unknown rule's ValueError quotes.
+
+        Returns:
+          The ``ScaleRule`` member; any other value raises ValueError.
+        """
         try:
             return cls(rule)
         except ValueError:
@@ -152,7 +161,15 @@ def e8m0_scale(amax_bits: jax.Array, rule: ScaleRule) -> jax.Array:
 
 
 def e8m0_to_float32(byte: jax.Array) -> jax.Array:
-    """2^(byte - 127) as fp32 (byte 0 is the subnormal 2^-127, 0xFF is NaN)."""
+    """2^(byte - 127) as fp32 (byte 0 is the subnormal 2^-127, 0xFF is NaN).
+
+    Args:
+      byte: E8M0 scale bytes (uint8), any shape.
+
+    Returns:
+      An fp32 array of ``byte``'s shape, built on the bits (byte 0 gives 2^-127 exactly, 0xFF
+      the NaN 0x7FC00000).
+    """
     b = byte.astype(jnp.uint32)
     bits = _select(b == 0, 0x00400000, b << 23)
     bits = _select(b == 0xFF, 0x7FC00000, bits)
@@ -160,7 +177,14 @@ def e8m0_to_float32(byte: jax.Array) -> jax.Array:
 
 
 def e8m0_view(byte: jax.Array) -> jax.Array:
-    """The uint8 scales reinterpreted as ``float8_e8m0fnu`` (a free bitcast)."""
+    """The uint8 scales reinterpreted as ``float8_e8m0fnu`` (a free bitcast).
+
+    Args:
+      byte: E8M0 scale bytes (uint8), any shape.
+
+    Returns:
+      A ``float8_e8m0fnu`` array of ``byte``'s shape with the same bits.
+    """
     return jax.lax.bitcast_convert_type(byte, jnp.float8_e8m0fnu)
 
 

@@ -73,7 +73,11 @@ class MXFP8Tensor:
         return tuple(n for n, h in (("rowwise", self.has_rowwise), ("columnwise", self.has_columnwise)) if h)
 
     def validate(self) -> MXFP8Tensor:
-        """Checks the class invariants; returns self. Works on tracers (shapes are static)."""
+        """Checks the class invariants; returns self. Works on tracers (shapes are static).
+
+        Returns:
+          ``self``, unchanged; a broken invariant raises ValueError.
+        """
         m, k = self.matrix_shape
         specs = {
             "rowwise": (self.rowwise_data, self.rowwise_scale, (m, k // BLOCK)),
@@ -104,6 +108,15 @@ class MXFP8Tensor:
         Exact in fp32 (subnormal results included); bf16 output is rounded to nearest even.
         Not differentiable in the planes: ``jax.grad``/``jax.jvp`` with respect to the data
         raises a TypeError, for every backend (docs/design.md §2).
+
+        Args:
+          columnwise: dequantize the columnwise plane instead of the rowwise one; the chosen plane
+            must be present (ValueError otherwise).
+          dtype: a floating-point output type (TypeError otherwise); ``None`` (default) gives
+            ``self.dtype``.
+
+        Returns:
+          An array of ``dtype`` and shape ``self.shape``.
         """
         self.validate()
         dtype = jnp.dtype(self.dtype if dtype is None else dtype)
@@ -124,14 +137,32 @@ class MXFP8Tensor:
         return fn(data, scale, axis=axis, dtype=dtype).reshape(self.shape)
 
     def scale_e8m0(self, *, columnwise: bool = False) -> jax.Array:
-        """A plane's scales as ``float8_e8m0fnu`` (bitcast view of the uint8 bytes)."""
+        """A plane's scales as ``float8_e8m0fnu`` (bitcast view of the uint8 bytes).
+
+        Args:
+          columnwise: read the columnwise scales instead of the rowwise ones; the chosen plane
+            must be present (ValueError otherwise).
+
+        Returns:
+          A ``float8_e8m0fnu`` array: ``[M, K/32]`` rowwise or ``[M/32, K]`` columnwise.
+        """
         s = self.columnwise_scale if columnwise else self.rowwise_scale
         if s is None:
             raise ValueError(f"this tensor holds no {'columnwise' if columnwise else 'rowwise'} plane")
         return fmt.e8m0_view(s)
 
     def padded_scales(self, *, swizzle: bool = False) -> tuple[jax.Array | None, jax.Array | None]:
-        """(rowwise, columnwise) scales in TE's physical shapes, optionally swizzled for cuBLAS."""
+        """(rowwise, columnwise) scales in TE's physical shapes, optionally swizzled for cuBLAS.
+
+        Args:
+          swizzle: also put each padded plane in the cuBLAS 128x4 tile order (``swizzle_scale``),
+            which flattens it.
+
+        Returns:
+          ``(row, col)``: uint8 rowwise ``[ceil128(M), ceil4(K/32)]`` and columnwise
+          ``[ceil4(M/32), ceil128(K)]`` scales padded with 0 (1-D when swizzled), ``None`` for an
+          absent plane.
+        """
         row = None if self.rowwise_scale is None else pad_rowwise_scale(self.rowwise_scale)
         col = None if self.columnwise_scale is None else pad_columnwise_scale(self.columnwise_scale)
         if swizzle:
@@ -140,7 +171,12 @@ class MXFP8Tensor:
         return row, col
 
     def padded(self) -> PaddedMXFP8Tensor:
-        """The planes as an MXFP8 GEMM takes them: data as is, scales padded (unswizzled)."""
+        """The planes as an MXFP8 GEMM takes them: data as is, scales padded (unswizzled).
+
+        Returns:
+          A ``PaddedMXFP8Tensor`` with this tensor's data planes and ``shape``, and the scales of
+          ``padded_scales()``; absent planes are ``None``.
+        """
         row, col = self.padded_scales()
         return PaddedMXFP8Tensor(
             rowwise_data=self.rowwise_data,
@@ -223,6 +259,15 @@ def update_mxfp8_tensor(
     Planes of the direction not selected keep what ``dst`` has; a selected plane absent from
     ``src`` is cleared (``None``) in the result. Neither argument is modified (pytrees are
     immutable); the result is a new tensor.
+
+    Args:
+      src: the tensor the selected planes come from; its ``shape`` must equal ``dst.shape``
+        (ValueError otherwise).
+      dst: the tensor the other planes, ``shape`` and ``dtype`` come from.
+      rowwise, columnwise: take that direction's data and scale planes from ``src``.
+
+    Returns:
+      A new ``MXFP8Tensor``: ``dst`` with the selected planes replaced.
     """
     if tuple(src.shape) != tuple(dst.shape):
         raise ValueError(f"src.shape {src.shape} must equal dst.shape {dst.shape}")
@@ -239,14 +284,28 @@ def update_mxfp8_tensor(
 
 
 def pad_rowwise_scale(s: jax.Array) -> jax.Array:
-    """Compact rowwise scales ``[M, K/32]`` -> TE's ``[ceil128(M), ceil4(K/32)]``, padding 0."""
+    """Compact rowwise scales ``[M, K/32]`` -> TE's ``[ceil128(M), ceil4(K/32)]``, padding 0.
+
+    Args:
+      s: a 2-D uint8 scale plane ``[M, K/32]`` (ValueError if not 2-D, TypeError if not uint8).
+
+    Returns:
+      A uint8 ``[ceil128(M), ceil4(K/32)]`` array: ``s`` at the top left, 0 bytes after it.
+    """
     _check_scale(s, "s")
     r, c = s.shape
     return jnp.pad(s, ((0, _ceil(r, 128) - r), (0, _ceil(c, 4) - c)))
 
 
 def pad_columnwise_scale(s: jax.Array) -> jax.Array:
-    """Compact columnwise scales ``[M/32, K]`` -> TE's ``[ceil4(M/32), ceil128(K)]``, padding 0."""
+    """Compact columnwise scales ``[M/32, K]`` -> TE's ``[ceil4(M/32), ceil128(K)]``, padding 0.
+
+    Args:
+      s: a 2-D uint8 scale plane ``[M/32, K]`` (ValueError if not 2-D, TypeError if not uint8).
+
+    Returns:
+      A uint8 ``[ceil4(M/32), ceil128(K)]`` array: ``s`` at the top left, 0 bytes after it.
+    """
     _check_scale(s, "s")
     r, c = s.shape
     return jnp.pad(s, ((0, _ceil(r, 4) - r), (0, _ceil(c, 128) - c)))
@@ -257,6 +316,15 @@ def swizzle_scale(s_padded: jax.Array, *, columnwise: bool = False) -> jax.Array
 
     Rowwise: applied to the padded ``[R, C]`` plane. Columnwise: applied to the transpose of the
     padded ``[C', R']`` plane. ``s.reshape(R//128, 4, 32, C//4, 4).transpose(0, 3, 2, 1, 4)``.
+
+    Args:
+      s_padded: a padded 2-D uint8 scale plane (``pad_rowwise_scale``/``pad_columnwise_scale``);
+        the view swizzled (``s_padded``, or its transpose when ``columnwise``) needs rows a
+        multiple of 128 and columns a multiple of 4 (ValueError otherwise).
+      columnwise: swizzle the transpose (a columnwise plane) instead of ``s_padded`` itself.
+
+    Returns:
+      A 1-D uint8 array of ``s_padded.size`` bytes in tile order.
     """
     _check_scale(s_padded, "s_padded")
     s = s_padded.T if columnwise else s_padded

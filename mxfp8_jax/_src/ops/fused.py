@@ -416,6 +416,25 @@ def allgather_rmsnorm_quant_local(
     ``strategy="auto"`` takes ``"p2p"`` on CPU in a single-process run and ``"xla"`` otherwise;
     an explicit ``"p2p"`` on GPUs is experimental (see the module docstring).
     The outputs vary along ``axis_name`` (equal within a group, not across groups).
+
+    Args:
+      x: bf16 ``[rows_max, H]``, this device's rows: on device ``k`` of the axis the first
+        ``row_counts[k]`` are valid, the rest padding.
+      gamma: bf16 ``[H]``, this device's gamma.
+      axis_name: the axis of the enclosing ``shard_map`` to gather over (``n`` devices).
+      eps, weight_offset, quantize_from, scale_rule: the norm and quantize, as ``rmsnorm_quant``.
+      group_size: gather within contiguous groups of this many devices (default: all ``n``).
+      row_counts: the valid rows of every device of the axis (default: ``rows_max`` each); every
+        group must gather the same total ``R``.
+      columnwise: also make the columnwise planes (``R`` a multiple of 32).
+      strategy: ``"auto"``, ``"xla"`` or ``"p2p"``; ``"p2p"`` needs a single-process run and every
+        other axis of the mesh manual in the ``shard_map``.
+      p2p_timeout_s: how long a ``"p2p"`` device waits for its peers (``None``: no deadline).
+
+    Returns:
+      ``(normed [R, H] bf16, quant [R, H] e4m3, scales [R, H/32] uint8, residual [R, H] bf16)``,
+      plus ``(columnwise_quant [R, H], columnwise_scales [R/32, H])`` when ``columnwise=True``;
+      ``residual`` is the group's gathered valid rows of ``x``.
     """
     rows_max, h = rmsnorm.check_rows(x)
     rmsnorm.check_gamma(gamma, h, ((h,),))

@@ -65,6 +65,11 @@ def to_te(t: MXFP8Tensor, *, dq_dtype: DTypeLike | None = None, flatten: bool = 
       dq_dtype: the dtype TE dequantizes to (default ``t.dtype``).
       flatten: give TE the 2-D view ``[M, K]`` rather than the logical shape ``t.shape``.
 
+    Returns:
+      A ``ScaledTensor2x`` when ``t`` holds both planes, else a ``ScaledTensor1x`` of the plane it
+      holds: scaling mode ``MXFP8_1D_SCALING``, data shape ``t.shape`` (``t.matrix_shape`` with
+      ``flatten=True``), ``flatten_axis=-1``.
+
     The data arrays are reshaped views of ``t``'s planes and the scales are the same bytes as
     ``float8_e8m0fnu``, compact (see the module docstring); nothing is copied or padded.
     """
@@ -113,6 +118,10 @@ def from_te(scaled: Any, *, shape: Sequence[int] | None = None) -> MXFP8Tensor:
       shape: the logical shape to record; its ``[prod(shape[:-1]), shape[-1]]`` view must be
         that 2-D view. Default: TE's data shape when ``flatten_axis`` is its last axis (TE's
         default), else the 2-D view itself.
+
+    Returns:
+      A validated ``MXFP8Tensor`` holding the planes ``scaled`` holds (the others ``None``), with
+      that ``shape``.
 
     The nominal ``dtype`` is TE's ``dq_dtype``. The planes are reshaped and the scales bitcast
     to ``uint8``; nothing else changes, so ``from_te(to_te(t)) == t`` byte for byte.
