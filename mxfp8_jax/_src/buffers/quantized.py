@@ -212,7 +212,7 @@ class QuantizedDBuffer:
     layout: GlobalLayout = dataclasses.field(metadata=dict(static=True))
 
     def __post_init__(self):
-        for kind, d in self.directions:
+        for kind, d in ((ROWWISE, self.rowwise), (COLUMNWISE, self.columnwise)):
             if not isinstance(d, Direction) or d.kind != kind:
                 raise TypeError(f"{kind} must be a Direction of kind {kind!r}, got {d!r}")
             placements = _check_placements(self.mesh, d.placements, f"{kind}_placements")
@@ -226,12 +226,12 @@ class QuantizedDBuffer:
                 f"layout.dp_size={self.layout.dp_size} must equal mesh.size={self.mesh.size} "
                 f"(one layout segment per device)"
             )
-        for kind, d in self.directions:
+        for d in self.directions:
             if (d.data is None) != (d.scale is None):
-                raise ValueError(f"{kind} data and scale planes must both be present or both be None")
-        for kind, d in self.directions:
+                raise ValueError(f"{d.kind} data and scale planes must both be present or both be None")
+        for d in self.directions:
             for name, plane, (layout, placements) in zip(
-                (f"{kind}_data", f"{kind}_scale"), (d.data, d.scale), d.geometry(self.layout)
+                (f"{d.kind}_data", f"{d.kind}_scale"), (d.data, d.scale), d.geometry(self.layout)
             ):
                 if plane is not None:
                     self._check_plane(name, plane, layout, placements)
@@ -366,9 +366,9 @@ class QuantizedDBuffer:
     # -- structure -----------------------------------------------------------------------------
 
     @property
-    def directions(self) -> tuple[tuple[str, Direction], ...]:
-        """``(("rowwise", self.rowwise), ("columnwise", self.columnwise))``."""
-        return (ROWWISE, self.rowwise), (COLUMNWISE, self.columnwise)
+    def directions(self) -> tuple[Direction, Direction]:
+        """``(self.rowwise, self.columnwise)``."""
+        return self.rowwise, self.columnwise
 
     @property
     def rowwise_data(self) -> DBuffer | None:
@@ -465,13 +465,12 @@ class QuantizedDBuffer:
         Returns:
           The buffer with the selected directions allocated; ``self`` when none was released.
         """
-        selected = {ROWWISE: rowwise, COLUMNWISE: columnwise}
-        missing = [(kind, d) for kind, d in self.directions if selected[kind] and not d.allocated]
+        missing = [d for d in self._chosen(rowwise, columnwise) if not d.allocated]
         if not missing:
             return self
-        geometries = tuple(g for _, d in missing for g in d.geometry(self.layout))
+        geometries = tuple(g for d in missing for g in d.geometry(self.layout))
         arrays = iter(_zeros_fn(self.mesh, geometries)())
-        return dataclasses.replace(self, **{kind: self._filled(d, arrays) for kind, d in missing})
+        return dataclasses.replace(self, **{d.kind: self._filled(d, arrays) for d in missing})
 
     # -- quantization --------------------------------------------------------------------------
 
@@ -504,10 +503,10 @@ class QuantizedDBuffer:
                 f"main_weight.mesh must be this buffer's mesh; they differ in "
                 f"{checks.mesh_difference(main_weight.mesh, self.mesh)} (main_weight's vs this buffer's)"
             )
-        for kind, d in self.directions:
+        for d in self.directions:
             if d.allocated and main_weight.placements != d.placements:
                 raise ValueError(
-                    f"main_weight.placements={main_weight.placements} must equal the {kind} "
+                    f"main_weight.placements={main_weight.placements} must equal the {d.kind} "
                     f"placements {d.placements} of this buffer (quantize does not communicate)"
                 )
         if main_weight.layout != self.layout:
@@ -530,7 +529,7 @@ class QuantizedDBuffer:
             bool(jax.config.jax_enable_x64),
         )
         outs = iter(fn(main_weight.data))  # rowwise data, scale, then columnwise's, as allocated
-        return dataclasses.replace(self, **{kind: self._filled(d, outs) for kind, d in self.directions if d.allocated})
+        return dataclasses.replace(self, **{d.kind: self._filled(d, outs) for d in self.directions if d.allocated})
 
     # -- checkpoints ---------------------------------------------------------------------------
 
@@ -637,9 +636,9 @@ class QuantizedDBuffer:
         """
         checks.index(i, self.layout.num_tensors)
         planes = {}
-        selected = {ROWWISE: rowwise, COLUMNWISE: columnwise}
-        for kind, d in self.directions:
-            sel = selected[kind]
+        selected = {ROWWISE: rowwise, COLUMNWISE: columnwise}  # True, False or None (if gathered)
+        for d in self.directions:
+            kind, sel = d.kind, selected[d.kind]
             gathered = d.data is not None and d.data.num_shards == 1
             if sel and not gathered:
                 state = "released" if d.data is None else f"sharded ({d.placements})"
@@ -760,12 +759,10 @@ class QuantizedDBuffer:
           ``Replicate``.
         """
         self._require(rowwise, columnwise, "allgather")
-        selected = {ROWWISE: rowwise, COLUMNWISE: columnwise}
         changes = {}
-        for kind, d in self.directions:
-            if selected[kind]:
-                data, scale = d.data.allgather(mesh_axes), d.scale.allgather(mesh_axes)
-                changes[kind] = dataclasses.replace(d, data=data, scale=scale, placements=data.placements)
+        for d in self._chosen(rowwise, columnwise):
+            data, scale = d.data.allgather(mesh_axes), d.scale.allgather(mesh_axes)
+            changes[d.kind] = dataclasses.replace(d, data=data, scale=scale, placements=data.placements)
         return dataclasses.replace(self, **changes)
 
     # -- helpers -------------------------------------------------------------------------------
@@ -779,25 +776,26 @@ class QuantizedDBuffer:
     def _move(self, new, *, rowwise: bool, columnwise: bool, move) -> QuantizedDBuffer:
         """``move`` (``DBuffer.view`` or ``DBuffer.redistribute``) of the selected directions'
         planes to placements ``new``."""
-        selected = {ROWWISE: rowwise, COLUMNWISE: columnwise}
         changes = {}
-        for kind, d in self.directions:
-            if selected[kind]:
-                (_, data_to), (_, scale_to) = d.geometry(self.layout, new)
-                data = None if d.data is None else move(d.data, data_to)
-                scale = None if d.scale is None else move(d.scale, scale_to)
-                changes[kind] = dataclasses.replace(d, data=data, scale=scale, placements=new)
+        for d in self._chosen(rowwise, columnwise):
+            (_, data_to), (_, scale_to) = d.geometry(self.layout, new)
+            data = None if d.data is None else move(d.data, data_to)
+            scale = None if d.scale is None else move(d.scale, scale_to)
+            changes[d.kind] = dataclasses.replace(d, data=data, scale=scale, placements=new)
         return dataclasses.replace(self, **changes)
 
     def _require(self, rowwise: bool, columnwise: bool, what: str) -> None:
         if not (rowwise or columnwise):
             raise ValueError(f"{what}: select at least one of rowwise=True or columnwise=True")
-        selected = {ROWWISE: rowwise, COLUMNWISE: columnwise}
-        for kind, d in self.directions:
-            if selected[kind] and not d.allocated:
+        for d in self._chosen(rowwise, columnwise):
+            if not d.allocated:
                 raise ValueError(
-                    f"{what}: the {kind} planes are released; reallocate_storage() first or pass {kind}=False"
+                    f"{what}: the {d.kind} planes are released; reallocate_storage() first or pass {d.kind}=False"
                 )
+
+    def _chosen(self, rowwise: bool, columnwise: bool) -> list[Direction]:
+        """The directions selected by the two flags."""
+        return [d for d, sel in zip(self.directions, (rowwise, columnwise)) if sel]
 
 
 def _check_placements(mesh: Mesh, placements, argname: str) -> tuple[pl.Placement, ...]:
