@@ -59,8 +59,7 @@ namespace {
 struct Arrival {
   const uint16_t* x = nullptr;
   const uint16_t* gamma = nullptr;
-  NormOutputs out;
-  uint16_t* residual = nullptr;
+  NormOut out;  // with the residual
   ffi::Promise promise;
 };
 
@@ -76,7 +75,7 @@ rendezvous::Table<Arrival>& Table() {
 
 // The group's work, run by the last rank to arrive.
 void GatherNormQuantize(ffi::ThreadPool& pool, std::vector<Arrival>& ranks,
-                        const std::vector<int64_t>& counts, const NormParams& p, float offset) {
+                        const std::vector<int64_t>& counts, const NormParams& p) {
   const int64_t H = p.H, S = H / kBlock;
   const int n = static_cast<int>(ranks.size());
   std::vector<const uint16_t*> row_src;
@@ -98,7 +97,7 @@ void GatherNormQuantize(ffi::ThreadPool& pool, std::vector<Arrival>& ranks,
     if (leader[k] == k) {
       leaders.push_back(k);
       ScopedIeeeFp ieee;
-      g[k] = gamma_plus_offset(ranks[k].gamma, H, offset);
+      g[k] = gamma_plus_offset(ranks[k].gamma, H, p.weight_offset);
     }
   }
 
@@ -110,14 +109,14 @@ void GatherNormQuantize(ffi::ThreadPool& pool, std::vector<Arrival>& ranks,
     const int64_t r0 = i * rows_per_item, r1 = std::min(R, r0 + rows_per_item);
     for (int k = 0; k < n; ++k)
       for (int64_t r = r0; r < r1; ++r)
-        std::memcpy(ranks[k].residual + r * H, row_src[r], static_cast<size_t>(2 * H));
+        std::memcpy(ranks[k].out.residual + r * H, row_src[r], static_cast<size_t>(2 * H));
     std::vector<uint32_t> scratch(rows_scratch_words(p));
     for (int l : leaders) {
-      const NormOutputs& o = ranks[l].out;
+      const NormOut& o = ranks[l].out;
       rmsnorm_quantize_rows_simd(row_src.data(), r0, r1, g[l].data(), p, o, scratch.data());
       for (int k = 0; k < n; ++k) {
         if (k == l || leader[k] != l) continue;
-        const NormOutputs& d = ranks[k].out;
+        const NormOut& d = ranks[k].out;
         const size_t rows = static_cast<size_t>(r1 - r0);
         std::memcpy(d.normed + r0 * H, o.normed + r0 * H, rows * H * 2);
         std::memcpy(d.row_q + r0 * H, o.row_q + r0 * H, rows * H);
@@ -154,18 +153,14 @@ ffi::Future AllgatherRmsnormQuantize(
   const int64_t H = plan.H, rank = plan.rank;
   const std::vector<int64_t>& counts = plan.counts;
 
-  NormParams p;
-  p.H = H;
-  p.eps = eps;
-  p.quantize_from_fp32 = quantize_from_fp32;
-  p.columnwise = columnwise;
-  p.rule = static_cast<ScaleRule>(scale_rule);
+  const NormParams p =
+      norm_params(H, eps, weight_offset, quantize_from_fp32, columnwise, scale_rule);
 
   Arrival a;
   a.x = reinterpret_cast<const uint16_t*>(x.typed_data());
   a.gamma = reinterpret_cast<const uint16_t*>(gamma.typed_data());
-  a.out = norm_outputs<NormOutputs>(normed, row_q, row_s, col_q, col_s, columnwise);
-  a.residual = reinterpret_cast<uint16_t*>(residual->typed_data());
+  a.out = norm_outputs(normed, row_q, row_s, col_q, col_s, columnwise);
+  a.out.residual = reinterpret_cast<uint16_t*>(residual->typed_data());
   a.promise = promise;
 
   auto joined = Table().Join(
@@ -178,7 +173,7 @@ ffi::Future AllgatherRmsnormQuantize(
     case rendezvous::Status::kFailed: promise.SetError(invalid(joined.error)); return future;
     case rendezvous::Status::kLast: break;
   }
-  GatherNormQuantize(pool, joined.arrivals, counts, p, weight_offset);
+  GatherNormQuantize(pool, joined.arrivals, counts, p);
   for (int64_t k = 0; k < group_size; ++k) {
     if (k == rank) continue;
     pool.Schedule([done = joined.arrivals[k].promise]() mutable { done.SetAvailable(); });

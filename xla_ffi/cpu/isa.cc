@@ -3,12 +3,14 @@
 #include <atomic>
 #include <cstring>
 
+#include "cpu/target.h"
+
 namespace mxfp8::cpu {
 
 namespace {
 
 CpuIsa detect() {
-#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#if MXFP8_X86_BUILDS
   __builtin_cpu_init();
   if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
       __builtin_cpu_supports("avx512vl"))

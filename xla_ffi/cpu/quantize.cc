@@ -22,15 +22,16 @@ static ffi::Error Quantize(ffi::ThreadPool pool, ffi::AnyBuffer x,
   if (e.failure()) return e;
   const InType t = a.t;
   const int64_t M = a.M, K = a.K;
-  Planes p = requested_planes<Planes>(rowwise, columnwise, row_q, row_s, col_q, col_s);
-  p.stream = (int64_t{rowwise} + int64_t{columnwise}) * M * K >= kStreamBytes;
+  const Planes p = requested_planes(rowwise, columnwise, row_q, row_s, col_q, col_s);
+  const bool stream = (int64_t{rowwise} + int64_t{columnwise}) * M * K >= kStreamBytes;
   const ScaleRule rule = static_cast<ScaleRule>(scale_rule);
   const int64_t bands = (M + kBlock - 1) / kBlock;
   // About 64 KiB of input per item keeps scheduling overhead small.
   const int64_t min_bands = std::max<int64_t>(1, (1 << 16) / std::max<int64_t>(1, kBlock * K * 2));
   const void* xp = x.untyped_data();
   parallel_for(pool, bands, min_bands, [&](int64_t b) {
-    quantize_rows_simd(t, xp, b * kBlock, std::min<int64_t>(M, (b + 1) * kBlock), K, p, rule);
+    quantize_rows_simd(t, xp, b * kBlock, std::min<int64_t>(M, (b + 1) * kBlock), K, p, rule,
+                       stream);
   });
   return ffi::Error::Success();
 }

@@ -1,6 +1,6 @@
 // The both-plane fast path with 256-bit registers (AVX2), for bf16 input and for fp32 input
-// staged as sticky bf16 (quantize_cpu.h). It works on 32x32 chunks of a 32-row band tile that
-// the band loop (quantize_cpu.h, avx2_band) has staged in L1, and computes every rowwise and
+// staged as sticky bf16 (quantize_vec.h). It works on 32x32 chunks of a 32-row band tile that
+// the band loop (avx2_band, quantize_band_avx2.h) has staged in L1, and computes every rowwise and
 // columnwise block of the chunk from two sweeps of it: one for the statistics of the 32 rows and
 // the 32 columns, one that casts each row for both planes.
 //
@@ -34,12 +34,10 @@
 
 #include <cstdint>
 
-#include "cpu/quantize_avx512.h"  // MXFP8_X86_BUILDS and <immintrin.h>
+#include "cpu/target.h"
 #include "mxfp8/numerics.h"
 
 #if MXFP8_X86_BUILDS
-
-#define MXFP8_TARGET_AVX2 __attribute__((target("avx2")))
 
 namespace mxfp8::cpu::avx2 {
 
@@ -206,7 +204,7 @@ MXFP8_TARGET_AVX2 inline Redo chunk32(const uint16_t* h, int64_t hs, uint8_t* rq
 }
 
 // Stages one row of n elements (n a multiple of 32) into lane order at t: bf16 as is, fp32 as
-// sticky bf16 ((x >> 16) | (x & 0xFFFF != 0), see quantize_cpu.h). vpackusdw packs per
+// sticky bf16 ((x >> 16) | (x & 0xFFFF != 0), see quantize_vec.h). vpackusdw packs per
 // 128-bit lane; its values are at most 0xFFFF, so it never saturates.
 MXFP8_TARGET_AVX2 inline void stage_row(const uint16_t* x, int64_t n, uint16_t* t) {
   for (int64_t i = 0; i < n; i += 32) {

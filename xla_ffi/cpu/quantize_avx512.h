@@ -1,6 +1,6 @@
 // The bf16 fast paths with 512-bit registers (AVX-512 F/BW/VL): one register holds a whole
 // 32-element block, the 16-bit arithmetic of vec::cast16 runs on it as is, and vpmovwb packs
-// the codes. Used by the band loops of the IsaAvx512 tag (quantize_cpu.h) for the two shapes
+// the codes. Used by the band loops of the IsaAvx512 tag (quantize_isa.h) for the two shapes
 // that carry almost all the work: a group of eight consecutive rowwise blocks, and 32 columns
 // of a 32-row tile.
 //
@@ -18,14 +18,10 @@
 
 #include <cstdint>
 
+#include "cpu/target.h"
 #include "mxfp8/numerics.h"
 
-#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
-// x86-64 with GCC/Clang: the kernels are also built for AVX2 and AVX-512 (target attributes).
-#define MXFP8_X86_BUILDS 1
-#include <immintrin.h>
-
-#define MXFP8_TARGET_AVX512 __attribute__((target("avx2,avx512f,avx512bw,avx512vl")))
+#if MXFP8_X86_BUILDS
 
 namespace mxfp8::cpu::avx512 {
 
@@ -181,7 +177,7 @@ MXFP8_TARGET_AVX512 inline bool bf16_columns32(const uint16_t* x, int64_t xs, ui
   return true;
 }
 
-// fp32 elements (bits) at x as sticky bf16 at h (see quantize_cpu.h: (x >> 16) | (x & 0xFFFF !=
+// fp32 elements (bits) at x as sticky bf16 at h (see quantize_vec.h: (x >> 16) | (x & 0xFFFF !=
 // 0)), 32 per step: vpackusdw packs per 128-bit lane (a0-3 b0-3 a4-7 b4-7 ...), and vpermq puts
 // the 64-bit pieces back in element order, as in store64. Values are at most 0xFFFF: no
 // saturation.

@@ -114,13 +114,13 @@ static ffi::Error QuantizeSegments(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::
         if (s) std::memset(s + b / kBlock, 0, len / kBlock);
       return;
     }
+    const bool stream = (int64_t{rowwise} + int64_t{columnwise}) * S >= kStreamBytes;
     Planes p;
-    p.stream = (int64_t{rowwise} + int64_t{columnwise}) * S >= kStreamBytes;
     const int64_t o = k.offset, os = k.offset / kBlock;
     if (rq) p.row_q = rq + o, p.row_s = rs + os;
     if (cq) p.col_q = cq + o, p.col_s = cs + os;
     // the piece as an [rows, row_len] matrix, through the per-ISA builds of the quantize loop
-    quantize_rows_simd(t, xb + o * elem, k.r0, k.r1, k.row_len, p, rule);
+    quantize_rows_simd(t, xb + o * elem, k.r0, k.r1, k.row_len, p, rule, stream);
   });
   return ffi::Error::Success();
 }

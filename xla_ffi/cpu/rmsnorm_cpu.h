@@ -16,12 +16,10 @@
 #include <cstring>
 #include <vector>
 
-#include "cpu/quantize_cpu.h"
+#include "cpu/quantize_loops.h"
+#include "cpu/target.h"
 #include "mxfp8/numerics.h"
-
-// The row loops are inlined into their callers, so that each entry point of rmsnorm_quantize.cc
-// gets code for its own instruction set in all of them.
-#define MXFP8_ROW_LOOP inline __attribute__((always_inline))
+#include "mxfp8/planes.h"
 
 namespace mxfp8::cpu {
 
@@ -36,24 +34,6 @@ inline uint32_t f32_to_bits(float f) {
   std::memcpy(&b, &f, sizeof b);
   return b;
 }
-
-// What every row of one call shares.
-struct NormParams {
-  int64_t H = 0;                 // hidden size, a multiple of 32
-  float eps = 0.f;
-  bool quantize_from_fp32 = false;  // quantize (x*inv)*g before its bf16 rounding
-  bool columnwise = false;
-  ScaleRule rule = ScaleRule::kRceil;
-};
-
-// Where one row band's results go (pointers to row 0 of the whole output planes).
-struct NormOutputs {
-  uint16_t* normed = nullptr;  // [R, H] bf16 bits
-  uint8_t* row_q = nullptr;    // [R, H]
-  uint8_t* row_s = nullptr;    // [R, H/32]
-  uint8_t* col_q = nullptr;    // [R, H] when columnwise
-  uint8_t* col_s = nullptr;    // [R/32, H] when columnwise
-};
 
 // f32(gamma) + f32(weight_offset), once per call (add_rn, as the canonical order says).
 inline std::vector<float> gamma_plus_offset(const uint16_t* gamma, int64_t H, float offset) {
@@ -73,7 +53,7 @@ typedef uint32_t u32x8 __attribute__((vector_size(32)));
 typedef int32_t i32x8 __attribute__((vector_size(32)));
 typedef uint16_t u16x8 __attribute__((vector_size(16)));
 
-MXFP8_ROW_LOOP f32x8 squares8(const uint16_t* x) {
+MXFP8_CPU_LOOP f32x8 squares8(const uint16_t* x) {
   u16x8 h;
   __builtin_memcpy(&h, x, sizeof h);
   const u32x8 b = __builtin_convertvector(h, u32x8) << 16;
@@ -83,7 +63,7 @@ MXFP8_ROW_LOOP f32x8 squares8(const uint16_t* x) {
 }
 
 // out[v][l] = in[l][v] for an 8x8 block.
-MXFP8_ROW_LOOP void transpose8(const f32x8 r[8], f32x8 out[8]) {
+MXFP8_CPU_LOOP void transpose8(const f32x8 r[8], f32x8 out[8]) {
   const i32x8 lo{0, 8, 1, 9, 4, 12, 5, 13}, hi{2, 10, 3, 11, 6, 14, 7, 15};
   const i32x8 lo2{0, 1, 8, 9, 4, 5, 12, 13}, hi2{2, 3, 10, 11, 6, 7, 14, 15};
   const i32x8 lo4{0, 1, 2, 3, 8, 9, 10, 11}, hi4{4, 5, 6, 7, 12, 13, 14, 15};
@@ -105,7 +85,7 @@ MXFP8_ROW_LOOP void transpose8(const f32x8 r[8], f32x8 out[8]) {
 }
 }  // namespace norm_vec
 
-MXFP8_ROW_LOOP float row_sum_of_squares(const uint16_t* x, int64_t H) {
+MXFP8_CPU_LOOP float row_sum_of_squares(const uint16_t* x, int64_t H) {
   using namespace norm_vec;
   constexpr int64_t kChunk = kNormLanes * kNormVec;  // 256
   f32x8 acc[4] = {};
@@ -133,7 +113,7 @@ MXFP8_ROW_LOOP float row_sum_of_squares(const uint16_t* x, int64_t H) {
 // normed = bf16_rne((x * inv) * g) for one row, NaN canonical; fp32 (optional) receives the
 // unrounded bits. Straight-line per element, so the compiler vectorises it (no FMA:
 // -ffp-contract=off).
-MXFP8_ROW_LOOP void normalize_row(const uint16_t* x, const float* g, float inv, int64_t H,
+MXFP8_CPU_LOOP void normalize_row(const uint16_t* x, const float* g, float inv, int64_t H,
                                   uint16_t* normed, uint32_t* fp32) {
   for (int64_t e = 0; e < H; ++e) {
     const uint32_t y = norm_product_bits(f32_from_bits(bf16_to_f32_bits(x[e])), inv, g[e]);
@@ -147,7 +127,7 @@ MXFP8_ROW_LOOP void normalize_row(const uint16_t* x, const float* g, float inv, 
 // row hits L1). With quantize_from_fp32, fp32 ([H] words, required) holds the unrounded values
 // that are quantized instead.
 template <class Isa>
-MXFP8_ROW_LOOP void rmsnorm_quantize_row(const uint16_t* x, const float* g, const NormParams& p,
+MXFP8_CPU_LOOP void rmsnorm_quantize_row(const uint16_t* x, const float* g, const NormParams& p,
                                          uint16_t* normed, uint8_t* q, uint8_t* s, uint32_t* fp32) {
   const int64_t H = p.H;
   const float inv = rms_inverse(row_sum_of_squares(x, H), H, p.eps);
@@ -166,8 +146,8 @@ inline size_t rows_scratch_words(const NormParams& p) {
 // several buffers). With columnwise output r0 and r1 are multiples of 32 and each 32-row band
 // is quantized columnwise right after its rows. scratch holds rows_scratch_words(p) words.
 template <class Isa>
-MXFP8_ROW_LOOP void rmsnorm_quantize_rows(const uint16_t* const* rows, int64_t r0, int64_t r1,
-                                          const float* g, const NormParams& p, const NormOutputs& o,
+MXFP8_CPU_LOOP void rmsnorm_quantize_rows(const uint16_t* const* rows, int64_t r0, int64_t r1,
+                                          const float* g, const NormParams& p, const NormOut& o,
                                           uint32_t* scratch) {
   const int64_t H = p.H, S = H / kBlock;
   const bool fp32_band = p.columnwise && p.quantize_from_fp32;
@@ -189,6 +169,6 @@ MXFP8_ROW_LOOP void rmsnorm_quantize_rows(const uint16_t* const* rows, int64_t r
 // (defined in rmsnorm_quantize.cc). The numerics do not depend on the choice: vector float ops
 // round exactly like scalar ones, and nothing is contracted or reassociated.
 void rmsnorm_quantize_rows_simd(const uint16_t* const* rows, int64_t r0, int64_t r1, const float* g,
-                                const NormParams& p, const NormOutputs& o, uint32_t* scratch);
+                                const NormParams& p, const NormOut& o, uint32_t* scratch);
 
 }  // namespace mxfp8::cpu

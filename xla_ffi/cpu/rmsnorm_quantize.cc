@@ -23,19 +23,19 @@ namespace mxfp8::cpu {
 namespace {
 
 void rows_baseline(const uint16_t* const* rows, int64_t r0, int64_t r1, const float* g,
-                   const NormParams& p, const NormOutputs& o, uint32_t* scratch) {
+                   const NormParams& p, const NormOut& o, uint32_t* scratch) {
   rmsnorm_quantize_rows<IsaBaseline>(rows, r0, r1, g, p, o, scratch);
 }
 
 #if MXFP8_X86_BUILDS
-__attribute__((target("avx2"))) void rows_avx2(const uint16_t* const* rows, int64_t r0, int64_t r1,
-                                               const float* g, const NormParams& p,
-                                               const NormOutputs& o, uint32_t* scratch) {
+MXFP8_TARGET_AVX2 void rows_avx2(const uint16_t* const* rows, int64_t r0, int64_t r1,
+                                 const float* g, const NormParams& p, const NormOut& o,
+                                 uint32_t* scratch) {
   rmsnorm_quantize_rows<IsaAvx2>(rows, r0, r1, g, p, o, scratch);
 }
 
 MXFP8_TARGET_AVX512 void rows_avx512(const uint16_t* const* rows, int64_t r0, int64_t r1,
-                                     const float* g, const NormParams& p, const NormOutputs& o,
+                                     const float* g, const NormParams& p, const NormOut& o,
                                      uint32_t* scratch) {
   rmsnorm_quantize_rows<IsaAvx512>(rows, r0, r1, g, p, o, scratch);
 }
@@ -44,7 +44,7 @@ MXFP8_TARGET_AVX512 void rows_avx512(const uint16_t* const* rows, int64_t r0, in
 }  // namespace
 
 void rmsnorm_quantize_rows_simd(const uint16_t* const* rows, int64_t r0, int64_t r1, const float* g,
-                                const NormParams& p, const NormOutputs& o, uint32_t* scratch) {
+                                const NormParams& p, const NormOut& o, uint32_t* scratch) {
   switch (active_isa()) {
 #if MXFP8_X86_BUILDS
     case CpuIsa::kAvx512: return rows_avx512(rows, r0, r1, g, p, o, scratch);
@@ -69,19 +69,16 @@ static ffi::Error RmsnormQuantize(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> x
   const int64_t R = a.R, H = a.H;
   if (R == 0) return ffi::Error::Success();
 
-  NormParams p;
-  p.H = H;
-  p.eps = eps;
-  p.quantize_from_fp32 = quantize_from_fp32;
-  p.columnwise = columnwise;
-  p.rule = static_cast<ScaleRule>(scale_rule);
-  const NormOutputs o = norm_outputs<NormOutputs>(normed, row_q, row_s, col_q, col_s, columnwise);
+  const NormParams p =
+      norm_params(H, eps, weight_offset, quantize_from_fp32, columnwise, scale_rule);
+  const NormOut o = norm_outputs(normed, row_q, row_s, col_q, col_s, columnwise);
 
   const auto* xp = reinterpret_cast<const uint16_t*>(x.typed_data());
   std::vector<float> g;
   {
     ScopedIeeeFp ieee;  // gamma + offset may be subnormal
-    g = gamma_plus_offset(reinterpret_cast<const uint16_t*>(gamma.typed_data()), H, weight_offset);
+    g = gamma_plus_offset(reinterpret_cast<const uint16_t*>(gamma.typed_data()), H,
+                          p.weight_offset);
   }
   // Items of about 64 KiB of input (whole 32-row bands for columnwise planes).
   const int64_t rows_per_item =

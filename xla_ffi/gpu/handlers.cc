@@ -37,7 +37,7 @@ ffi::Error Quantize(void* stream, ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> 
   ffi::Error e = check_quantize_args(x, row_q, row_s, col_q, col_s, rowwise, columnwise, &a);
   if (e.failure()) return e;
   if (a.n == 0 || !(rowwise || columnwise)) return ffi::Error::Success();
-  const Planes p = requested_planes<Planes>(rowwise, columnwise, row_q, row_s, col_q, col_s);
+  const Planes p = requested_planes(rowwise, columnwise, row_q, row_s, col_q, col_s);
   return status("mxfp8_quantize",
                 launch_quantize(stream, a.t, static_cast<const uint8_t*>(x.untyped_data()), a.M,
                                 a.K, p, static_cast<ScaleRule>(scale_rule)));
@@ -52,21 +52,11 @@ ffi::Error QuantizeSegments(void* stream, ffi::AnyBuffer x, ffi::AnyBuffer desc,
       check_quantize_segments_args(x, desc, row_q, row_s, col_q, col_s, rowwise, columnwise, &a);
   if (e.failure()) return e;
   if (a.S == 0 || !(rowwise || columnwise)) return ffi::Error::Success();
-  const Planes p = requested_planes<Planes>(rowwise, columnwise, row_q, row_s, col_q, col_s);
+  const Planes p = requested_planes(rowwise, columnwise, row_q, row_s, col_q, col_s);
   return status("mxfp8_quantize_segments",
                 launch_quantize_segments(stream, a.t, static_cast<const uint8_t*>(x.untyped_data()),
                                          a.S, desc.untyped_data(), a.desc64, a.P, p,
                                          static_cast<ScaleRule>(scale_rule)));
-}
-
-// The RMSNorm kernels' parameters, shared by the local and the gathered op.
-NormParams norm_params(int64_t H, float eps, float weight_offset, int32_t scale_rule) {
-  NormParams prm;
-  prm.H = H;
-  prm.eps = eps;
-  prm.weight_offset = weight_offset;
-  prm.rule = static_cast<ScaleRule>(scale_rule);
-  return prm;
 }
 
 ffi::Error RmsnormQuantize(void* stream, ffi::Buffer<ffi::BF16> x, ffi::Buffer<ffi::BF16> gamma,
@@ -81,12 +71,13 @@ ffi::Error RmsnormQuantize(void* stream, ffi::Buffer<ffi::BF16> x, ffi::Buffer<f
   if (e.failure()) return e;
   if (a.n == 0) return ffi::Error::Success();
 
-  const NormParams prm = norm_params(a.H, eps, weight_offset, scale_rule);
-  const NormOut o = norm_outputs<NormOut>(normed, row_q, row_s, col_q, col_s, columnwise);
-  return status("mxfp8_rmsnorm_quantize",
-                launch_rmsnorm_quantize(stream, reinterpret_cast<const uint16_t*>(x.typed_data()),
-                                        reinterpret_cast<const uint16_t*>(gamma.typed_data()), a.R,
-                                        prm, o, columnwise, quantize_from_fp32));
+  const NormParams prm =
+      norm_params(a.H, eps, weight_offset, quantize_from_fp32, columnwise, scale_rule);
+  const NormOut o = norm_outputs(normed, row_q, row_s, col_q, col_s, columnwise);
+  return status(
+      "mxfp8_rmsnorm_quantize",
+      launch_rmsnorm_quantize(stream, reinterpret_cast<const uint16_t*>(x.typed_data()),
+                              reinterpret_cast<const uint16_t*>(gamma.typed_data()), a.R, prm, o));
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -166,8 +157,6 @@ struct GatherCall {
   const uint16_t* gamma = nullptr;
   NormParams prm;
   NormOut out;
-  bool columnwise = false;
-  bool quantize_from_fp32 = false;
 };
 
 // Step 1, decoding the arguments. The kernel's row table holds kMaxGatherRanks ranks.
@@ -274,8 +263,8 @@ void launch_gather(const GatherCall& c, const std::vector<Ready>& peers, Done* d
     rows.base[k] = peers[k].x;
     rows.start[k + 1] = rows.start[k] + c.plan.counts[k];
   }
-  if (const char* e = launch_allgather_rmsnorm_quantize(
-          c.stream, rows, c.gamma, c.plan.R, c.prm, c.out, c.columnwise, c.quantize_from_fp32)) {
+  if (const char* e =
+          launch_allgather_rmsnorm_quantize(c.stream, rows, c.gamma, c.plan.R, c.prm, c.out)) {
     note(done, ffi::ErrorCode::kInternal, std::string("kernel launch failed: ") + e);
     return;
   }
@@ -339,11 +328,9 @@ ffi::Error AllgatherRmsnormQuantize(
   c.timeout = rendezvous::timeout_from_ms(timeout_ms);  // 0: no deadline
   c.x = reinterpret_cast<const uint16_t*>(x.typed_data());
   c.gamma = reinterpret_cast<const uint16_t*>(gamma.typed_data());
-  c.prm = norm_params(c.plan.H, eps, weight_offset, scale_rule);
-  c.out = norm_outputs<NormOut>(normed, row_q, row_s, col_q, col_s, columnwise);
+  c.prm = norm_params(c.plan.H, eps, weight_offset, quantize_from_fp32, columnwise, scale_rule);
+  c.out = norm_outputs(normed, row_q, row_s, col_q, col_s, columnwise);
   c.out.residual = reinterpret_cast<uint16_t*>(residual->typed_data());
-  c.columnwise = columnwise;
-  c.quantize_from_fp32 = quantize_from_fp32;
 
   // 2. Meeting 1.
   std::vector<Ready> peers;

@@ -8,32 +8,9 @@
 #include <cstdint>
 
 #include "mxfp8/numerics.h"
+#include "mxfp8/planes.h"
 
 namespace mxfp8::gpu {
-
-// Destination planes; a null pointer skips its plane.
-struct Planes {
-  uint8_t* row_q = nullptr;
-  uint8_t* row_s = nullptr;
-  uint8_t* col_q = nullptr;
-  uint8_t* col_s = nullptr;
-};
-
-struct NormOut {
-  uint16_t* normed = nullptr;  // [R, H] bf16 bits
-  uint8_t* row_q = nullptr;    // [R, H]
-  uint8_t* row_s = nullptr;    // [R, H/32]
-  uint8_t* col_q = nullptr;    // [R, H] (columnwise only)
-  uint8_t* col_s = nullptr;    // [R/32, H] (columnwise only)
-  uint16_t* residual = nullptr;  // [R, H] the rows read, bit for bit (gathered rows only)
-};
-
-struct NormParams {
-  int64_t H = 0;
-  float eps = 0.f;
-  float weight_offset = 0.f;
-  ScaleRule rule = ScaleRule::kRceil;
-};
 
 // Each enqueues its kernels on `stream` (a cudaStream_t or hipStream_t) and returns nullptr, or
 // the runtime's message when a launch failed. Arguments are checked by the caller.
@@ -48,10 +25,10 @@ const char* launch_quantize_segments(void* stream, InType t, const uint8_t* x, i
                                      const void* desc, bool desc64, int64_t P, const Planes& p,
                                      ScaleRule rule);
 
-// RMSNorm of [R, prm.H] bf16 rows, then MXFP8 of the result (columnwise: R a multiple of 32).
+// RMSNorm of [R, prm.H] bf16 rows, then MXFP8 of the result (prm.columnwise: R a multiple of
+// 32). o.residual is not written.
 const char* launch_rmsnorm_quantize(void* stream, const uint16_t* x, const uint16_t* gamma,
-                                    int64_t R, const NormParams& prm, const NormOut& o,
-                                    bool columnwise, bool quantize_from_fp32);
+                                    int64_t R, const NormParams& prm, const NormOut& o);
 
 // ---------------------------------------------------------------------------------------------
 // The in-process all-gather (allgather.cu).
@@ -70,8 +47,7 @@ struct GatherRows {
 // RMSNorm + MXFP8 of the group's R rows, as launch_rmsnorm_quantize, and o.residual = the rows.
 const char* launch_allgather_rmsnorm_quantize(void* stream, const GatherRows& rows,
                                               const uint16_t* gamma, int64_t R,
-                                              const NormParams& prm, const NormOut& o,
-                                              bool columnwise, bool quantize_from_fp32);
+                                              const NormParams& prm, const NormOut& o);
 
 // Runtime helpers of the gather's host protocol (handlers.cc does not call the runtime itself).
 // Each returns nullptr, or the runtime's message. `device` is a runtime device ordinal; the

@@ -236,8 +236,8 @@ void enqueue_rows(cudaStream_t stream, int64_t blocks, int64_t steps, const Rows
 
 template <bool kFromFp32, typename Rows>
 void enqueue_rmsnorm(cudaStream_t stream, const Rows& rows, const uint16_t* gamma, int64_t R,
-                     const NormParams& prm, const NormOut& o, bool columnwise) {
-  if (columnwise) {
+                     const NormParams& prm, const NormOut& o) {
+  if (prm.columnwise) {
     rmsnorm_bands_kernel<kFromFp32><<<R / kBlock, kBlockThreads, 0, stream>>>(rows, gamma, prm, o);
     return;
   }
@@ -248,15 +248,14 @@ void enqueue_rmsnorm(cudaStream_t stream, const Rows& rows, const uint16_t* gamm
 // Enqueues RMSNorm + MXFP8 of the R rows of `rows` on `stream`; nullptr, or the launch error.
 template <typename Rows>
 const char* enqueue_rmsnorm_quantize(void* stream, const Rows& rows, const uint16_t* gamma,
-                                     int64_t R, const NormParams& prm, const NormOut& o,
-                                     bool columnwise, bool quantize_from_fp32) {
-  const int64_t blocks = columnwise ? R / kBlock : ceil_div(R * kNormLanes, kBlockThreads);
+                                     int64_t R, const NormParams& prm, const NormOut& o) {
+  const int64_t blocks = prm.columnwise ? R / kBlock : ceil_div(R * kNormLanes, kBlockThreads);
   if (blocks == 0) return nullptr;
   if (!grid_fits(blocks)) return kGridTooLarge;
   const auto st = static_cast<cudaStream_t>(stream);
   clear_pending_error();
-  if (quantize_from_fp32) enqueue_rmsnorm<true>(st, rows, gamma, R, prm, o, columnwise);
-  else enqueue_rmsnorm<false>(st, rows, gamma, R, prm, o, columnwise);
+  if (prm.quantize_from_fp32) enqueue_rmsnorm<true>(st, rows, gamma, R, prm, o);
+  else enqueue_rmsnorm<false>(st, rows, gamma, R, prm, o);
   return launch_error();
 }
 

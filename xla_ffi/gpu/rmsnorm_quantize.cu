@@ -19,25 +19,21 @@
 namespace mxfp8::gpu {
 
 const char* launch_rmsnorm_quantize(void* stream, const uint16_t* x, const uint16_t* gamma,
-                                    int64_t R, const NormParams& prm, const NormOut& o,
-                                    bool columnwise, bool quantize_from_fp32) {
+                                    int64_t R, const NormParams& prm, const NormOut& o) {
   GatherRows one;
   one.ranks = 1;
   one.base[0] = x;
   one.start[1] = R;
   NormOut local = o;
   local.residual = nullptr;  // the local op has no residual output
-  return enqueue_rmsnorm_quantize(stream, RowTable{one, prm.H}, gamma, R, prm, local, columnwise,
-                                  quantize_from_fp32);
+  return enqueue_rmsnorm_quantize(stream, RowTable{one, prm.H}, gamma, R, prm, local);
 }
 
 // The group's R rows, read from the ranks' inputs, and o.residual = those rows.
 const char* launch_allgather_rmsnorm_quantize(void* stream, const GatherRows& rows,
                                               const uint16_t* gamma, int64_t R,
-                                              const NormParams& prm, const NormOut& o,
-                                              bool columnwise, bool quantize_from_fp32) {
-  return enqueue_rmsnorm_quantize(stream, RowTable{rows, prm.H}, gamma, R, prm, o, columnwise,
-                                  quantize_from_fp32);
+                                              const NormParams& prm, const NormOut& o) {
+  return enqueue_rmsnorm_quantize(stream, RowTable{rows, prm.H}, gamma, R, prm, o);
 }
 
 }  // namespace mxfp8::gpu

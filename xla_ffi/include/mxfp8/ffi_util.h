@@ -1,6 +1,6 @@
 // XLA FFI helpers shared by the CPU handlers (cpu/*.cc) and the GPU ones (gpu/handlers.cc):
 // the input element type, argument errors, the bytes and sizes of the MXFP8 result planes, and
-// the kernels' destination structs filled from the results.
+// the kernels' destinations and parameters (planes.h) filled from the results and attributes.
 // Host code of the handlers only: the kernels never see an XLA header.
 #pragma once
 
@@ -9,6 +9,7 @@
 #include <string>
 
 #include "mxfp8/numerics.h"
+#include "mxfp8/planes.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace mxfp8 {
@@ -45,26 +46,37 @@ inline bool plane_sizes_ok(size_t n, bool rowwise, bool columnwise,
            (columnwise && (col_q->size_bytes() != n || col_s->size_bytes() != n / kBlock)));
 }
 
-// The kernels' destination planes (cpu::Planes or gpu::Planes: the four plane pointers, null
-// by default): the requested planes' bytes, null pointers for the others.
-template <typename Planes>
-Planes requested_planes(bool rowwise, bool columnwise, ffi::Result<ffi::AnyBuffer>& row_q,
-                        ffi::Result<ffi::AnyBuffer>& row_s, ffi::Result<ffi::AnyBuffer>& col_q,
-                        ffi::Result<ffi::AnyBuffer>& col_s) {
+// The kernels' destination planes: the requested planes' bytes, null pointers for the others.
+inline Planes requested_planes(bool rowwise, bool columnwise, ffi::Result<ffi::AnyBuffer>& row_q,
+                               ffi::Result<ffi::AnyBuffer>& row_s,
+                               ffi::Result<ffi::AnyBuffer>& col_q,
+                               ffi::Result<ffi::AnyBuffer>& col_s) {
   Planes p;
   if (rowwise) p.row_q = bytes(row_q), p.row_s = bytes(row_s);
   if (columnwise) p.col_q = bytes(col_q), p.col_s = bytes(col_s);
   return p;
 }
 
-// The RMSNorm kernels' outputs (cpu::NormOutputs or gpu::NormOut): normed and the rowwise
-// planes always, the columnwise planes when requested (null pointers otherwise). Any other
-// member (the gather's residual) is left to the caller.
-template <typename NormOut>
-NormOut norm_outputs(ffi::Result<ffi::Buffer<ffi::BF16>>& normed,
-                     ffi::Result<ffi::AnyBuffer>& row_q, ffi::Result<ffi::AnyBuffer>& row_s,
-                     ffi::Result<ffi::AnyBuffer>& col_q, ffi::Result<ffi::AnyBuffer>& col_s,
-                     bool columnwise) {
+// An RMSNorm + quantize call's parameters from the handler's attributes (the local op and the
+// gather have the same ones).
+inline NormParams norm_params(int64_t H, float eps, float weight_offset, bool quantize_from_fp32,
+                              bool columnwise, int32_t scale_rule) {
+  NormParams p;
+  p.H = H;
+  p.eps = eps;
+  p.weight_offset = weight_offset;
+  p.quantize_from_fp32 = quantize_from_fp32;
+  p.columnwise = columnwise;
+  p.rule = static_cast<ScaleRule>(scale_rule);
+  return p;
+}
+
+// The RMSNorm kernels' outputs: normed and the rowwise planes always, the columnwise planes when
+// requested (null pointers otherwise). The residual (the gather's only) is left to the caller.
+inline NormOut norm_outputs(ffi::Result<ffi::Buffer<ffi::BF16>>& normed,
+                            ffi::Result<ffi::AnyBuffer>& row_q, ffi::Result<ffi::AnyBuffer>& row_s,
+                            ffi::Result<ffi::AnyBuffer>& col_q, ffi::Result<ffi::AnyBuffer>& col_s,
+                            bool columnwise) {
   NormOut o;
   o.normed = reinterpret_cast<uint16_t*>(normed->typed_data());
   o.row_q = bytes(row_q);
