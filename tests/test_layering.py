@@ -3,6 +3,7 @@ exactly one line, and no module imports one of a later line (a higher layer), no
 function. A new module, or an import that points upward, fails here until the table says so."""
 
 import ast
+import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -98,3 +99,33 @@ def test_the_sub_packages_are_floors_of_the_table():
     order = [where[n] for line in layers() for n in line if n in where]
     runs = [p for i, p in enumerate(order) if i == 0 or order[i - 1] != p]
     assert len(runs) == len(set(runs)), f"sub-packages interleaved along docs/design.md §1: {runs}"
+
+
+def header_order() -> list[str]:
+    """The kernels' headers in the order xla_ffi/README.md's "Sources" names them (bottom first)."""
+    text = (ROOT / "xla_ffi" / "README.md").read_text()
+    section = text[text.index("## Sources\n") :]
+    section = section[: section.index("\n## ")]
+    order = []
+    for name in re.findall(r"`([\w/]+\.(?:h|cuh))`", section):
+        if name not in order:
+            order.append(name)
+    return order
+
+
+def test_kernel_headers_include_only_headers_named_before_them():
+    """Every header of the kernels is named in the list, and includes only those before it."""
+    files = {}
+    for pattern in ("include/mxfp8/*.h", "cpu/*.h", "gpu/*.h", "gpu/*.cuh"):
+        for p in sorted((ROOT / "xla_ffi").glob(pattern)):
+            assert p.name not in files, f"two headers named {p.name}: the list names them by file name"
+            files[p.name] = p
+    order = header_order()
+    assert sorted(order) == sorted(files), "xla_ffi/README.md's Sources list and the headers differ"
+    rank = {name: i for i, name in enumerate(order)}
+    for name, path in files.items():
+        for inc in re.findall(r'#include "([^"]+)"', path.read_text()):
+            base = inc.rsplit("/", 1)[-1]
+            if inc.startswith("xla/"):
+                continue  # jaxlib's FFI headers
+            assert rank[base] < rank[name], f"{path.relative_to(ROOT)} includes {inc}, named after it"
