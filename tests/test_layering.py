@@ -1,6 +1,7 @@
 """The layering table of docs/design.md §1 is the package's import graph: every module is on
 exactly one line, and no module imports one of a later line (a higher layer), not even inside a
-function. A new module, or an import that points upward, fails here until the table says so."""
+function. A new module, or an import that points upward, fails here until the table says so.
+The kernels' C++ headers likewise follow the list of xla_ffi/README.md's "Sources"."""
 
 import ast
 import re
