@@ -98,27 +98,24 @@ static ffi::Error QuantizeSegments(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::
   }
   zero_fill(covered, S);
 
-  uint8_t* rq = rowwise ? bytes(row_q) : nullptr;
-  uint8_t* rs = rowwise ? bytes(row_s) : nullptr;
-  uint8_t* cq = columnwise ? bytes(col_q) : nullptr;
-  uint8_t* cs = columnwise ? bytes(col_s) : nullptr;
+  const Planes whole = requested_planes(rowwise, columnwise, row_q, row_s, col_q, col_s);
+  const bool stream = (int64_t{rowwise} + int64_t{columnwise}) * S >= kStreamBytes;
   const ScaleRule rule = static_cast<ScaleRule>(scale_rule);
   const auto* xb = static_cast<const uint8_t*>(x.untyped_data());
   parallel_for(pool, static_cast<int64_t>(tasks.size()), 1, [&](int64_t i) {
     const Task& k = tasks[i];
     if (k.row_len == 0) {  // zero-fill [offset, offset + r1) and its scale bytes
       const int64_t b = k.offset, len = k.r1;
-      for (uint8_t* q : {rq, cq})
+      for (uint8_t* q : {whole.row_q, whole.col_q})
         if (q) std::memset(q + b, 0, len);
-      for (uint8_t* s : {rs, cs})
+      for (uint8_t* s : {whole.row_s, whole.col_s})
         if (s) std::memset(s + b / kBlock, 0, len / kBlock);
       return;
     }
-    const bool stream = (int64_t{rowwise} + int64_t{columnwise}) * S >= kStreamBytes;
     Planes p;
     const int64_t o = k.offset, os = k.offset / kBlock;
-    if (rq) p.row_q = rq + o, p.row_s = rs + os;
-    if (cq) p.col_q = cq + o, p.col_s = cs + os;
+    if (whole.row_q) p.row_q = whole.row_q + o, p.row_s = whole.row_s + os;
+    if (whole.col_q) p.col_q = whole.col_q + o, p.col_s = whole.col_s + os;
     // the piece as an [rows, row_len] matrix, through the per-ISA builds of the quantize loop
     quantize_rows_simd(t, xb + o * elem, k.r0, k.r1, k.row_len, p, rule, stream);
   });
