@@ -601,15 +601,12 @@ class QuantizedDBuffer:
           ``(master, qbuf)``: the master restored as ``DBuffer.restore`` does, and the planes
           allocated at save time quantized from it with the stored scale rule.
         """
-        info = checkpoint.read_metadata(directory)
-        meta = info.metadata
+        meta = checkpoint.read_metadata(directory).metadata
         if meta.get("kind") != "QuantizedDBuffer":
             raise ValueError(f"{directory} holds a {meta.get('kind')!r} checkpoint, not a QuantizedDBuffer's")
-        names = info.names if names is None else checkpoint.tensor_names(names, None)
-        checkpoint.check_names(info, names, where=checkpoint.as_path(directory))
-        shapes = [info[n].shape for n in names]
-        layout = GlobalLayout.build(shapes, mesh.size, block_size=BLOCK, shard_layout=shard_layout)
-        master = DBuffer.restore(directory, mesh, placements, names=names, layout=layout, dtype=dtype)
+        master = DBuffer.restore(
+            directory, mesh, placements, names=names, shard_layout=shard_layout, block_size=BLOCK, dtype=dtype
+        )
         qbuf = cls.zeros(
             mesh, placements, master.layout, rowwise=bool(meta["rowwise"]), columnwise=bool(meta["columnwise"])
         )
