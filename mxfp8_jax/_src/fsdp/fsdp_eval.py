@@ -23,7 +23,6 @@ A region with a policy keeps ``jax.checkpoint``.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 from typing import Any
 
@@ -33,8 +32,9 @@ import numpy as np
 from jax import lax
 from jax.extend import core as jcore
 
+from mxfp8_jax._src.core import jaxprs
+from mxfp8_jax._src.core.jaxprs import INLINED_CALLS, bind
 from mxfp8_jax._src.fsdp.fsdp_trace import (
-    INLINED_CALLS,
     LOOKUP_PRIMITIVES,
     VIEW_PRIMITIVES,
     P,
@@ -80,7 +80,8 @@ Symbolic = (UnitValue, PlainValue)
 
 def evaluate(closed: jcore.ClosedJaxpr, args: list) -> list:
     """``closed`` evaluated on ``args`` (arrays, ``UnitValue``s, ``PlainValue``s)."""
-    outs = _Evaluator().eval(closed.jaxpr, closed.consts, args)
+    jaxpr, consts = jaxprs.body(closed)
+    outs = _Evaluator().eval(jaxpr, consts, args)
     return [_output(x, "returned by the loss function") for x in outs]
 
 
@@ -160,12 +161,11 @@ class _Evaluator:
     def symbolic(self, eqn, ins, materialize, gathered) -> list:
         prim, params = eqn.primitive, eqn.params
         if prim in INLINED_CALLS:
-            closed = params.get("jaxpr", params.get("call_jaxpr"))
-            inner, consts = (closed.jaxpr, closed.consts) if hasattr(closed, "jaxpr") else (closed, [])
+            inner, consts = jaxprs.call_body(eqn)
             return self.eval(inner, consts, ins, gathered)
-        if prim is P.remat_p:
+        if prim is jaxprs.REMAT:
             return self.remat(eqn, ins)
-        if prim is P.scan_p:
+        if prim is jaxprs.SCAN:
             return self.scan(eqn, ins, materialize)
         units = [x for x in ins if isinstance(x, UnitValue)]
         dep = next((x for x in ins if isinstance(x, jax.Array)), None)  # the op's first traced operand
@@ -201,9 +201,8 @@ class _Evaluator:
         raise _misused(unit, f"a dot_general contracting its axes {roles and roles[0]}")
 
     def scan(self, eqn, ins, materialize) -> list:
-        params = eqn.params
-        nc, ncar = params["num_consts"], params["num_carry"]
-        body: jcore.ClosedJaxpr = params["jaxpr"]
+        parts = jaxprs.scan_parts(eqn)
+        nc, ncar = parts.num_consts, parts.num_carry
         consts, carry, xs = ins[:nc], ins[nc : nc + ncar], ins[nc + ncar :]
         carry = [materialize(_not_a_unit(x, "carried through a loop"), None) for x in carry]
         xs_in, rebuild = [], []  # the scan's stacked inputs, and how the body sees each slice
@@ -237,7 +236,7 @@ class _Evaluator:
 
         def step(carry, xs_slices):
             sliced = [make(xs_slices[start : start + count]) for start, count, make in rebuild]
-            outs = self.eval(body.jaxpr, body.consts, [*consts, *carry, *sliced])
+            outs = self.eval(parts.jaxpr, parts.consts, [*consts, *carry, *sliced])
             forwarded.clear()
             ys = []
             for k, y in enumerate(outs[ncar:]):
@@ -249,14 +248,12 @@ class _Evaluator:
             new_carry = [_output(c, "carried through a loop") for c in outs[:ncar]]
             return new_carry, ys
 
-        carry_out, ys = lax.scan(
-            step, carry, xs_in, length=params["length"], reverse=params["reverse"], unroll=params["unroll"]
-        )
+        carry_out, ys = lax.scan(step, carry, xs_in, length=parts.length, reverse=parts.reverse, unroll=parts.unroll)
         ys = iter(ys)
         return [*carry_out, *(xs[forwarded[k]] if k in forwarded else next(ys) for k in range(len(eqn.outvars) - ncar))]
 
     def remat(self, eqn, ins) -> list:
-        jaxpr: jcore.Jaxpr = eqn.params["jaxpr"]
+        jaxpr, consts = jaxprs.remat_body(eqn)
         inputs = {v: k for k, v in enumerate(jaxpr.invars)}
         passed = [inputs.get(v) if not isinstance(v, jcore.Literal) else None for v in jaxpr.outvars]
         flat, rebuild = [], []
@@ -267,7 +264,7 @@ class _Evaluator:
 
         def region(*flat):
             args = [_rebuild(x, flat[start : start + count]) for start, count, x in rebuild]
-            outs = self.eval(jaxpr, [], args)
+            outs = self.eval(jaxpr, consts, args)
             return [_output(o, "returned by a rematerialised region") for o, p in zip(outs, passed) if p is None]
 
         policy = eqn.params.get("policy")
@@ -311,18 +308,6 @@ def rematerialize(fn, args: list) -> list:
 
     region.defvjp(fwd, bwd)
     return region(*args)
-
-
-def bind(eqn, ins) -> list:
-    """``eqn`` run as traced on ``ins`` (as ``jax.core.eval_jaxpr`` runs it)."""
-    params = eqn.primitive.get_bind_params(eqn.params)
-    subfuns = ()
-    if isinstance(params, tuple):  # (subfuns, params) in some jax versions
-        subfuns, params = params
-    ctx = getattr(eqn, "ctx", None)
-    with ctx.manager if ctx is not None else contextlib.nullcontext():
-        out = eqn.primitive.bind(*subfuns, *ins, **params)
-    return list(out) if eqn.primitive.multiple_results else [out]
 
 
 def _not_a_unit(x, how: str):

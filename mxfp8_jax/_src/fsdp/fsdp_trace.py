@@ -30,17 +30,14 @@ import jax
 import numpy as np
 from jax.extend import core as jcore
 
+from mxfp8_jax._src.core import jaxprs
+from mxfp8_jax._src.core.jaxprs import INLINED_CALLS, primitives
+
 P = jcore.primitives
-
-
-def _primitives(*names: str) -> frozenset:
-    """The primitives of those names this jax has (some are absent or renamed across versions)."""
-    return frozenset(p for p in (getattr(P, n, None) for n in names) if p is not None)
-
 
 # Ops that only move or retype the elements of their first operand: a parameter read through
 # them is still the parameter (a view).
-VIEW_PRIMITIVES = _primitives(
+VIEW_PRIMITIVES = primitives(
     "convert_element_type_p",
     "transpose_p",
     "reshape_p",
@@ -49,9 +46,8 @@ VIEW_PRIMITIVES = _primitives(
     "copy_p",
     "sharding_constraint_p",
 )
-RETYPE_PRIMITIVES = _primitives("convert_element_type_p", "copy_p", "sharding_constraint_p")
-LOOKUP_PRIMITIVES = _primitives("gather_p", "dynamic_slice_p")
-INLINED_CALLS = _primitives("jit_p", "pjit_p", "closed_call_p", "call_p")
+RETYPE_PRIMITIVES = primitives("convert_element_type_p", "copy_p", "sharding_constraint_p")
+LOOKUP_PRIMITIVES = primitives("gather_p", "dynamic_slice_p")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -114,14 +110,14 @@ def trace_uses(fn: Callable, params: Sequence[Any], *args) -> tuple[Uses, jcore.
 def analyse(closed: jcore.ClosedJaxpr, num_params: int) -> Uses:
     """The uses of the first ``num_params`` inputs of ``closed``."""
     walker = _Walker(num_params)
-    jaxpr = closed.jaxpr
+    jaxpr, consts = jaxprs.body(closed)
     args = []
     for i, v in enumerate(jaxpr.invars):
         if i < num_params:
             args.append(View(i, tuple((a,) for a in range(len(v.aval.shape)))))
         else:
             args.append(frozenset())
-    outs = walker.walk(jaxpr, [frozenset()] * len(jaxpr.constvars), args, remat=False)
+    outs = walker.walk(jaxpr, [frozenset()] * len(consts), args, remat=False)
     for out in outs:
         if isinstance(out, View):
             walker.use(out, "other", "returned by the loss function", remat=False)
@@ -247,12 +243,12 @@ class _Walker:
         views = [x for x in ins if isinstance(x, View)]
         n_out = len(eqn.outvars)
         if prim in INLINED_CALLS:
-            closed = params.get("jaxpr", params.get("call_jaxpr"))
-            inner, consts = (closed.jaxpr, closed.consts) if hasattr(closed, "jaxpr") else (closed, [])
+            inner, consts = jaxprs.call_body(eqn)
             return self.walk(inner, [frozenset()] * len(consts), ins, remat=remat)
-        if prim is P.remat_p:
-            return self.walk(params["jaxpr"], [], ins, remat=True)
-        if prim is P.scan_p:
+        if prim is jaxprs.REMAT:
+            inner, consts = jaxprs.remat_body(eqn)
+            return self.walk(inner, [frozenset()] * len(consts), ins, remat=True)
+        if prim is jaxprs.SCAN:
             return self.scan(eqn, ins, remat=remat)
         if not views:
             deps = frozenset().union(*ins) if ins else frozenset()
@@ -269,7 +265,12 @@ class _Walker:
             self.use(ins[0], "lookup", prim.name, remat=remat, site=self.site(eqn))
             return [frozenset()]
         for x in views:
-            what = "a dot_general of two parameters" if prim is P.dot_general_p else prim.name
+            if jaxprs.sub_jaxprs(eqn):
+                what = f"passed into {prim.name} (a higher-order primitive FSDP does not follow into)"
+            elif prim is P.dot_general_p:
+                what = "a dot_general of two parameters"
+            else:
+                what = prim.name
             self.use(x, "other", what, remat=remat)
         deps = frozenset().union(*(x for x in ins if not isinstance(x, View)))
         return [deps] * n_out
@@ -286,9 +287,8 @@ class _Walker:
         return act | {view.param}
 
     def scan(self, eqn, ins, *, remat: bool) -> list:
-        params = eqn.params
-        nc, ncar = params["num_consts"], params["num_carry"]
-        body: jcore.ClosedJaxpr = params["jaxpr"]
+        parts = jaxprs.scan_parts(eqn)
+        nc, ncar = parts.num_consts, parts.num_carry
         consts, carry, xs = ins[:nc], list(ins[nc : nc + ncar]), ins[nc + ncar :]
         for k, x in enumerate(carry):
             if isinstance(x, View):
@@ -304,9 +304,9 @@ class _Walker:
                     body_xs.append(dataclasses.replace(x, axes=x.axes[1:], level=x.level + 1))
             else:
                 body_xs.append(x)
-        body_consts = [frozenset()] * len(body.consts)
+        body_consts = [frozenset()] * len(parts.consts)
         for _ in range(16):  # the carries' dependencies, to a fixed point
-            outs = self.walk(body.jaxpr, body_consts, consts + carry + body_xs, remat=remat)
+            outs = self.walk(parts.jaxpr, body_consts, consts + carry + body_xs, remat=remat)
             grown = [c | o if not isinstance(o, View) else c for c, o in zip(carry, outs[:ncar])]
             if grown == carry:
                 break

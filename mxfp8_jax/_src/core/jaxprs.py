@@ -1,0 +1,172 @@
+"""Reading jaxprs the same way on every supported jax.
+
+The FSDP plan and step read the loss's jaxpr: which primitive reads a parameter, and the bodies
+of ``jit``, ``remat`` and ``scan``. The parameters of those primitives change between jax
+releases, and this module is the one place that knows how each supported release spells them:
+
+- a sub-jaxpr is a ``ClosedJaxpr`` (jaxpr + consts) up to jax 0.10, and from 0.11 on a
+  ``Jaxpr`` that carries its own consts (``body`` returns ``(open jaxpr, consts)`` for both);
+- ``scan`` carries ``num_consts`` / ``num_carry`` up to 0.10, and from 0.11 on flat trees
+  ``ft_in`` = (consts, carry, xs) and ``ft_out`` = (carry, ys) (``scan_parts``);
+- ``jit`` was ``pjit`` in older releases; ``custom_vjp_call`` was ``custom_vjp_call_jaxpr``.
+
+A primitive whose parameters are not spelled in any known way raises ``UnsupportedJax``, which
+names the primitive, the installed jax and what to do, instead of a ``KeyError`` deep inside a
+trace. ``TESTED_JAX`` is the range the test suite runs on (oldest, newest).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from typing import Any
+
+import jax
+from jax.extend import core as jcore
+
+# The range of jax releases CI runs the suite on (pyproject.toml and docs/install.md say the same).
+TESTED_JAX = ("0.10.2", "0.12.0.1")
+
+
+def version_tuple(text: str) -> tuple[int, ...]:
+    """``"0.12.0.1"`` -> ``(0, 12, 0, 1)`` (a suffix such as ``.dev`` ends the numbers)."""
+    out = []
+    for part in text.split("."):
+        digits = "".join(c for c in part if c.isdigit()) if part[:1].isdigit() else ""
+        if not digits:
+            break
+        out.append(int(digits))
+    return tuple(out)
+
+
+class UnsupportedJax(RuntimeError):
+    """A jaxpr primitive spelled in a way this package does not know (a jax release newer or
+    older than the tested range changed it)."""
+
+
+def unsupported(primitive: str, found, expected: str) -> UnsupportedJax:
+    """The error for a primitive whose parameters are not spelled in a known way."""
+    oldest, newest = TESTED_JAX
+    where = (
+        "newer than the newest"
+        if version_tuple(jax.__version__) > version_tuple(newest)
+        else "older than the oldest"
+        if version_tuple(jax.__version__) < version_tuple(oldest)
+        else "inside the range of"
+    )
+    return UnsupportedJax(
+        f"the {primitive!r} primitive of jax {jax.__version__} has parameters {sorted(found)}, where mxfp8_jax "
+        f"reads {expected}. This jax is {where} the releases mxfp8_jax is tested with (jax {oldest} to {newest}): "
+        f"install one of those (pip install 'jax>={oldest},<={newest}' 'jaxlib>={oldest},<={newest}'), or report "
+        "the jax version and this message to mxfp8_jax"
+    )
+
+
+def primitive(name: str):
+    """The primitive ``name`` (e.g. ``"scan_p"``) of this jax, or None where it has none."""
+    return getattr(jcore.primitives, name, None)
+
+
+def primitives(*names: str) -> frozenset:
+    """The primitives of those names this jax has (some are absent or renamed across versions)."""
+    return frozenset(p for p in map(primitive, names) if p is not None)
+
+
+# Calls whose body runs once, as is: inlined by the trace and the step.
+INLINED_CALLS = primitives("jit_p", "pjit_p", "closed_call_p", "call_p", "core_call_p")
+SCAN = primitive("scan_p")
+REMAT = primitive("remat_p")
+
+
+def is_jaxpr(x) -> bool:
+    """Whether ``x`` is a (closed or open) jaxpr, as primitives carry their bodies."""
+    return isinstance(x, (jcore.Jaxpr, jcore.ClosedJaxpr))
+
+
+def body(j) -> tuple[jcore.Jaxpr, list]:
+    """A primitive's body as ``(jaxpr, consts)``: the jaxpr whose ``constvars`` take ``consts``
+    and whose ``invars`` take the primitive's operands (a ``ClosedJaxpr``, a ``Jaxpr`` that holds
+    its consts, or an open ``Jaxpr`` without any)."""
+    if isinstance(j, jcore.ClosedJaxpr) or (isinstance(j, jcore.Jaxpr) and hasattr(j, "consts")):
+        inner = j.jaxpr
+        consts = list(j.consts)
+        if len(inner.constvars) != len(consts):
+            raise unsupported("jaxpr", ("constvars", "consts"), "a jaxpr whose consts match its constvars")
+        return inner, consts
+    if isinstance(j, jcore.Jaxpr):
+        if j.constvars:
+            raise unsupported("jaxpr", ("constvars",), "an open jaxpr without constvars")
+        return j, []
+    raise unsupported("jaxpr", (type(j).__name__,), "a Jaxpr or ClosedJaxpr")
+
+
+def call_body(eqn) -> tuple[jcore.Jaxpr, list]:
+    """The body of an inlined call (``jit``/``pjit``, ``closed_call``, ``call``)."""
+    for key in ("jaxpr", "call_jaxpr"):
+        if key in eqn.params:
+            return body(eqn.params[key])
+    raise unsupported(eqn.primitive.name, eqn.params, "its body as 'jaxpr' or 'call_jaxpr'")
+
+
+def remat_body(eqn) -> tuple[jcore.Jaxpr, list]:
+    """The body of a ``remat`` (``jax.checkpoint``) region."""
+    if "jaxpr" not in eqn.params:
+        raise unsupported(eqn.primitive.name, eqn.params, "its body as 'jaxpr'")
+    return body(eqn.params["jaxpr"])
+
+
+@dataclasses.dataclass(frozen=True)
+class ScanParts:
+    """A ``scan`` equation's parts. Its operands are ``consts + carry + xs``
+    (``num_consts``, ``num_carry``, the rest); its results ``carry + ys``. ``jaxpr`` is the
+    body (operands as above, sliced xs), ``consts`` the values of its own constvars."""
+
+    jaxpr: jcore.Jaxpr
+    consts: list
+    num_consts: int
+    num_carry: int
+    length: int
+    reverse: bool
+    unroll: Any
+
+
+def scan_parts(eqn) -> ScanParts:
+    """The parts of a ``scan`` equation, however this jax spells them."""
+    params = eqn.params
+    common = ("jaxpr", "length", "reverse", "unroll")
+    if not all(k in params for k in common):
+        raise unsupported("scan", params, f"{list(common)} and either num_consts/num_carry or ft_in/ft_out")
+    if "num_consts" in params and "num_carry" in params:  # jax <= 0.10
+        num_consts, num_carry = int(params["num_consts"]), int(params["num_carry"])
+    elif "ft_in" in params:  # jax >= 0.11: flat trees (consts, carry, xs)
+        groups = getattr(params["ft_in"], "elts", None)
+        if groups is None or len(groups) != 3:
+            raise unsupported("scan", params, "ft_in as a flat tree of (consts, carry, xs)")
+        num_consts, num_carry = len(groups[0]), len(groups[1])
+    else:
+        raise unsupported("scan", params, "num_consts/num_carry (jax 0.10) or ft_in/ft_out (jax 0.11+)")
+    jaxpr, consts = body(params["jaxpr"])
+    return ScanParts(
+        jaxpr, consts, num_consts, num_carry, int(params["length"]), bool(params["reverse"]), params["unroll"]
+    )
+
+
+def sub_jaxprs(eqn) -> list:
+    """The jaxprs an equation carries in its parameters (a higher-order primitive's bodies)."""
+    found = []
+    for value in eqn.params.values():
+        items = value if isinstance(value, (tuple, list)) else (value,)
+        found.extend(x for x in items if is_jaxpr(x))
+    return found
+
+
+def bind(eqn, ins) -> list:
+    """``eqn`` run as traced on ``ins`` (as ``jax.core.eval_jaxpr`` runs it)."""
+    params = eqn.primitive.get_bind_params(eqn.params)
+    subfuns = ()
+    if isinstance(params, tuple):  # (subfuns, params) in some jax versions
+        subfuns, params = params
+    ctx = getattr(eqn, "ctx", None)
+    with ctx.manager if ctx is not None else contextlib.nullcontext():
+        out = eqn.primitive.bind(*subfuns, *ins, **params)
+    return list(out) if eqn.primitive.multiple_results else [out]
