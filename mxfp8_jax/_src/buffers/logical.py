@@ -112,11 +112,18 @@ def _onto_mesh(t, mesh: Mesh, placements, i: int) -> jax.Array:
     if t.sharding == target:  # the same mesh object too: shard_map takes no other
         return t
     if t.is_fully_addressable or t.sharding.device_set == target.device_set:
-        return jax.device_put(t, target)  # device to device
+        # device to device: a compiled reshard (jax >= 0.11's device_put may go through the host)
+        return _resharder(target)(t)
     raise ValueError(
         f"tensors[{i}] spans non-addressable devices outside the mesh {dict(mesh.shape)}; put it "
         f"on the mesh's devices first (jax.jit with out_shardings over that mesh)"
     )
+
+
+@functools.lru_cache(maxsize=64)
+def _resharder(target: NamedSharding):
+    """A compiled identity whose output has ``target``'s sharding: moves an array device to device."""
+    return jax.jit(lambda a: a, out_shardings=target)
 
 
 def _bits_dtype(dtype) -> np.dtype:
