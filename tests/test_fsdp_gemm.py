@@ -162,8 +162,8 @@ def test_cpu_step_takes_the_exact_path(mesh):
 def test_saved_gemm_inputs_shrink(mesh):
     """Per layer and token, what the compiled step keeps for the backward (the second difference
     of temp memory over depth and tokens: weights, gathered or not, and one layer's working set
-    cancel) is at most 0.55x of the dequantized mode's. ``tokens`` are per device: the
-    differences do not depend on the device count."""
+    cancel) shrinks by what keeping each GEMM input as its columnwise planes (8.25 bits) instead
+    of bf16 saves. ``tokens`` are per device: the differences do not depend on the device count."""
     cpu_only("temp memory from XLA:CPU's memory_analysis()")
     tx = optax.sgd(0.1)
     per = {}
@@ -177,7 +177,10 @@ def test_saved_gemm_inputs_shrink(mesh):
         per[gemm] = (temp[4, 256] - temp[2, 256] - temp[4, 128] + temp[2, 128]) / (2 * 128)
     gemm_inputs = WIDTH + 2 * WIDTH  # a's input and b's, per token and layer
     assert per["dequantized"] >= 2 * gemm_inputs  # at least the bf16 inputs themselves
-    assert per["mxfp8"] <= 0.55 * per["dequantized"], per
+    # each saved input shrinks from 2 bytes (bf16) to 1 + 1/32 (its columnwise planes); XLA
+    # aligns buffers to 64 bytes, which moves the second difference by at most a byte a token
+    shrink = gemm_inputs * (2 - (1 + 1 / 32))
+    assert per["dequantized"] - per["mxfp8"] >= shrink - 1, per
 
 
 # ------------------------------------------------------------------------------------------------
