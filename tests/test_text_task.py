@@ -43,15 +43,38 @@ def task():
 
 def test_the_list_is_as_documented():
     names = [name for name, _, _ in text_task.SOURCES]
-    assert len(names) == len(set(names)) and 25 <= len(names) <= 40
-    assert 800_000 <= sum(size for _, size, _ in text_task.SOURCES) <= 1_500_000
+    assert len(names) == len(set(names)) == 47 and names == sorted(names)
+    assert sum(size for _, size, _ in text_task.SOURCES) == 656_253
     assert [n for i, n in enumerate(names) if text_task.is_validation(i)] == [
-        "cmd.py",
-        "glob.py",
-        "optparse.py",
-        "tabnanny.py",
+        "abc.py",
+        "email/contentmanager.py",
+        "multiprocessing/heap.py",
+        "string.py",
+        "wsgiref/headers.py",
+        "zoneinfo/_zoneinfo.py",
     ]
     assert all(len(sha) == 64 and int(sha, 16) >= 0 for _, _, sha in text_task.SOURCES)
+    # none of them is among the modules Python 3.13 removed (PEP 594) or a later one deprecates
+    removed = {"aifc", "cgi", "cgitb", "chunk", "crypt", "imghdr", "mailcap", "nntplib", "pipes", "sndhdr", "telnetlib"}
+    assert not {n.split("/")[0].removesuffix(".py") for n in names} & removed
+
+
+def test_the_corpus_hash_names_the_text_read(task, monkeypatch):
+    """The hash of the token stream, computed here from the files on disk, is the task's; where
+    nothing was skipped (3.11, 3.12 and 3.13 ship these files unchanged) it is the pinned one, and
+    a task that skipped a file says it trains on other text."""
+    train, val, skipped = expected_files()
+    stream = b"".join(on_disk(n) for n in train) + b"".join(on_disk(n) for n in val)
+    assert task.corpus_sha256 == hashlib.sha256(stream).hexdigest()
+    assert task.corpus_sha256[:16] in task.describe()
+    if not skipped:
+        assert task.corpus_sha256 == text_task.CORPUS_SHA256
+        assert "the pinned text" in task.describe() and "NOT" not in task.describe()
+    name, size, _ = text_task.SOURCES[1]
+    monkeypatch.setattr(text_task, "SOURCES", (text_task.SOURCES[0], (name, size, "0" * 64), *text_task.SOURCES[2:]))
+    other = models.TextTask(SEQ)
+    assert other.corpus_sha256 != text_task.CORPUS_SHA256
+    assert "NOT the pinned text" in other.describe()
 
 
 def test_every_matching_file_is_loaded_byte_for_byte(task):
@@ -94,7 +117,7 @@ def test_too_little_text_left_is_an_error(monkeypatch):
     # plenty of bytes, but no validation file
     sources = tuple((s[0], s[1], "f" * 64) if text_task.is_validation(i) else s for i, s in enumerate(listed))
     monkeypatch.setattr(text_task, "SOURCES", sources)
-    with pytest.raises(RuntimeError, match=r"no validation file remains.*optparse\.py \(hash differs\)"):
+    with pytest.raises(RuntimeError, match=r"no validation file remains.*string\.py \(hash differs\)"):
         models.TextTask(SEQ)
 
 
