@@ -16,7 +16,30 @@
 #include "gpu/gpu.cuh"
 #include "gpu/launch.h"
 
-#if !defined(__HIPCC__)
+#if defined(__HIPCC__)
+// The runtime calls of the host protocol, under their HIP names.
+using cudaEvent_t = hipEvent_t;
+using cudaPointerAttributes = hipPointerAttribute_t;
+#define cudaErrorPeerAccessAlreadyEnabled hipErrorPeerAccessAlreadyEnabled
+#define cudaEventDisableTiming hipEventDisableTiming
+#define cudaMemcpyDeviceToHost hipMemcpyDeviceToHost
+#define cudaGetDevice hipGetDevice
+#define cudaSetDevice hipSetDevice
+#define cudaPointerGetAttributes hipPointerGetAttributes
+#define cudaMemcpyAsync hipMemcpyAsync
+#define cudaStreamSynchronize hipStreamSynchronize
+#define cudaDeviceCanAccessPeer hipDeviceCanAccessPeer
+#define cudaDeviceEnablePeerAccess hipDeviceEnablePeerAccess
+#define cudaEventCreateWithFlags hipEventCreateWithFlags
+#define cudaEventRecord hipEventRecord
+#define cudaEventDestroy hipEventDestroy
+#define cudaStreamWaitEvent hipStreamWaitEvent
+using cudaMemPool_t = hipMemPool_t;
+using cudaMemAccessDesc = hipMemAccessDesc;
+#define cudaMemLocationTypeDevice hipMemLocationTypeDevice
+#define cudaMemAccessFlagsProtReadWrite hipMemAccessFlagsProtReadWrite
+#define cudaMemPoolSetAccess hipMemPoolSetAccess
+#else
 #include <cuda.h>  // driver API types only: its entry points come through the runtime (no -lcuda)
 #endif
 

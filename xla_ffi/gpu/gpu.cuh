@@ -1,15 +1,17 @@
 // The GPU platform layer shared by the CUDA and HIP builds of the kernels in this folder:
-// runtime API names, lane exchange and votes with explicit widths, thread indices, and the
-// launch-status helper of the launchers declared in launch.h.
+// runtime API names, lane exchange and votes with explicit widths, thread indices, the launch
+// form, and the launch-status helper of the launchers declared in launch.h.
 //
 // Built as CUDA by nvcc (_mxfp8_cuda) and as HIP by clang -x hip (_mxfp8_rocm, through
-// hip_compat.h). Kernels use 32-lane groups at most, so they behave the same on 32-lane warps
-// and 64-lane wavefronts.
+// hip_compat.h). The tests also build it with the host compiler on HIP-CPU, a HIP runtime that
+// runs kernels on CPUs, through a shim per vendor path (xla_ffi/hipcpu/, which defines
+// MXFP8_HIPCPU). The sources know of it in three places: the runtime header chosen below, the
+// launch form, and the fast form's two instructions (tile.cuh).
 #pragma once
 
 #if defined(__HIPCC__)
 #include "gpu/hip_compat.h"
-#else
+#elif !defined(MXFP8_HIPCPU)
 #include <cuda_runtime.h>
 #endif
 
@@ -20,6 +22,17 @@
 #include "mxfp8/numerics.h"
 
 namespace mxfp8::gpu {
+
+// Lanes of the hardware warp, which any_lane votes over: 32 on NVIDIA GPUs, 64 in an AMD gfx9
+// wavefront (MI300 and MI350 run wave64 only). Nothing else depends on it: the kernels work in
+// 32-lane groups whose exchanges name their width (32 or less), so a wavefront holds two
+// independent groups, and the one vote (tile.cuh's fast form, CUDA only) only chooses between
+// two forms that write the same bytes.
+#if defined(__HIPCC__)
+constexpr int kWarpLanes = 64;
+#else
+constexpr int kWarpLanes = 32;
+#endif
 
 #if !defined(__HIPCC__)
 template <typename T>
@@ -78,9 +91,10 @@ inline const char* launch_error() {
 inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 constexpr int kBlockThreads = 128;
+static_assert(kBlockThreads % kWarpLanes == 0, "a thread block holds whole warps");
 
 // Most blocks a 1-D grid of kBlockThreads may have: CUDA's gridDim.x limit (2^31 - 1); HIP counts
-// the grid in work-items, at most 2^32 - 1 of them. <<<>>> takes unsigned int, so a larger
+// the grid in work-items, at most 2^32 - 1 of them. A launch takes unsigned int, so a larger
 // int64 count would be truncated silently: launchers check it first.
 #if defined(__HIPCC__)
 constexpr int64_t kMaxGridBlocks = ((int64_t{1} << 32) - 1) / kBlockThreads;
@@ -93,5 +107,17 @@ inline bool grid_fits(int64_t blocks) { return blocks <= kMaxGridBlocks; }
 constexpr const char* kGridTooLarge =
     "the input needs more thread blocks than one 1-D grid launch allows; split it into "
     "smaller calls";
+
+// The one launch form of the launchers: kernel<<<blocks, kBlockThreads, 0, stream>>>(args...)
+// (blocks checked by grid_fits). Under HIP-CPU, which has no <<<>>>, the shim's launch runs it.
+template <typename... Params, typename... Args>
+void launch_kernel(void (*kernel)(Params...), int64_t blocks, cudaStream_t stream,
+                   const Args&... args) {
+#if !defined(MXFP8_HIPCPU)
+  kernel<<<static_cast<unsigned>(blocks), kBlockThreads, 0, stream>>>(args...);
+#else
+  hipcpu::launch(kernel, blocks, kBlockThreads, stream, args...);
+#endif
+}
 
 }  // namespace mxfp8::gpu

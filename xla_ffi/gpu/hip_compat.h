@@ -1,5 +1,6 @@
 // CUDA -> HIP compatibility for the kernels in this folder: the same sources compile as HIP
-// (`clang -x hip`) for AMD GPUs. Only what those sources use is mapped.
+// (`clang -x hip`) for AMD GPUs. Only what the kernels and launchers use is mapped (the
+// all-gather's host protocol maps its own runtime calls: allgather.cu).
 //
 // Wavefronts are 64 lanes on gfx9 (MI300/MI350). The kernels never assume 64: every
 // cross-lane operation names its width (32 or less), so a wavefront holds two independent
@@ -16,29 +17,6 @@ using cudaError_t = hipError_t;
 #define cudaSuccess hipSuccess
 #define cudaGetLastError hipGetLastError
 #define cudaGetErrorString hipGetErrorString
-#define cudaMemsetAsync hipMemsetAsync
-// ... and what the all-gather's host protocol needs (allgather.cu).
-using cudaEvent_t = hipEvent_t;
-using cudaPointerAttributes = hipPointerAttribute_t;
-#define cudaErrorPeerAccessAlreadyEnabled hipErrorPeerAccessAlreadyEnabled
-#define cudaEventDisableTiming hipEventDisableTiming
-#define cudaMemcpyDeviceToHost hipMemcpyDeviceToHost
-#define cudaGetDevice hipGetDevice
-#define cudaSetDevice hipSetDevice
-#define cudaPointerGetAttributes hipPointerGetAttributes
-#define cudaMemcpyAsync hipMemcpyAsync
-#define cudaStreamSynchronize hipStreamSynchronize
-#define cudaDeviceCanAccessPeer hipDeviceCanAccessPeer
-#define cudaDeviceEnablePeerAccess hipDeviceEnablePeerAccess
-#define cudaEventCreateWithFlags hipEventCreateWithFlags
-#define cudaEventRecord hipEventRecord
-#define cudaEventDestroy hipEventDestroy
-#define cudaStreamWaitEvent hipStreamWaitEvent
-using cudaMemPool_t = hipMemPool_t;
-using cudaMemAccessDesc = hipMemAccessDesc;
-#define cudaMemLocationTypeDevice hipMemLocationTypeDevice
-#define cudaMemAccessFlagsProtReadWrite hipMemAccessFlagsProtReadWrite
-#define cudaMemPoolSetAccess hipMemPoolSetAccess
 
 // Exact arithmetic. numerics.h asks for IEEE-correct sqrt through __fsqrt_rn; older HIP headers
 // define that as the native (approximate) square root, so it is redirected to the correctly

@@ -52,7 +52,7 @@ static const char* launch_typed(cudaStream_t stream, const uint8_t* x, int64_t M
   if (blocks == 0) return nullptr;
   if (!grid_fits(blocks)) return kGridTooLarge;
   clear_pending_error();
-  quantize_kernel<T><<<blocks, kBlockThreads, 0, stream>>>(x, M, K, p, rule);
+  launch_kernel(quantize_kernel<T>, blocks, stream, x, M, K, p, rule);
   return launch_error();
 }
 

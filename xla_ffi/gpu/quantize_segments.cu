@@ -175,9 +175,8 @@ static const char* launch_segments(cudaStream_t stream, const uint8_t* x, int64_
   if (!grid_fits(blocks) || !grid_fits(gap_blocks)) return kGridTooLarge;
   clear_pending_error();
   if (blocks > 0)
-    segment_pieces_kernel<T><<<blocks, kBlockThreads, 0, stream>>>(x, S, desc, desc64, P, p, rule);
-  if (gap_blocks > 0)
-    segment_gaps_kernel<<<gap_blocks, kBlockThreads, 0, stream>>>(S, desc, desc64, P, p);
+    launch_kernel(segment_pieces_kernel<T>, blocks, stream, x, S, desc, desc64, P, p, rule);
+  if (gap_blocks > 0) launch_kernel(segment_gaps_kernel, gap_blocks, stream, S, desc, desc64, P, p);
   return launch_error();
 }
 

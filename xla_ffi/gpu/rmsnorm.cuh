@@ -12,6 +12,7 @@
 namespace mxfp8::gpu {
 
 constexpr int kNormStep = kNormLanes * kNormVec;  // elements of a row per step (256)
+static_assert(kWarpLanes % kNormLanes == 0, "a warp (or wavefront) holds whole rows' lanes");
 
 // Adds x^2 of the 8 bf16 of v to the lane's partial sum, in element order.
 __device__ __forceinline__ float add_squares(float p, const uint4& v) {

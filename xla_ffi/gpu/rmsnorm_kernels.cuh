@@ -227,10 +227,10 @@ template <int kSteps, bool kFromFp32, typename Rows>
 void enqueue_rows(cudaStream_t stream, int64_t blocks, int64_t steps, const Rows& rows,
                   const uint16_t* gamma, int64_t R, const NormParams& prm, const NormOut& o) {
   if constexpr (kSteps > kMaxCachedSteps)
-    rmsnorm_rows_kernel<0, kFromFp32><<<blocks, kBlockThreads, 0, stream>>>(rows, gamma, R, prm, o);
+    launch_kernel(rmsnorm_rows_kernel<0, kFromFp32, Rows>, blocks, stream, rows, gamma, R, prm, o);
   else if (steps <= kSteps)
-    rmsnorm_rows_kernel<kSteps, kFromFp32>
-        <<<blocks, kBlockThreads, 0, stream>>>(rows, gamma, R, prm, o);
+    launch_kernel(rmsnorm_rows_kernel<kSteps, kFromFp32, Rows>, blocks, stream, rows, gamma, R, prm,
+                  o);
   else enqueue_rows<kSteps * 2, kFromFp32>(stream, blocks, steps, rows, gamma, R, prm, o);
 }
 
@@ -238,7 +238,7 @@ template <bool kFromFp32, typename Rows>
 void enqueue_rmsnorm(cudaStream_t stream, const Rows& rows, const uint16_t* gamma, int64_t R,
                      const NormParams& prm, const NormOut& o) {
   if (prm.columnwise) {
-    rmsnorm_bands_kernel<kFromFp32><<<R / kBlock, kBlockThreads, 0, stream>>>(rows, gamma, prm, o);
+    launch_kernel(rmsnorm_bands_kernel<kFromFp32, Rows>, R / kBlock, stream, rows, gamma, prm, o);
     return;
   }
   const int64_t blocks = ceil_div(R * kNormLanes, kBlockThreads);

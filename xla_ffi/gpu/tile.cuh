@@ -37,6 +37,7 @@ namespace mxfp8::gpu {
 constexpr int kGroupLanes = 32;              // lanes that share a band's tiles
 constexpr int kTileRows = kBlock / 2;        // rows per lane (the partner has the others)
 constexpr int kTileCols = kGroupLanes / 2;   // lanes across the columns of one half
+static_assert(kWarpLanes % kGroupLanes == 0, "a warp (or wavefront) holds whole 32-lane groups");
 
 // ---------------------------------------------------------------------------------------------
 // Elements of a 16-byte row segment, as fp32 bits.
@@ -93,12 +94,34 @@ __device__ __forceinline__ float inverse_scale(uint8_t byte) {
 }
 
 #if MXFP8_HW_E4M3
+// The two instructions of the fast form, each behind a device function. Under HIP-CPU (tests
+// only) they are emulated from their documented semantics by the shim (xla_ffi/hipcpu/cuda.h),
+// so that the code around them runs there; the instructions themselves run only on a GPU.
+
+// cvt.rn.satfinite.e4m3x2.f32: the E4M3 codes of lo and hi, lo in the low byte; round to
+// nearest even, magnitudes past 448 (Inf too) saturate to +-448, NaN gives a NaN code.
+__device__ __forceinline__ uint32_t cvt_e4m3x2(float lo, float hi) {
+#if defined(MXFP8_HIPCPU)
+  return hipcpu::cvt_e4m3x2_rn_satfinite(lo, hi);
+#else
+  uint16_t r;
+  asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(r) : "f"(hi), "f"(lo));
+  return r;
+#endif
+}
+
+// __vmaxu2: the larger of each unsigned 16-bit half of a and b.
+__device__ __forceinline__ uint32_t max_u16x2(uint32_t a, uint32_t b) {
+#if defined(MXFP8_HIPCPU)
+  return hipcpu::vmaxu2(a, b);
+#else
+  return __vmaxu2(a, b);
+#endif
+}
+
 // Codes of x0 * m0 and x1 * m1 (fp32 bits x), RNE, satfinite; the first in the low byte.
 __device__ __forceinline__ uint32_t e4m3x2_fast(uint32_t x0, float m0, uint32_t x1, float m1) {
-  const float y0 = __fmul_rn(f32(x0), m0), y1 = __fmul_rn(f32(x1), m1);
-  uint16_t r;
-  asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(r) : "f"(y1), "f"(y0));
-  return r;
+  return cvt_e4m3x2(__fmul_rn(f32(x0), m0), __fmul_rn(f32(x1), m1));
 }
 #endif
 
@@ -160,8 +183,8 @@ __device__ __forceinline__ uint32_t row_amax(const uint4& w) {
     return max(max(w.x & 0x7FFFFFFFu, w.y & 0x7FFFFFFFu),
                max(w.z & 0x7FFFFFFFu, w.w & 0x7FFFFFFFu));
   } else {
-    const uint32_t m = __vmaxu2(__vmaxu2(w.x & 0x7FFF7FFFu, w.y & 0x7FFF7FFFu),
-                                __vmaxu2(w.z & 0x7FFF7FFFu, w.w & 0x7FFF7FFFu));
+    const uint32_t m = max_u16x2(max_u16x2(w.x & 0x7FFF7FFFu, w.y & 0x7FFF7FFFu),
+                                 max_u16x2(w.z & 0x7FFF7FFFu, w.w & 0x7FFF7FFFu));
     return widen<T>(max(m & 0xFFFFu, m >> 16));
   }
 }
@@ -181,7 +204,7 @@ __device__ __forceinline__ void col_amax(const uint4 (&w)[kTileRows], uint32_t (
 #pragma unroll
     for (int r = 0; r < kTileRows; ++r)
 #pragma unroll
-      for (int j = 0; j < 4; ++j) m[j] = __vmaxu2(m[j], word(w[r], j) & 0x7FFF7FFFu);
+      for (int j = 0; j < 4; ++j) m[j] = max_u16x2(m[j], word(w[r], j) & 0x7FFF7FFFu);
 #pragma unroll
     for (int j = 0; j < 4; ++j)
       amax[2 * j] = widen<T>(m[j] & 0xFFFFu), amax[2 * j + 1] = widen<T>(m[j] >> 16);
