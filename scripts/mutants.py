@@ -429,6 +429,18 @@ GPU_MUTANTS = (
         (_HIPCPU + "test_quantize_matches_the_cpu_kernel",),
     ),
     Mutant(
+        "gpu-quantize-tail-overrun",
+        "quantize kernel (a tail condition): a lane holding the last rows writes all 16 rows, past the planes' end",
+        (
+            (
+                "xla_ffi/gpu/quantize.cu",
+                "static_cast<int>(left < kTileRows ? left : kTileRows)",
+                "static_cast<int>(kTileRows)",
+            ),
+        ),
+        (_HIPCPU + "test_quantize_matches_the_cpu_kernel",),
+    ),
+    Mutant(
         "gpu-rmsnorm-rows-partial-step",
         "RMSNorm rows kernel (a tail condition): the last step of a row not a multiple of 256 wide is not written",
         (

@@ -16,8 +16,9 @@ Each test runs one driver executable (tests/hipcpu/driver.cc) over a batch of ca
 files, and compares every plane it writes with the CPU kernels (``backend="ffi"``, the segments
 kernel, the CPU fused gather), byte for byte. The driver starts with flush-to-zero set, as
 XLA:CPU's threads have it, so the kernels must set the IEEE environment themselves (the shim's
-launch does, in every worker thread). Output buffers start poisoned between guard bytes, so an
-unwritten byte or a write past a plane's end fails too.
+launch does, in every worker thread). Output buffers start poisoned, so an unwritten byte fails
+too; every buffer, inputs included, lies between guard bytes and ends where an inaccessible page
+begins, so a read or write past its end stops the driver naming the case.
 
 Marked ``hipcpu`` (``-m hipcpu`` runs them alone). Without HIP-CPU they skip, saying how to get
 it; with ``MXFP8_REQUIRE_HIPCPU=1`` (CI) they fail instead.
@@ -441,10 +442,11 @@ def _gamma(rng, h):
 def rmsnorm_cases() -> list[Case]:
     rng = np.random.default_rng(40)
     cases = []
-    # rows cached in registers (4..32 steps of 256), re-read (H > 8192), H not a multiple of 256;
-    # rows kernel (rowwise only) and bands kernel (columnwise too), from bf16 and from fp32
-    shapes = ((1, 32), (33, 96), (64, 96), (32, 320), (64, 288), (32, 2304), (32, 4096), (32, 8192), (32, 8448))
-    for r, h in shapes + ((8, 16384),):
+    # the rows kernel (rowwise only) with each row cache: 4, 8, 16 or 32 steps of 256 elements
+    # (H up to 1024, 2048, 4096, 8192; the ROCm path stops at 8) and none (rows read again); H
+    # not a multiple of 256; the bands kernel (columnwise too); from bf16 and from fp32
+    shapes = [(1, 32), (33, 96), (64, 96), (32, 320), (64, 288), (32, 1536), (32, 2304), (32, 4096)]
+    for r, h in shapes + [(32, 8192), (32, 8448), (8, 16384)]:
         for fp32 in (False, True):
             for columnwise in (False, True):
                 if columnwise and r % 32:

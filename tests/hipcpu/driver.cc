@@ -12,22 +12,26 @@
 //                       (type f32/bf16/f16; eps and offset as fp32 bits in hex; x, desc and gamma
 //                       files of raw bytes). Each case writes the planes it asked for to
 //                       OUT.row_q, .row_s, .col_q, .col_s, .normed, .residual. Output buffers
-//                       start filled with 0x5A between guard bytes; a write past a buffer's end
-//                       fails the case.
+//                       start filled with 0x5A; every buffer, inputs too, lies between guard
+//                       bytes and ends at an inaccessible page: an access past it stops the run
+//                       naming the case, a changed guard byte fails the case.
 //   driver emulation    the fast form's emulated instructions against numerics.h's exact cast
 //                       (the CUDA path only): prints "checked N mismatches M" per check.
 //   driver warp         what each lane of a block sees of a vote and of a 32-wide exchange.
 //   driver fpenv        in how many threads of a block a kernel keeps subnormals.
 //   driver info         the vendor path, its warp width and whether it has the fast form.
 //
-// `run` prints one line per case ("ok NAME" or "FAIL NAME: why") and exits 1 if any failed.
+// `run` prints one line per case ("ok NAME" or "FAIL NAME: why") and exits 1 if any failed (3
+// after a fault).
 //
 // Before anything runs, the driver sets flush-to-zero and denormals-are-zero, as XLA:CPU's
 // threads have them, and every thread the runtime starts inherits them: the kernels must set IEEE
 // arithmetic themselves (the shim's launch does, in every worker thread).
 #include <algorithm>
+#include <csignal>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <fstream>
 #include <map>
 #include <memory>
@@ -36,40 +40,65 @@
 #include <string>
 #include <vector>
 
+#include <sys/mman.h>
+#include <unistd.h>
+
 #include "gpu/tile.cuh"
 
 namespace {
 
 using namespace mxfp8;
 
-constexpr size_t kGuard = 64;
 constexpr uint8_t kGuardByte = 0xA5, kPoison = 0x5A;
 
-// Host memory with guard bytes either side (64-byte aligned, as device allocations are).
+// The case being run, for the fault handler.
+const char* current_case = "";
+
+// One buffer (an input or a plane) in pages of its own: it ends where an inaccessible page
+// begins (rounded up to 64 bytes, and starts 64-byte aligned, as device allocations do), so a
+// read or write past its end faults at once; the bytes before it down to another inaccessible
+// page, and its last few padding bytes, are guard bytes that must come back unchanged.
 class Buffer {
  public:
   explicit Buffer(size_t n, uint8_t fill = kPoison) : n_(n) {
-    const size_t total = (n + 2 * kGuard + 63) / 64 * 64;
-    base_.reset(static_cast<uint8_t*>(std::aligned_alloc(64, total)));
-    std::memset(base_.get(), kGuardByte, total);
-    std::memset(base_.get() + kGuard, fill, n);
-    total_ = total;
+    const size_t page = static_cast<size_t>(sysconf(_SC_PAGESIZE));
+    const size_t span = (n + 63) / 64 * 64;
+    body_ = (span + page - 1) / page * page + page;  // at least one page of guard bytes first
+    size_ = page + body_ + page;
+    void* m = mmap(nullptr, size_, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (m == MAP_FAILED) throw std::runtime_error("mmap failed");
+    map_ = static_cast<uint8_t*>(m);
+    if (mprotect(map_, page, PROT_NONE) != 0 || mprotect(map_ + page + body_, page, PROT_NONE) != 0)
+      throw std::runtime_error("mprotect failed");
+    begin_ = map_ + page;
+    data_ = begin_ + body_ - span;
+    std::memset(begin_, kGuardByte, body_);
+    std::memset(data_, fill, n);
   }
-  uint8_t* data() { return base_.get() + kGuard; }
+  ~Buffer() { munmap(map_, size_); }
+  Buffer(const Buffer&) = delete;
+  Buffer& operator=(const Buffer&) = delete;
+  uint8_t* data() { return data_; }
   size_t size() const { return n_; }
   bool guards_intact() const {
-    for (size_t i = 0; i < total_; ++i)
-      if ((i < kGuard || i >= kGuard + n_) && base_.get()[i] != kGuardByte) return false;
+    for (const uint8_t* p = begin_; p < begin_ + body_; ++p)
+      if ((p < data_ || p >= data_ + n_) && *p != kGuardByte) return false;
     return true;
   }
 
  private:
-  struct Free {
-    void operator()(uint8_t* p) const { std::free(p); }
-  };
-  std::unique_ptr<uint8_t, Free> base_;
-  size_t n_ = 0, total_ = 0;
+  size_t n_, body_ = 0, size_ = 0;
+  uint8_t *map_ = nullptr, *begin_ = nullptr, *data_ = nullptr;
 };
+
+// A kernel that reads or writes past a buffer's end faults: name the case and stop.
+extern "C" void on_fault(int) {
+  const char head[] = "FAIL ", tail[] = ": a kernel read or wrote outside its buffers (fault)\n";
+  (void)!write(1, head, sizeof head - 1);
+  (void)!write(1, current_case, std::strlen(current_case));
+  (void)!write(1, tail, sizeof tail - 1);
+  _exit(3);
+}
 
 std::unique_ptr<Buffer> read_file(const std::string& path) {
   std::ifstream f(path, std::ios::binary | std::ios::ate);
@@ -237,6 +266,7 @@ int run(const char* cases_path) {
       c.kv[tok.substr(0, eq)] = eq == std::string::npos ? "" : tok.substr(eq + 1);
     }
     const std::string name = c.kv.count("out") ? c.kv["out"] : line;
+    current_case = name.c_str();
     try {
       if (c.kind == "quantize") run_quantize(c);
       else if (c.kind == "segments") run_segments(c);
@@ -394,6 +424,9 @@ int info() {
 }  // namespace
 
 int main(int argc, char** argv) {
+  std::setvbuf(stdout, nullptr, _IOLBF, 0);  // every case's line out before a fault stops it
+  std::signal(SIGSEGV, on_fault);
+  std::signal(SIGBUS, on_fault);
   flush_subnormals();
   const std::string cmd = argc > 1 ? argv[1] : "";
   if (cmd == "run" && argc == 3) return run(argv[2]);
