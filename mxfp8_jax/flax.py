@@ -18,6 +18,7 @@ See ``mxfp8_jax._src.fsdp.flax_fsdp`` for what a step does and communicates, ``f
 what each parameter becomes, and ``fsdp_unit`` for one unit's gathers.
 """
 
+from mxfp8_jax._src.core.jaxprs import TESTED_JAX, UnsupportedJax, UntestedJaxWarning
 from mxfp8_jax._src.fsdp.flax_fsdp import FSDP, TrainState, UnitPlanes
 from mxfp8_jax._src.fsdp.flax_layers import Kernel, Linear, tensor_parallel
 from mxfp8_jax._src.fsdp.fsdp_plan import KINDS, ROLES, ParamInfo
@@ -31,12 +32,15 @@ __all__ = [
     "KINDS",
     "PRECISIONS",
     "ROLES",
+    "TESTED_JAX",
     "Kernel",
     "Linear",
     "ParamInfo",
     "TrainState",
     "UnitGeometry",
     "UnitPlanes",
+    "UnsupportedJax",
+    "UntestedJaxWarning",
     "gemm_operand",
     "gemm_paths",
     "tensor_parallel",

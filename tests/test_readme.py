@@ -49,14 +49,23 @@ def test_the_tree_reader_places_files_under_their_folders():
     assert listed_files(block) == {"a/x.py", "a/y.py", "a/b/z.py", "a/w.py"}
 
 
-def test_readme_keeps_the_two_commands():
+TEST_COMMANDS = (
+    'pip install -e ".[test]" -c constraints/newest.txt && python -m pytest -q -n 2',
+    "MXFP8_TEST_DEVICES=4 python -m pytest -q -n 2 -m multidevice",
+    'pip install -e ".[test]" -c constraints/oldest.txt && python -m pytest -q -n 2 -m compat',
+)
+
+
+def test_readme_keeps_the_two_commands_and_ci_runs_its_test_commands():
     text = (ROOT / "README.md").read_text()
     assert "pip install . && mxfp8-jax demo" in text
-    assert 'pip install -e ".[test]" && python -m pytest -q -n 2' in text
     ci = (ROOT / ".ci" / "run").read_text()
-    assert 'pip install -e ".[test]" && python -m pytest -q -n 2' in ci
-    four = "MXFP8_TEST_DEVICES=4 python -m pytest -q -n 2 -m multidevice"
-    assert four in text and four in ci
+    shown = re.findall(r"```bash\n(.*?)\n```", text, re.S)
+    for command in TEST_COMMANDS:
+        assert command in shown, f"the README does not show {command!r} as a command block"
+        assert command in ci.splitlines(), f".ci/run does not run the README's {command!r} verbatim"
+    for name in ("newest", "oldest"):
+        assert (ROOT / "constraints" / f"{name}.txt").is_file()
 
 
 def test_the_docs_links_lead_to_files():

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import warnings
 from typing import Any
 
 import jax
@@ -37,6 +38,29 @@ def version_tuple(text: str) -> tuple[int, ...]:
             break
         out.append(int(digits))
     return tuple(out)
+
+
+class UntestedJaxWarning(UserWarning):
+    """The installed jax is outside the range this package is tested with."""
+
+
+_warned: set[str] = set()
+
+
+def warn_if_untested() -> None:
+    """Warns once per process when the installed jax is outside ``TESTED_JAX`` (FSDP reads its
+    jaxprs, whose primitives' parameters change between releases)."""
+    here, (oldest, newest) = version_tuple(jax.__version__), TESTED_JAX
+    if version_tuple(oldest) <= here <= version_tuple(newest) or jax.__version__ in _warned:
+        return
+    _warned.add(jax.__version__)
+    warnings.warn(
+        f"jax {jax.__version__} is outside the releases mxfp8_jax is tested with (jax {oldest} to {newest}). "
+        "FSDP reads the loss's jaxpr; a primitive it cannot read raises UnsupportedJax, but one whose meaning "
+        "changed silently cannot be caught. Pin a tested jax for training runs that matter.",
+        UntestedJaxWarning,
+        stacklevel=3,
+    )
 
 
 class UnsupportedJax(RuntimeError):

@@ -60,7 +60,7 @@ from flax import nnx
 from jax import lax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from mxfp8_jax._src.core import spmd
+from mxfp8_jax._src.core import jaxprs, spmd
 from mxfp8_jax._src.fsdp import fsdp_checkpoint
 from mxfp8_jax._src.fsdp.flax_layers import unit_kernel_shape
 from mxfp8_jax._src.fsdp.fsdp_eval import PlainValue, UnitValue, evaluate
@@ -200,6 +200,7 @@ class FSDP:
                 "to find the parameters GEMMs and lookups read (give both, or neither for units by layer class)"
             )
         check_rule(precision_by_path)
+        jaxprs.warn_if_untested()
         self.mesh = Mesh(mesh.devices, mesh.axis_names)  # Auto axes: shard_map does the placing
         self.precision = precision
         self.scale_rule = ScaleRule.parse(scale_rule).value
