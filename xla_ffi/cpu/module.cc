@@ -32,6 +32,10 @@ NB_MODULE(_mxfp8_cpu, m) {
     d["mxfp8_allgather_rmsnorm_quantize"] = capsule(mxfp8::cpu::AllgatherRmsnormQuantizeHandler);
     return d;
   });
+  // The jaxlib whose XLA FFI headers the handlers were compiled against, and their FFI API
+  // version: a jaxlib with an older API refuses the handlers.
+  m.attr("ffi_jaxlib") = MXFP8_FFI_JAXLIB;
+  m.attr("ffi_api") = nb::make_tuple(XLA_FFI_API_MAJOR, XLA_FFI_API_MINOR);
   // The instruction set the kernels run (isa.h): the best of this CPU by default.
   m.def("isa", []() { return std::string(mxfp8::cpu::isa_name(mxfp8::cpu::active_isa())); });
   m.def("isas", []() {

@@ -70,6 +70,23 @@ def _needed_library(module: str, pattern: bytes) -> str | None:
     return m.group().decode() if m else None
 
 
+def _registration_problem(mod, err: Exception) -> str:
+    """Why jax refused a module's handlers, with the fix when it is the FFI API version: the
+    module was compiled against the headers of a newer jaxlib than the one running."""
+    built = getattr(mod, "ffi_jaxlib", "an unknown jaxlib")
+    text = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+    if "API version" not in text:
+        return f"jax refused the extension's handlers: {text}"
+    import jaxlib
+
+    return (
+        f"the extension was compiled against the XLA FFI headers of jaxlib {built}, and the jaxlib "
+        f"running here ({jaxlib.__version__}) supports an older FFI API ({text}). Rebuild it against the "
+        "installed jaxlib: pip install --no-build-isolation --no-deps --force-reinstall . (with the build "
+        f"requirements installed), or install jaxlib {built}"
+    )
+
+
 @functools.cache
 def _load() -> tuple[dict[str, dict[str, object]], dict[str, str]]:
     """Imports every platform module present; returns (targets per backend, load errors)."""
@@ -85,15 +102,23 @@ def _load() -> tuple[dict[str, dict[str, object]], dict[str, str]]:
                 warnings.warn(f"{why}; the mxfp8 ops use the pure-JAX reference on {backend}", GpuFallbackWarning, 3)
             continue
         regs = mod.registrations()
-        for name, capsule in regs.items():
-            jax.ffi.register_ffi_target(name, capsule, platform=_FFI_PLATFORM[backend])
+        try:
+            for name, capsule in regs.items():
+                jax.ffi.register_ffi_target(name, capsule, platform=_FFI_PLATFORM[backend])
+        except Exception as e:  # noqa: BLE001 (jax raises its runtime error type, which moved)
+            errors[backend] = _registration_problem(mod, e)
+            if backend != "cpu":
+                warnings.warn(
+                    f"{errors[backend]}; the mxfp8 ops use the pure-JAX reference on {backend}", GpuFallbackWarning, 3
+                )
+            continue
         loaded[backend] = dict(regs)
         _ARCHS[backend] = str(getattr(mod, "architectures", ""))
     if "cpu" not in loaded:
+        why = errors.get("cpu", "unknown reason")
+        fix = "" if "Rebuild" in why else " Reinstall with `pip install .` to build it."
         warnings.warn(
-            "mxfp8_jax: the compiled extension is not installed "
-            f"({errors.get('cpu', 'unknown reason')}); only backend='jax' is available. "
-            "Reinstall with `pip install .` to build it.",
+            f"mxfp8_jax: the compiled extension is not usable ({why}); only backend='jax' is available.{fix}",
             RuntimeWarning,
             stacklevel=3,
         )
