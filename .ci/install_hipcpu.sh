@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # HIP-CPU for the hipcpu tests (tests/test_hipcpu.py: the GPU kernels' device code run on CPUs).
 # Installs TBB, which HIP-CPU's parallel algorithms need (Debian: libtbb-dev), and prints HIP-CPU's
-# directory on stdout: $MXFP8_HIP_CPU if set, else ../shared/hip-cpu beside the repository; it
+# directory on stdout: $MXFP8_HIP_CPU if set, else shared/hip-cpu beside the repository (or beside a
+# parent folder of it); it
 # prints nothing when there is none (the tests then skip, saying how to get it).
 # Idempotent and quiet (messages go to stderr): installs nothing when TBB is there.
 set -euo pipefail
@@ -20,9 +21,21 @@ if ! dpkg-query -W -f='${Status}' libtbb-dev 2>/dev/null | grep -q "install ok i
   fi
 fi
 
-dir="${MXFP8_HIP_CPU:-../shared/hip-cpu}"
-if [ -f "$dir/include/hip/hip_runtime.h" ]; then
-  (cd "$dir" && pwd)
+# $MXFP8_HIP_CPU, else shared/hip-cpu beside the repository or beside one of its parent folders
+candidates=()
+if [ -n "${MXFP8_HIP_CPU:-}" ]; then
+  candidates=("$MXFP8_HIP_CPU")
 else
-  echo "install_hipcpu: no HIP-CPU at $dir; the hipcpu tests will skip (see tests/hipcpu_build.py)" >&2
+  up=".."
+  for _ in 1 2 3 4; do
+    candidates+=("$up/shared/hip-cpu")
+    up="$up/.."
+  done
 fi
+for dir in "${candidates[@]}"; do
+  if [ -f "$dir/include/hip/hip_runtime.h" ]; then
+    (cd "$dir" && pwd)
+    exit 0
+  fi
+done
+echo "install_hipcpu: no HIP-CPU at ${candidates[*]}; the hipcpu tests will skip (see tests/hipcpu_build.py)" >&2

@@ -31,7 +31,6 @@ import functools
 import subprocess
 from pathlib import Path
 
-import hipcpu_build
 import jax
 import jax.numpy as jnp
 import ml_dtypes
@@ -42,6 +41,7 @@ from jax.sharding import Mesh
 import mxfp8_jax as mx
 from mxfp8_jax._src.kernels import _ffi, ffi_calls
 
+import hipcpu_build
 from conftest import as_bytes
 
 pytestmark = [pytest.mark.hipcpu, pytest.mark.xdist_group("hipcpu")]

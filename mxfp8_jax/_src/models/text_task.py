@@ -50,7 +50,11 @@ SOURCES: tuple[tuple[str, int, str], ...] = (
     ("curses/has_key.py", 5634, "15a052812d9ae80124bb25b3f5b9ffae38e2b03073774e163abf3d773140cfb3"),
     ("difflib.py", 83308, "0c6afc23568d55b3e9ac914f9c5361e3033e778aa5b58d3cc82835fc5c638679"),
     ("email/_encoded_words.py", 8541, "4178321600c0a19ca04cfe8542ce44487f339d15d89a473b58cea63c0b230217"),
-    ("email/contentmanager.py", 10588, "2d81026aef17e4786b15d9ec0629304987e3f275a0fd0a421a81b4ed87234b2c"),  # validation
+    (
+        "email/contentmanager.py",
+        10588,
+        "2d81026aef17e4786b15d9ec0629304987e3f275a0fd0a421a81b4ed87234b2c",
+    ),  # validation
     ("email/header.py", 24092, "4d9baa908ad5288dd8fad8cf20b3802ffac77ba1642727804a633b201c56e5ca"),
     ("email/headerregistry.py", 20819, "fada56c25b6a457c6a62af43f9f929bbc29424103ce65f40f114adb4fdf3d39f"),
     ("email/quoprimime.py", 9864, "77b454bd3ba3b5e3776be28ae3a0fd8de5d1e50d5b8ee10dd539c37c2bd68082"),
@@ -58,7 +62,11 @@ SOURCES: tuple[tuple[str, int, str], ...] = (
     ("heapq.py", 23024, "6d43277e5c76fc0f073cd388fcff852d14d068f6bb6d4886c340f8b75a1229a9"),
     ("html/__init__.py", 4775, "923d82d821e75e8d235392c10c145ab8587927b3faf9c952bbd48081eebd8522"),
     ("json/__init__.py", 14020, "d5d41e2c29049515d295d81a6d40b4890fbec8d8482cfb401630f8ef2f77e4d5"),
-    ("multiprocessing/heap.py", 11626, "f6bb79bb99b9ae484935f0d68822e9603a1622dd0b6c4966c79db232a93ba614"),  # validation
+    (
+        "multiprocessing/heap.py",
+        11626,
+        "f6bb79bb99b9ae484935f0d68822e9603a1622dd0b6c4966c79db232a93ba614",
+    ),  # validation
     ("multiprocessing/reduction.py", 9512, "4999f8b9ae7b3e8a7f5de302612b4131498dc2e238a2c47f894905c1c63294fe"),
     ("multiprocessing/sharedctypes.py", 6306, "77ef522912474652490b7df523112858e51721e63dcf109b8567a35ce9b31b0d"),
     ("multiprocessing/spawn.py", 9644, "ebf9fa40eb622384c37690d8c78e7208744df031155ab4ceedab0fc791a1669b"),
