@@ -25,16 +25,20 @@ _F32_INV_E4M3_MAX = np.float32(1.0) / np.float32(E4M3_MAX)  # fp32(1/448), bits 
 
 
 def _select(cond: jax.Array, a, b) -> jax.Array:
-    """``jnp.where(cond, a, b)`` for operands of ``cond``'s shape, a scalar broadcast explicitly.
+    """``jnp.where(cond, a, b)`` for integer operands of ``cond``'s shape (either may be a scalar),
+    with no full-size constant: ``b ^ ((a ^ b) & mask)``, ``mask`` all ones where ``cond``.
 
-    ``jnp.where`` broadcasts a scalar inside its own jit; under autodiff of a scan (a scanned
-    FSDP layer dequantizing its weights) JAX's partial evaluation then hoists that broadcast out
-    of the loop as a full-size constant, one buffer the size of the weight per scalar.
+    A scalar broadcast to the operands' shape (``jnp.where``'s, or ``lax.full_like``) is a value
+    that depends on no input; under autodiff of a loop (a scanned FSDP layer dequantizing its
+    weights inside a ``shard_map``) JAX's partial evaluation saves it as a residual and hoists it
+    out of the loop: one buffer the size of the weight per scalar. Scalars given to a binary op
+    as they are stay scalars in the program.
     """
-    like = b if jnp.ndim(b) else a
-    a = a if jnp.ndim(a) else lax.full_like(like, a)
-    b = b if jnp.ndim(b) else lax.full_like(like, b)
-    return lax.select(cond, a, b)
+    dtype = (b if jnp.ndim(b) else a).dtype
+    a = a if jnp.ndim(a) else np.asarray(a, dtype)
+    b = b if jnp.ndim(b) else np.asarray(b, dtype)
+    mask = lax.sub(np.asarray(0, dtype), cond.astype(dtype))  # 0 - 1 = all ones, in any integer type
+    return lax.bitwise_xor(b, lax.bitwise_and(lax.bitwise_xor(a, b), mask))
 
 
 class ScaleRule(str, enum.Enum):
