@@ -461,6 +461,8 @@ def _local(x, gamma, axis_name: str, opts: _Options) -> tuple[jax.Array, ...]:
     rows_max, h = x.shape
     n = int(jax.lax.axis_size(axis_name))
     unmapped = _other_mesh_axes(axis_name)[1]
+    if unmapped and opts.strategy != "xla" and (out := _manual_over(unmapped, x, gamma, axis_name, opts)) is not None:
+        return out
     if unmapped and opts.strategy == "p2p":
         raise ValueError(
             f"strategy='p2p' cannot tell apart the groups of axis {axis_name!r} repeated along "
@@ -485,6 +487,44 @@ def _local(x, gamma, axis_name: str, opts: _Options) -> tuple[jax.Array, ...]:
     if cfg.rows == 0:  # nothing to gather: no collective at all
         return _public_order(_empty_outputs(0, h, norm), norm)
     return _public_order(_fused(x, gamma, cfg), norm)
+
+
+def _manual_over(unmapped: list[str], x, gamma, axis_name: str, opts: _Options):
+    """The op inside a ``shard_map`` manual over the mesh axes the caller left automatic (an FSDP
+    step under tensor parallelism is manual over tp only): ``x``'s rows split over them, each
+    device gathering its part of every row block of its group, so that ``"p2p"`` can run; the
+    outputs are put back in the caller's row order (group member, then row), byte for byte what
+    the op gives on the automatic axes. None where that cannot be: rows the automatic axes do
+    not divide, ragged row counts, columnwise blocks across a device's rows, several processes."""
+    mesh = jax.sharding.get_abstract_mesh()
+    sizes = dict(zip(mesh.axis_names, mesh.axis_sizes))
+    split = math.prod(sizes[a] for a in unmapped)
+    rows_max, _ = x.shape
+    uniform = all(c == rows_max for c in opts.row_counts)
+    if jax.process_count() != 1 or not uniform or rows_max % split:
+        return None
+    local = rows_max // split
+    if opts.norm.columnwise and (local % fmt.BLOCK):
+        return None
+    entry = spmd.axis_group([a for a in mesh.axis_names if a in unmapped])
+    inner = dataclasses.replace(opts, row_counts=(local,) * len(opts.row_counts))
+    g = opts.group_size
+
+    def body(xl, gl):
+        out = _local(xl, gl, axis_name, inner)
+        return tuple(o.reshape(g, -1, o.shape[-1]) for o in out)
+
+    n_out = 6 if opts.norm.columnwise else 4
+    spec = P(None, entry, None)
+    out = jax.shard_map(
+        body,
+        mesh=mesh,
+        in_specs=(P(entry, None), P()),
+        out_specs=(spec,) * n_out,
+        axis_names=set(unmapped),
+        check_vma=False,
+    )(x, gamma)
+    return tuple(o.reshape(-1, o.shape[-1]) for o in out)
 
 
 # ------------------------------------------------------------------------------------------------
