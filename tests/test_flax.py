@@ -253,22 +253,22 @@ def test_step_hlo_moves_weights_as_8_bit(bf16_training):
     split = {k for k, shape in plain.items() if any(d % n == 0 for d in shape)}
     assert {p.name for p in fsdp.plain} == set(plain)
     assert {p.name for p in fsdp.plain if p.shard_axis is not None} == split
-    # the split ones travel one layer's together, as fp32, when the layer runs
-    layers = {}
-    for k in sorted(split):
-        layers[k.split("/")[0]] = layers.get(k.split("/")[0], 0) + int(np.prod(plain[k]))
+    # the split ones travel as fp32, each where the op that reads it with the layer's activation runs
     gathers = sorted((d, s) for op, d, s in found if op == "all-gather")
-    want = [("f32", (size,)) for size in layers.values()]
+    want = [("f32", plain[k]) for k in split]
     for p in fsdp.units:
         g = p.unit
         want += [("u8", (g.out_padded, g.in_features)), ("u8", (g.out_padded, g.in_features // 32))]  # forward
         if p.name != "l1/kernel":  # l1's input is the data: it needs no dgrad, XLA drops its gather
             want += [("u8", (g.out_padded, g.in_features)), ("u8", (g.out_padded // 32, g.in_features))]
     assert gathers == sorted(want)
-    # Gradients: one reduce-scatter per unit into its rows, one per layer of plain parameters.
+    # Gradients: one reduce-scatter per unit into its rows, one per split plain parameter.
     scatters = sorted((d, s) for op, d, s in found if op == "reduce-scatter")
+    split_shape = lambda shape: tuple(
+        d // n if a == next(a for a, d in enumerate(shape) if d % n == 0) else d for a, d in enumerate(shape)
+    )
     assert scatters == sorted(
-        [("f32", (size // n,)) for size in layers.values()]
+        [("f32", split_shape(plain[k])) for k in split]
         + [("f32", (p.unit.rows, p.unit.in_features)) for p in fsdp.units]
     )
     # Nothing else but the scalar loss mean and the gradients of the parameters kept whole on

@@ -5,13 +5,15 @@ One training step, with every mesh axis in the FSDP group and the batch split ov
     master     per unit, fp32 rows of W [*stack, N_padded, K], sharded over the mesh
       |  quantize after every optimizer update: each device its own rows, no communication
     planes     per MXFP8 unit, E4M3 codes + E8M0 scales, rowwise and columnwise, sharded like it
-      |  the loss, evaluated op by op (``fsdp_eval``): each op that reads a unit, when it runs,
+      |  the loss on the WHOLE batch (``fsdp_eval``): every op as traced, on global arrays under
+      |  jit (XLA's partitioner adds what the sharded batch needs); each op that reads a unit
+      |  runs in a shard_map island on each device's part of the batch:
       |    forward:  all-gathers the unit's planes blocked along its contraction (8-bit),
       |              runs on the dequantized weight, drops it
       |    backward: all-gathers the other planes for the dgrad; dW (fp32) leaves through one
       |              reduce-scatter into the unit's master rows
-      |  each plain parameter is gathered by the first op that reads it (its gradient
-      |  reduce-scattered back)
+      |  a plain parameter is gathered by the op that combines it with an activation (its
+      |  gradient reduce-scattered back)
     optax update on the parameters' shards (elementwise: no communication)
 
 What each parameter becomes is the plan's (``fsdp_plan``): with ``loss_fn`` and an
@@ -34,9 +36,12 @@ parameter's own shape). Masks and labels by path (``optax.adamw(mask=...)``,
 behave as on the unsharded model; the padding rows of a master hold zeros and receive zero
 gradients. Elementwise updates run on each device's shard with no communication.
 
-The model's other state (the RNG streams of ``nnx.Dropout`` and the like) travels in the
-state: each device draws from its stream folded with its index (its own examples, its own
-dropout masks); the counts advance as in the unsharded model.
+The loss, its gradients and ``aux`` are those of ``loss_fn(model, batch)`` on the whole
+batch, as ``jax.jit`` gives them with a sharded batch: masked means, counts, batch statistics
+and per-example metrics included. The model's other state (the RNG streams of
+``nnx.Dropout``, BatchNorm's running averages) travels in the state: draws have the whole
+batch's shapes (the unsharded model's masks, jax's threefry being partitionable), the counts
+advance and the averages update as in the unsharded model.
 
 Overlap: on GPUs, ``--xla_gpu_enable_latency_hiding_scheduler=true`` overlaps the gathers of
 one step with compute, and ``--xla_gpu_enable_pipelined_all_gather=true`` with
@@ -61,20 +66,21 @@ from jax import lax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from mxfp8_jax._src.core import jaxprs, spmd
-from mxfp8_jax._src.fsdp import fsdp_checkpoint
+from mxfp8_jax._src.fsdp import fsdp_checkpoint, fsdp_specs
 from mxfp8_jax._src.fsdp.flax_layers import unit_kernel_shape
-from mxfp8_jax._src.fsdp.fsdp_eval import PlainValue, UnitValue, evaluate
+from mxfp8_jax._src.fsdp.fsdp_eval import Islands, PlainValue, UnitValue, evaluate
 from mxfp8_jax._src.fsdp.fsdp_plan import (
     Mesh1D,
     ParamInfo,
     check_rule,
+    check_rule_matches,
     check_uses,
     describe,
     plan_from_uses,
     split_axis,
     uses_from_layers,
 )
-from mxfp8_jax._src.fsdp.fsdp_trace import View, analyse, trace_uses
+from mxfp8_jax._src.fsdp.fsdp_trace import View, analyse, trace
 from mxfp8_jax._src.fsdp.fsdp_unit import PRECISIONS
 from mxfp8_jax._src.numerics.format import BLOCK, ScaleRule
 from mxfp8_jax._src.ops import mxfp8_gemm
@@ -152,7 +158,8 @@ class FSDP:
       loss_fn: ``loss_fn(model, batch)``, traced on ``example_batch`` to find the units by
         operation (with ``example_batch``; the same loss the steps run).
       example_batch: a batch as the steps take it (arrays or ``jax.ShapeDtypeStruct``s; only
-        shapes and dtypes are read), every leaf's leading axis split over the mesh.
+        shapes and dtypes are read), every leaf's leading axis split over the mesh; the steps
+        take batches of its structure.
       precision_by_path: per-parameter precision, overriding the defaults: a mapping of
         regular expressions on the parameter name (``"blocks/attn/q/kernel"``) to
         ``"mxfp8"``, ``"bf16"`` or ``"plain"`` (the first that matches wins), or a callable
@@ -168,10 +175,12 @@ class FSDP:
         ``"exact"`` (operands dequantized exactly, fp32 accumulation). ``gemm_paths()`` lists
         what ``"auto"`` takes.
 
-    ``loss_fn(model, batch) -> scalar`` is the mean loss over the batch it is given (with
-    ``has_aux=True``: ``-> (scalar, aux)``). Each device runs it on its slice of the batch and
-    the step returns the mean over devices. The model may use ``nnx.scan``, ``nnx.vmap``,
-    ``nnx.remat`` and Python loops freely. ``tx`` sees the parameters by path (``param_tree``).
+    ``loss_fn(model, batch) -> scalar`` (with ``has_aux=True``: ``-> (scalar, aux)``, any
+    pytree) is evaluated on the whole batch: the step's loss, gradients and ``aux`` are the
+    unsharded model's (to summation order), whatever the loss does with the batch. It must not
+    name the FSDP axes (``lax.psum``, ``axis_name=``): statistics are global already. The model
+    may use ``nnx.scan``, ``nnx.vmap``, ``nnx.remat`` and Python loops freely. ``tx`` sees the
+    parameters by path (``param_tree``).
     """
 
     def __init__(
@@ -234,22 +243,30 @@ class FSDP:
         ]
         self.traced = loss_fn is not None
         self._jitted: dict[tuple, Callable] = {}
+        self._example_tree = None
         if self.traced:
             avals = [jax.ShapeDtypeStruct(shape, dtype) for _, shape, dtype in found]
-            batch = self._local_batch(example_batch)
-            uses, _ = trace_uses(self._traceable(loss_fn), avals, list(self._rest_avals), batch)
+            self._check_batch(example_batch, "example_batch")
+            self._example_tree = jax.tree.structure(example_batch)
+            batch = jax.tree.map(lambda a: jax.ShapeDtypeStruct(np.shape(a), _dtype_of(a)), example_batch)
+            closed, out_shape = trace(
+                self._traceable(loss_fn), avals, list(self._rest_avals), batch, forbidden=self._fsdp_axis_sizes
+            )
+            _check_loss_shape(out_shape[0])
+            uses = analyse(closed, len(avals))
         else:
             uses = uses_from_layers(found, _unit_kernels(model))
         tp = (tp_axis, self.tp_size, Mesh1D(n_fsdp, self._fsdp_axes)) if tp_axis is not None else None
         self.params = plan_from_uses(
             found,
             uses,
-            Mesh1D(n, self._axes),
+            Mesh1D(n_fsdp, self._fsdp_axes),  # under tp, units outside tp layers live in the FSDP group
             precision=precision,
             rule=precision_by_path,
             tp_roles=_tp_roles(model),
             tp=tp,
         )
+        check_rule_matches(precision_by_path, [p.name for p in self.params])
         if not self.units:
             raise ValueError(
                 "model has no eligible weight: "
@@ -275,7 +292,7 @@ class FSDP:
         Returns:
           The table as a multi-line ``str`` (what ``print(fsdp)`` prints).
         """
-        return describe(self.params, self.mesh.size, traced=self.traced)
+        return describe(self.params, self.mesh.size // self.tp_size, traced=self.traced)
 
     @property
     def units(self) -> tuple[ParamInfo, ...]:
@@ -600,36 +617,26 @@ class FSDP:
             return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding), batch)
         return jax.device_put(batch, sharding)
 
-    def _check_batch(self, batch) -> None:
+    def _check_batch(self, batch, argname: str = "batch") -> None:
+        if self._example_tree is not None and jax.tree.structure(batch) != self._example_tree:
+            raise ValueError(
+                f"{argname} has the structure {jax.tree.structure(batch)}, but FSDP traced the loss on an "
+                f"example_batch with the structure {self._example_tree}; a step takes batches shaped like the "
+                "example (build FSDP with an example of the batches the steps get)"
+            )
         n_batch = self.mesh.size // self.tp_size
         for leaf in jax.tree.leaves(batch):
             shape = np.shape(leaf)
             if len(shape) == 0 or shape[0] % n_batch:
                 raise ValueError(
-                    f"batch leaf of shape {shape}: its leading (batch) axis must be divisible by the "
+                    f"{argname} leaf of shape {shape}: its leading (batch) axis must be divisible by the "
                     f"{n_batch} devices it is split over"
                 )
             if self.tp_axis is not None and (len(shape) < 2 or shape[1] % self.tp_size):
                 raise ValueError(
-                    f"batch leaf of shape {shape}: under tp_axis={self.tp_axis!r} its second (sequence) "
+                    f"{argname} leaf of shape {shape}: under tp_axis={self.tp_axis!r} its second (sequence) "
                     f"axis is split over {self.tp_size} devices and must be divisible by them"
                 )
-
-    def _local_batch(self, batch) -> Any:
-        """One device's slice of ``batch``, as ``jax.ShapeDtypeStruct``s."""
-        self._check_batch(batch)
-        n_batch = self.mesh.size // self.tp_size
-
-        def local(leaf):
-            shape = list(np.shape(leaf))
-            shape[0] //= n_batch
-            if self.tp_axis is not None:
-                shape[1] //= self.tp_size
-            return jax.ShapeDtypeStruct(
-                tuple(shape), jnp.asarray(leaf).dtype if not hasattr(leaf, "dtype") else leaf.dtype
-            )
-
-        return jax.tree.map(local, batch)
 
     @functools.cached_property
     def _batch_spec(self) -> PartitionSpec:
@@ -644,11 +651,11 @@ class FSDP:
 
         Args:
           loss_fn: ``loss_fn(model, batch)``, as the class docstring describes.
-          has_aux: ``loss_fn`` returns ``(loss, aux)``; the ``aux`` leaves must be floating and
-            are averaged over devices.
+          has_aux: ``loss_fn`` returns ``(loss, aux)``; ``aux`` comes back as the loss computed it
+            on the whole batch (averaged over the tp ranks under ``tp_axis``, floating there).
 
         Returns:
-          ``fn(state, batch)``. The loss is the mean over devices (fp32); the state is not
+          ``fn(state, batch)``. The loss is ``loss_fn``'s on the whole batch (fp32); the state is not
           donated, and a state consumed by a step is a ``ValueError``. The batch goes through
           ``place_batch``. Asking again for the same ``loss_fn`` and ``has_aux`` returns a
           function that reuses the compiled program.
@@ -661,7 +668,7 @@ class FSDP:
                 loss, aux, grads, _ = grads_fn(state, batch)
                 return ((loss, aux), grads) if has_aux else (loss, grads)
 
-            return jax.jit(fn)
+            return jax.jit(fn, compiler_options=self._compiler_options)
 
         jitted = self._jit(("loss_and_grads", loss_fn, has_aux), make)
 
@@ -673,7 +680,7 @@ class FSDP:
 
     def eval_step(self, loss_fn: Callable) -> Callable:
         """``fn(state, batch) -> loss``, jitted: the loss the training step would see (the same
-        gathers, precisions and GEMMs), the mean over devices; no gradient is computed (XLA
+        gathers, precisions and GEMMs), on the whole batch; no gradient is computed (XLA
         drops the backward), the state is not donated.
 
         Args:
@@ -687,7 +694,7 @@ class FSDP:
 
         def make():
             grads_fn = self._grads_fn(loss_fn, False)
-            return jax.jit(lambda state, batch: grads_fn(state, batch)[0])
+            return jax.jit(lambda state, batch: grads_fn(state, batch)[0], compiler_options=self._compiler_options)
 
         jitted = self._jit(("eval_step", loss_fn), make)
 
@@ -700,8 +707,8 @@ class FSDP:
     def train_step(self, loss_fn: Callable, tx: optax.GradientTransformation, *, has_aux: bool = False) -> Callable:
         """``step(state, batch) -> (state, loss)`` (``(state, loss, aux)`` with ``has_aux``):
         gradients, the ``tx`` update on the shards, re-quantization. Jitted; the input state is
-        donated, and calling it again with a consumed state is a ``ValueError``. ``aux`` leaves
-        are floating and averaged over devices, like the loss.
+        donated, and calling it again with a consumed state is a ``ValueError``. ``aux`` is as
+        ``loss_fn`` computed it on the whole batch.
 
         Args:
           loss_fn: ``loss_fn(model, batch)``, as the class docstring describes.
@@ -711,8 +718,8 @@ class FSDP:
 
         Returns:
           ``step(state, batch)``: the new state has the updated masters, their planes re-quantized,
-          the new optimizer and other state, and ``state.step + 1``. The loss is the mean over devices
-          (fp32). The batch goes through ``place_batch``. Asking again for the same ``loss_fn``,
+          the new optimizer and other state, and ``state.step + 1``. The loss is ``loss_fn``'s on
+          the whole batch (fp32). The batch goes through ``place_batch``. Asking again for the same ``loss_fn``,
           ``tx`` and ``has_aux`` returns a step that reuses the compiled program.
         """
         jitted = self._jit(("train_step", loss_fn, tx, has_aux), lambda: self._train_jit(loss_fn, tx, has_aux))
@@ -748,7 +755,16 @@ class FSDP:
         return self._train_jit(loss_fn, tx, has_aux).lower(state, self.place_batch(batch))
 
     def _train_jit(self, loss_fn: Callable, tx, has_aux: bool):
-        return jax.jit(self._step(loss_fn, tx, has_aux), donate_argnums=0)
+        return jax.jit(self._step(loss_fn, tx, has_aux), donate_argnums=0, compiler_options=self._compiler_options)
+
+    @functools.cached_property
+    def _compiler_options(self) -> dict | None:
+        """Under tensor parallelism the step is manual over tp only, and XLA:CPU's all-reduce
+        promotion pass aborts the compilation on the bf16 all-reduces its partitioner makes there
+        (a bf16 psum or reduce-scatter over tp, or the transpose of a bf16 all-gather): skip it."""
+        if self.tp_axis is None or jax.default_backend() != "cpu":
+            return None
+        return {"xla_disable_hlo_passes": "all-reduce-promotion"}
 
     def _jit(self, key: tuple, make: Callable) -> Callable:
         """The jitted function made for ``key`` (what, and the loss, optimizer and flags it was
@@ -870,48 +886,74 @@ class FSDP:
         return fn
 
     def _grads_fn(self, loss_fn: Callable, has_aux: bool) -> Callable:
-        """Loss, aux, gradients and the model's new other state of one step: one shard_map."""
-        mesh, axes, n = self.mesh, self._axes, self.mesh.size
-        master_specs = {p.name: self._spec(p) for p in self.trained}
-        planes_specs = {p.name: UnitPlanes(*(self._spec(p),) * 4) for p in self.mxfp8_units}
-        frozen_specs = {p.name: PartitionSpec() for p in self.frozen}
-        rest_specs = tuple(PartitionSpec() for _ in self._rest_avals)
-        replicated = [p.name for p in self.plain if p.shard_axis is None]
-        traceable = self._traceable(loss_fn)
+        """Loss, aux, gradients and the model's new other state of one step, on the whole batch.
 
-        def local(master, planes, frozen, rest, batch):
+        The loss is evaluated under ``jit`` on global arrays (``fsdp_eval``), each unit read in an
+        island over the FSDP axes. Under tensor parallelism the whole of it runs inside a
+        ``shard_map`` manual over the tp axis only (the model's own collectives name it): each tp
+        rank evaluates its part, global over the FSDP axes, and the loss, aux and floating state
+        are averaged over tp."""
+        traceable = self._traceable(loss_fn)
+        islands = Islands(self.mesh, self._fsdp_axes)
+        tp = self.tp_axis
+
+        def loss_and_grads(master, planes, frozen, rest, batch):
             avals = [jax.ShapeDtypeStruct(p.step_shape, p.dtype) for p in self.params]
-            closed, shapes = jax.make_jaxpr(traceable, return_shape=True)(avals, list(self._rest_avals), batch)
+            closed, shapes = trace(traceable, avals, list(self._rest_avals), batch, forbidden=self._fsdp_axis_sizes)
             check_uses(self.params, analyse(closed, len(self.params)), traced=self.traced)
             out_tree = jax.tree.structure(shapes)
-            drawn = list(self._per_device_keys(rest))
+            keys = self._step_keys(rest)
             batch_leaves = jax.tree.leaves(batch)
+            specs = [None] * (len(self.params) + len(keys))
+            specs += [fsdp_specs.batch_spec(np.ndim(x), (self._fsdp_axes,)) for x in batch_leaves]
 
             def loss_of(master):
-                args = [*self._step_values(master, planes, frozen), *drawn, *batch_leaves]
-                out, after = jax.tree.unflatten(out_tree, evaluate(closed, args))
-                loss, aux = _split_loss(out, has_aux)
-                return loss.astype(jnp.float32) / n, (aux, after)
+                args = [*self._step_values(master, planes, frozen), *keys, *batch_leaves]
+                out, after = jax.tree.unflatten(out_tree, evaluate(closed, args, specs, islands))
+                loss, aux = _split_loss(out, has_aux, averaged=tp is not None)
+                return loss.astype(jnp.float32) / self.tp_size, (aux, after)  # under tp: a share of the mean
 
             (loss, (aux, after)), grads = jax.value_and_grad(loss_of, has_aux=True)(master)
-            for name in replicated:  # used whole on every device: sum the devices' parts
-                grads[name] = lax.psum(grads[name], axes)
-            aux = jax.tree.map(lambda a: lax.pmean(a, axes), aux)
-            return lax.psum(loss, axes), aux, grads, self._next_rest(rest, after)
+            after = self._next_rest(rest, after)
+            if tp is None:
+                return loss, aux, grads, after
+            for p in self.trained:  # whole on every tp rank, each rank's share of the tokens: summed
+                if p.tp is None:
+                    grads[p.name] = lax.psum(grads[p.name], tp)
+            return lax.psum(loss, tp), jax.tree.map(lambda a: lax.pmean(a, tp), aux), grads, after
+
+        if tp is None:
+
+            def grads_fn(state: TrainState, batch):
+                return loss_and_grads(state.master, state.quantized, state.frozen, tuple(state.rest), batch)
+
+            return grads_fn
+        master_specs = {p.name: self._tp_spec(p) for p in self.trained}
+        planes_specs = {p.name: UnitPlanes(*(self._tp_spec(p),) * 4) for p in self.mxfp8_units}
+        frozen_specs = {p.name: PartitionSpec() for p in self.frozen}
+        rest_specs = tuple(PartitionSpec() for _ in self._rest_avals)
 
         def grads_fn(state: TrainState, batch):
-            fn = spmd.shard_map(
-                local,
-                mesh,
-                (master_specs, planes_specs, frozen_specs, rest_specs, jax.tree.map(lambda _: self._batch_spec, batch)),
-                (PartitionSpec(), PartitionSpec(), master_specs, rest_specs),
+            batch_specs = jax.tree.map(lambda _: PartitionSpec(None, tp), batch)
+            fn = jax.shard_map(
+                loss_and_grads,
+                mesh=self.mesh,
+                in_specs=(master_specs, planes_specs, frozen_specs, rest_specs, batch_specs),
+                out_specs=(PartitionSpec(), PartitionSpec(), master_specs, rest_specs),
+                axis_names={tp},
+                check_vma=False,
             )
             return fn(state.master, state.quantized, state.frozen, tuple(state.rest), batch)
 
         return grads_fn
 
+    @functools.cached_property
+    def _fsdp_axis_sizes(self) -> tuple[tuple[str, int], ...]:
+        """``(name, size)`` of each mesh axis the batch is split over (all but tp)."""
+        return tuple((a, int(self.mesh.shape[a])) for a in self.mesh.axis_names if a != self.tp_axis)
+
     def _step_values(self, master, planes, frozen) -> list:
-        """Each parameter as the evaluated loss holds it on this device (``fsdp_eval``)."""
+        """Each parameter as the evaluated loss holds it (``fsdp_eval``)."""
         values = []
         for j, p in enumerate(self.params):
             if p.kind == "frozen":
@@ -925,26 +967,29 @@ class FSDP:
                 gemm = self._gemm_mode if p.kind == "mxfp8" else None
                 values.append(UnitValue(p.name, p.unit, p.dtype, leaves, view, gemm=gemm))
             else:
-                axes = self._axes if p.shard_axis is not None else None
-                values.append(PlainValue(p.name, master[p.name], p.shard_axis, axes, p.dtype, _layer_of(p.path)))
+                values.append(PlainValue(p.name, master[p.name], p.shard_axis, p.dtype))
         return values
 
-    def _per_device_keys(self, rest) -> tuple:
-        """The model's RNG keys folded with this device's index: each device its own draws."""
-        if not any(_is_key(r) for r in rest):
-            return tuple(rest)
-        index = spmd.shard_position(self.mesh, self.mesh.axis_names)
-        return tuple(jax.random.fold_in(r, index) if _is_key(r) else r for r in rest)
+    def _step_keys(self, rest) -> list:
+        """The model's other state as the loss sees it: RNG keys as they are (draws on the whole
+        batch's shapes, the same bits however the mesh splits them where jax's threefry is
+        partitionable), folded with the tp index under tensor parallelism (each tp rank holds
+        other tokens)."""
+        if self.tp_axis is None or not any(_is_key(r) for r in rest):
+            return list(rest)
+        index = lax.axis_index(self.tp_axis)
+        return [jax.random.fold_in(r, index) if _is_key(r) else r for r in rest]
 
     def _next_rest(self, before, after) -> tuple:
         """The model's other state after the step: keys as they were (each step draws by the
-        advanced counts), floating values averaged over devices, the rest (counts) as is."""
+        advanced counts), the rest as the loss left it (batch statistics of the whole batch);
+        under tensor parallelism floating values averaged over the tp ranks."""
         out = []
         for b, a in zip(before, after):
             if _is_key(b):
                 out.append(b)
-            elif jnp.issubdtype(a.dtype, jnp.floating):
-                out.append(lax.pmean(a, self._axes))
+            elif self.tp_axis is not None and jnp.issubdtype(a.dtype, jnp.floating):
+                out.append(lax.pmean(a, self.tp_axis))
             else:
                 out.append(a)
         return tuple(out)
@@ -956,11 +1001,20 @@ class FSDP:
             return PartitionSpec(*stack, (self.tp_axis, *fsdp), None)
         if info.tp == "row":  # rows over the FSDP axes, columns over tp
             return PartitionSpec(*stack, self._fsdp_axes, self.tp_axis)
-        if info.unit is not None:
-            return PartitionSpec(*stack, self._axes, None)
+        if info.unit is not None:  # rows over the FSDP axes (under tp: the same on every tp rank)
+            return PartitionSpec(*stack, self._fsdp_axes, None)
         if info.shard_axis is None:
             return PartitionSpec()
-        return PartitionSpec(*(None,) * info.shard_axis, self._axes)
+        return PartitionSpec(*(None,) * info.shard_axis, self._fsdp_axes)
+
+    def _tp_spec(self, info: ParamInfo) -> PartitionSpec:
+        """The tp part of ``_spec``: how a step's tp-manual ``shard_map`` takes the array."""
+        stack = (None,) * len(info.stack)
+        if info.tp == "column":
+            return PartitionSpec(*stack, self.tp_axis, None)
+        if info.tp == "row":
+            return PartitionSpec(*stack, None, self.tp_axis)
+        return PartitionSpec()
 
     @functools.cached_property
     def _place_fn(self):
@@ -1068,15 +1122,17 @@ class FSDP:
         )
 
 
-def _split_loss(out, has_aux: bool):
+def _split_loss(out, has_aux: bool, *, averaged: bool = False):
+    """``loss_fn``'s output as ``(loss, aux)``, checked. ``averaged``: aux is averaged over the
+    tensor-parallel ranks, so its leaves must be floating."""
     if has_aux:
         if not (isinstance(out, tuple) and len(out) == 2):
             raise ValueError(f"loss_fn must return (loss, aux) with has_aux=True, got {type(out).__name__}")
         loss, aux = out
-        for leaf in jax.tree.leaves(aux):
+        for leaf in jax.tree.leaves(aux) if averaged else ():
             if not jnp.issubdtype(jnp.result_type(leaf), jnp.floating):
                 raise ValueError(
-                    "loss_fn's aux leaves must be floating (they are averaged over devices), "
+                    "under tp_axis, loss_fn's aux leaves must be floating (they are averaged over the tp ranks), "
                     f"got {jnp.result_type(leaf)}"
                 )
     else:
@@ -1085,11 +1141,23 @@ def _split_loss(out, has_aux: bool):
                 "loss_fn returned a tuple; for (loss, aux) pass has_aux=True to train_step / loss_and_grads"
             )
         loss, aux = out, None
-    if jnp.ndim(loss) != 0:
-        raise ValueError(f"loss_fn must return a scalar (the mean loss of its batch), got shape {jnp.shape(loss)}")
-    if not jnp.issubdtype(jnp.result_type(loss), jnp.floating):
-        raise ValueError(f"loss_fn must return a floating scalar, got {jnp.result_type(loss)}")
+    _check_loss_shape(loss)
     return loss, aux
+
+
+def _check_loss_shape(loss) -> None:
+    """The loss (or the first of ``(loss, aux)``) is a floating scalar."""
+    if isinstance(loss, tuple) and len(loss) == 2:
+        loss = loss[0]
+    shape = getattr(loss, "shape", np.shape(loss))
+    if len(shape) != 0:
+        raise ValueError(f"loss_fn must return a scalar (the loss of its batch), got shape {tuple(shape)}")
+    if not jnp.issubdtype(getattr(loss, "dtype", jnp.result_type(loss)), jnp.floating):
+        raise ValueError(f"loss_fn must return a floating scalar, got {getattr(loss, 'dtype', type(loss))}")
+
+
+def _dtype_of(leaf):
+    return leaf.dtype if hasattr(leaf, "dtype") else jnp.asarray(leaf).dtype
 
 
 def _unit_kernels(model: nnx.Module) -> dict[tuple, tuple[tuple[int, ...], int, int]]:
@@ -1113,16 +1181,6 @@ def _tp_roles(model: nnx.Module) -> dict[tuple, str]:
         if role is not None and isinstance(getattr(node, "kernel", None), nnx.Variable):
             roles[(*tuple(path), "kernel")] = role
     return roles
-
-
-def _layer_of(path) -> tuple:
-    """The layer a parameter belongs to, for gathering its plain parameters together: its path
-    up to the first list index (``blocks/3``), else its first name (a scanned stack ``blocks``,
-    a top-level module ``norm``)."""
-    for k, key in enumerate(path[:-1]):
-        if isinstance(key, int):
-            return tuple(path[: k + 1])
-    return tuple(path[:1])
 
 
 def _is_variable(x) -> bool:

@@ -1,18 +1,25 @@
-"""The loss evaluated inside an FSDP step, with each parameter as this device's shards.
+"""The loss evaluated inside an FSDP step: on the whole batch, with each weight read in an island.
 
-``FSDP`` traces ``loss_fn(model, batch)`` to a jaxpr and evaluates it op by op here, with every
-parameter bound to what this device holds instead of its value:
+``FSDP`` traces ``loss_fn(model, batch)`` on the global batch and evaluates the jaxpr op by op
+here, under ``jit``, on global arrays: the batch split over the mesh along its leading axis,
+every other value as XLA's partitioner makes it. So the loss means what it says: a mean over the
+batch, a masked mean, a count, batch statistics and per-example metrics are those of the whole
+batch, exactly as in the unsharded model (XLA inserts the reductions). What changes is how a
+parameter is read:
 
-- a unit (``UnitValue``): its local master rows and MXFP8 planes. Layout ops on it (the
-  layer's casts, transposes, reshapes) are recorded, not run; the op that reads it (a GEMM, a
-  lookup) becomes that op's unit ``custom_vjp`` (``fsdp_unit``), which gathers the weight just
-  in time and drops it after.
-- a plain parameter (``PlainValue``): its local slice. The first op that reads it all-gathers
-  it, after that op's other operand exists (so a layer's norm scale is gathered when the layer
-  runs); the gather's transpose reduce-scatters its gradient.
+- a unit (``UnitValue``): its master rows and MXFP8 planes, split over the mesh by rows. Layout
+  ops on it (the layer's casts, transposes, reshapes) are recorded, not run; the op that reads
+  it (a GEMM, a lookup) runs in an *island*: a ``shard_map`` over the mesh whose body is that
+  op's unit ``custom_vjp`` (``fsdp_unit``) on each device's part of the activation and its
+  rows of the weight, which gathers the weight just in time and drops it after. The island
+  splits the activation the way the batch split reaches it (``fsdp_specs``), so XLA moves
+  nothing into or out of it.
+- a plain parameter (``PlainValue``): stored split along an axis; the first op that reads it
+  asks XLA for it whole (a sharding constraint: an all-gather, and a reduce-scatter of its
+  gradient), then runs as traced.
 
-Every other op runs as traced. ``scan`` bodies are evaluated the same way, one layer at a time
-(the stacked shards of units and plain parameters are the scan's inputs, sliced like the
+Every other op runs as traced, on global values. ``scan`` bodies are evaluated the same way, one
+layer at a time (the stacked units and plain parameters are the scan's inputs, sliced like the
 weights they stand for); ``jit`` calls are inlined; a rematerialised region (``nnx.remat``,
 ``jax.checkpoint`` without a policy) becomes a ``custom_vjp`` that saves its inputs and, in the
 backward, recomputes it after the cotangent arrives: a data dependency, so XLA can neither run
@@ -24,6 +31,7 @@ A region with a policy keeps ``jax.checkpoint``.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import jax
@@ -31,9 +39,12 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 from jax.extend import core as jcore
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from mxfp8_jax._src.core import jaxprs
 from mxfp8_jax._src.core.jaxprs import INLINED_CALLS, bind
+from mxfp8_jax._src.fsdp import fsdp_specs
+from mxfp8_jax._src.fsdp.fsdp_specs import Propagation, Spec, entries_of
 from mxfp8_jax._src.fsdp.fsdp_trace import (
     LOOKUP_PRIMITIVES,
     VIEW_PRIMITIVES,
@@ -48,9 +59,10 @@ from mxfp8_jax._src.ops import mxfp8_gemm
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class UnitValue:
-    """A unit as the evaluated loss holds it: ``leaves`` = ``(master, *planes)`` of this device,
-    the layer axes of enclosing scans sliced off; ``ops`` the layout ops applied since the
-    parameter, ``view`` their effect on its axes."""
+    """A unit as the evaluated loss holds it: ``leaves`` = ``(master, *planes)``, global arrays
+    ``[*stack, rows, K]`` split by rows over ``geometry.axes``, the layer axes of enclosing scans
+    sliced off; ``ops`` the layout ops applied since the parameter, ``view`` their effect on its
+    axes."""
 
     name: str
     geometry: UnitGeometry
@@ -60,135 +72,319 @@ class UnitValue:
     ops: tuple = ()
     gemm: Any = None  # an mxfp8_gemm.GemmMode: its GEMMs run in MXFP8
 
+    def leaf_specs(self) -> tuple[PartitionSpec, ...]:
+        """The islands' ``in_specs`` of the leaves: rows split over the unit's axes."""
+        return tuple(PartitionSpec(*(None,) * (x.ndim - 2), self.geometry.axes, None) for x in self.leaves)
+
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class PlainValue:
-    """A plain parameter's local slice, split along ``shard_axis`` over ``axes`` (None:
-    whole on every device), read as ``dtype``. Plain parameters of one ``layer`` (a key: the
-    same element of a layer list, or the same scanned stack) are gathered together."""
+    """A plain parameter: ``array`` (global), split along ``shard_axis`` over the FSDP axes
+    (None: whole), read as ``dtype``; ``ops`` the layout ops (casts, broadcasts, reshapes)
+    applied since, replayed where it is gathered."""
 
     name: str
-    local: jax.Array
+    array: jax.Array
     shard_axis: int | None
-    axes: Any
     dtype: Any
-    layer: tuple = ()
+    ops: tuple = ()
+
+    def value(self, whole: jax.Array) -> jax.Array:
+        """The parameter whole -> the value the loss reads (its layout ops replayed)."""
+        v = whole.astype(self.dtype)
+        for prim, params in self.ops:
+            v = prim.bind(v, **params)
+        return v
 
 
 Symbolic = (UnitValue, PlainValue)
 
 
-def evaluate(closed: jcore.ClosedJaxpr, args: list) -> list:
-    """``closed`` evaluated on ``args`` (arrays, ``UnitValue``s, ``PlainValue``s)."""
+@dataclasses.dataclass(frozen=True)
+class Islands:
+    """Where the islands run: ``mesh`` (the step's; inside a ``shard_map`` manual over the
+    tensor-parallel axis, the context's abstract mesh is taken) and ``entry``, the FSDP axes
+    as a ``PartitionSpec`` entry (one name, or names innermost first as the batch and the units'
+    rows are split): the axes the islands are manual over."""
+
+    mesh: Mesh
+    entry: Any
+
+    @property
+    def axes(self) -> tuple[str, ...]:
+        return self.entry if isinstance(self.entry, tuple) else (self.entry,)
+
+    @property
+    def sizes(self) -> dict[str, int]:
+        return dict(self.mesh.shape)
+
+    def context_mesh(self):
+        """The mesh a ``shard_map`` or sharding constraint is written against here: the context's
+        abstract mesh inside a partly manual ``shard_map`` (tensor parallelism), else ``mesh``."""
+        abstract = jax.sharding.get_abstract_mesh()
+        manual = getattr(abstract, "manual_axes", ()) if abstract is not None else ()
+        return abstract if manual else self.mesh
+
+    @property
+    def owns_all(self) -> bool:
+        """Whether the islands are manual over every mesh axis (no tensor parallelism)."""
+        return set(self.axes) == set(self.mesh.axis_names)
+
+    def island(self, fn, in_specs, out_specs):
+        if set(self.axes) == set(self.mesh.axis_names):
+            return jax.shard_map(fn, mesh=self.context_mesh(), in_specs=in_specs, out_specs=out_specs, check_vma=False)
+        return jax.shard_map(
+            fn,
+            mesh=self.context_mesh(),
+            in_specs=in_specs,
+            out_specs=out_specs,
+            axis_names=set(self.axes),
+            check_vma=False,
+        )
+
+    def whole(self, x: jax.Array) -> jax.Array:
+        """``x`` replicated over the islands' axes (XLA all-gathers it where it is split)."""
+        return lax.with_sharding_constraint(x, NamedSharding(self.context_mesh(), PartitionSpec()))
+
+
+def evaluate(closed, args: list, specs: list[Spec], islands: Islands) -> list:
+    """``closed`` evaluated on ``args`` (arrays, ``UnitValue``s, ``PlainValue``s); ``specs``: how
+    the mesh splits each array argument (``fsdp_specs``; None for the others)."""
     jaxpr, consts = jaxprs.body(closed)
-    outs = _Evaluator().eval(jaxpr, consts, args)
-    return [_output(x, "returned by the loss function") for x in outs]
-
-
-def gather_plain(values: list[PlainValue], dep) -> dict[int, jax.Array]:
-    """Plain parameters whole on this device, those split over the mesh by ONE all-gather of
-    their concatenated local slices that waits for ``dep`` (its transpose: one reduce-scatter
-    of their gradients)."""
-    out = {id(x): x.local.astype(x.dtype) for x in values if x.shard_axis is None}
-    split = [x for x in values if x.shard_axis is not None]
-    if not split:
-        return out
-    flat = jnp.concatenate([x.local.reshape(-1) for x in split])
-    full = lax.all_gather(after(flat, dep), split[0].axes, tiled=True)
-    full = full.reshape(-1, flat.size)  # [device, local slices]
-    # split, not slices: the transpose of a split is one concatenate, the transpose of each
-    # slice a zero-padded copy of the whole buffer (one per parameter, all alive at once)
-    cuts = np.cumsum([x.local.size for x in split])[:-1].tolist()
-    for x, piece in zip(split, jnp.split(full, cuts, axis=1)):
-        piece = piece.reshape(full.shape[0], *x.local.shape)
-        shape = list(x.local.shape)
-        shape[x.shard_axis] *= full.shape[0]
-        out[id(x)] = jnp.moveaxis(piece, 0, x.shard_axis).reshape(shape).astype(x.dtype)
-    return out
-
-
-def _output(x, how: str):
-    """A value leaving an evaluated region: a plain parameter gathered, never a unit."""
-    if isinstance(x, UnitValue):
-        raise _misused(x, how)
-    if isinstance(x, PlainValue):
-        return gather_plain([x], None)[id(x)]
-    return x
+    evaluator = _Evaluator(islands)
+    outs, _ = evaluator.eval(jaxpr, consts, [None] * len(consts), args, specs)
+    return [evaluator.output(x, "returned by the loss function") for x in outs]
 
 
 class _Evaluator:
-    def __init__(self) -> None:
+    def __init__(self, islands: Islands) -> None:
+        self.islands = islands
+        self.rules = Propagation(islands.sizes)
         self.operands: dict = {}  # values marked by mxfp8_gemm.gemm_operand: their planes
 
-    def eval(self, jaxpr: jcore.Jaxpr, consts, args, gathered: dict | None = None) -> list:
-        """``jaxpr`` on ``consts`` and ``args``. ``gathered``: the plain parameters gathered so
-        far in this trace (shared with inlined calls; a scan body or a rematerialised region
-        is a trace of its own and gathers again)."""
+    def output(self, x, how: str):
+        """A value leaving an evaluated region: a plain parameter whole (XLA gathers it), never
+        a unit."""
+        if isinstance(x, UnitValue):
+            raise _misused(x, how)
+        if isinstance(x, PlainValue):
+            return x.value(self.islands.whole(x.array))
+        return x
+
+    def eval(self, jaxpr: jcore.Jaxpr, consts, const_specs, args, specs) -> tuple[list, list[Spec]]:
+        """``jaxpr`` on ``consts`` and ``args`` and their specs -> outputs and their specs."""
         env: dict = {}
-        gathered = {} if gathered is None else gathered
-        plain = [x for x in (*consts, *args) if isinstance(x, PlainValue)]
+        spec_env: dict = {}
 
         def read(v):
             return v.val if isinstance(v, jcore.Literal) else env[v]
 
-        def materialize(x, dep):
-            if not isinstance(x, PlainValue):
-                return x
-            if id(x) not in gathered:
-                layer = [y for y in plain if y.layer == x.layer and id(y) not in gathered]
-                if x not in layer:
-                    layer.append(x)
-                gathered.update(gather_plain(layer, dep))
-            return gathered[id(x)]
+        def spec(v):
+            return None if isinstance(v, jcore.Literal) else spec_env.get(v)
 
-        for v, x in zip(jaxpr.constvars, consts):
-            env[v] = x
-        for v, x in zip(jaxpr.invars, args):
-            env[v] = x
+        for v, x, s in zip(jaxpr.constvars, consts, const_specs):
+            env[v], spec_env[v] = x, s
+        for v, x, s in zip(jaxpr.invars, args, specs):
+            env[v], spec_env[v] = x, s
         for eqn in jaxpr.eqns:
-            ins = [read(v) for v in eqn.invars]
+            ins, in_specs = [read(v) for v in eqn.invars], [spec(v) for v in eqn.invars]
             if any(isinstance(x, Symbolic) for x in ins):
-                outs = self.symbolic(eqn, ins, materialize, gathered)
+                outs, out_specs = self.symbolic(eqn, ins, in_specs)
             else:
-                outs = bind(eqn, ins)
+                outs, out_specs = self.traced(eqn, ins, in_specs)
                 if eqn.primitive in INLINED_CALLS and eqn.params.get("name") == mxfp8_gemm.OPERAND:
-                    self.operands[eqn.outvars[0]] = mxfp8_gemm.GivenOperand.from_call(ins)
-            for v, x in zip(eqn.outvars, outs):
+                    self.operands[eqn.outvars[0]] = (mxfp8_gemm.GivenOperand.from_call(ins), in_specs[0])
+            for v, x, s in zip(eqn.outvars, outs, out_specs):
                 if not isinstance(v, jcore.DropVar):
-                    env[v] = x
-        return [read(v) for v in jaxpr.outvars]
+                    env[v], spec_env[v] = x, s
+        return [read(v) for v in jaxpr.outvars], [spec(v) for v in jaxpr.outvars]
 
-    def symbolic(self, eqn, ins, materialize, gathered) -> list:
+    def traced(self, eqn, ins, in_specs) -> tuple[list, list[Spec]]:
+        """An op on values only, run as traced; a collective over an axis the islands are not
+        manual over (tensor parallelism's, in the model) runs in an island, on each device's
+        part of the batch: left to XLA, it would gather the batch along the FSDP axes first."""
+        out_specs = self.rules.eqn(eqn, in_specs)
+        collective = fsdp_specs.is_collective(eqn.primitive) and not self.islands.owns_all
+        if not collective or any(s is None for s in out_specs) or in_specs[0] is None:
+            return bind(eqn, ins), out_specs
+        in_p = tuple(PartitionSpec(*entries_of(s, np.ndim(x))) for s, x in zip(in_specs, ins))
+        out_p = tuple(PartitionSpec(*entries_of(s, v.aval.ndim)) for s, v in zip(out_specs, eqn.outvars))
+        body = lambda *a: tuple(bind(eqn, list(a)))
+        if eqn.primitive.name in fsdp_specs.SCATTERS and eqn.params.get("axis_index_groups") is None:
+            body = lambda x: (_reduce_scatter(x, eqn.params),)
+        fn = self.islands.island(body, in_p, out_p)
+        return list(fn(*ins)), out_specs
+
+    def symbolic(self, eqn, ins, in_specs) -> tuple[list, list[Spec]]:
         prim, params = eqn.primitive, eqn.params
         if prim in INLINED_CALLS:
             inner, consts = jaxprs.call_body(eqn)
-            return self.eval(inner, consts, ins, gathered)
+            return self.eval(inner, consts, [None] * len(consts), ins, in_specs)
         if prim is jaxprs.REMAT:
-            return self.remat(eqn, ins)
+            return self.remat(eqn, ins, in_specs)
         if prim is jaxprs.SCAN:
-            return self.scan(eqn, ins, materialize)
+            return self.scan(eqn, ins, in_specs)
         units = [x for x in ins if isinstance(x, UnitValue)]
-        dep = next((x for x in ins if isinstance(x, jax.Array)), None)  # the op's first traced operand
         if not units:
-            return bind(eqn, [materialize(x, dep) for x in ins])
+            return self.plain(eqn, ins, in_specs)
         unit = units[0]
         if len(units) == 1 and ins[0] is unit and prim in VIEW_PRIMITIVES:
             view = view_through(prim, params, unit.view, eqn.invars[0].aval.shape, eqn.outvars[0].aval.shape)
             if view is not None:
-                return [dataclasses.replace(unit, view=view, ops=(*unit.ops, (prim, dict(params))))]
+                return [dataclasses.replace(unit, view=view, ops=(*unit.ops, (prim, dict(params))))], [None]
         if len(units) == 1 and prim is P.dot_general_p:
             position = ins.index(unit)
-            act = materialize(ins[1 - position], None)
+            act = self.output(ins[1 - position], "")
             transposed = self._transposed(unit, params["dimension_numbers"], position)
             op = UnitOp(unit.geometry, unit.dtype, unit.ops, prim, dict(params), position, transposed, unit.gemm)
             var = eqn.invars[1 - position]
             given = self.operands.get(var) if isinstance(var, jcore.Var) else None
-            return [unit_gemm(op, act, unit.leaves, given)]
+            unit_ndim = eqn.invars[position].aval.ndim
+            out, spec = self.gemm_island(op, act, in_specs[1 - position], unit, unit_ndim, given)
+            return [out], [spec]
         if len(units) == 1 and ins[0] is unit and prim in LOOKUP_PRIMITIVES:
-            others = tuple(materialize(x, None) for x in ins[1:])
+            others = tuple(self.output(x, "") for x in ins[1:])
             op = UnitOp(unit.geometry, unit.dtype, unit.ops, prim, dict(params), 0)
-            return [unit_lookup(op, others, unit.leaves)]
+            out_spec = self.rules.eqn(eqn, in_specs)[0] if prim is P.gather_p else None
+            return [self.lookup_island(op, others, in_specs[1:], unit, out_spec, eqn.outvars[0].aval.ndim)], [out_spec]
         raise _misused(unit, prim.name)
+
+    def plain(self, eqn, ins, in_specs) -> tuple[list, list[Spec]]:
+        """An op reading plain parameters. A layout op on one is recorded; an elementwise op or a
+        GEMM that combines them with an activation the batch split reaches (and does not
+        contract) runs in an island: each plain parameter gathered there once the activation
+        exists, its gradient reduce-scattered from the devices' parts. Anything else reads them
+        whole, gathered by XLA."""
+        prim = eqn.primitive
+        x = ins[0]
+        if len(ins) == 1 and isinstance(x, PlainValue) and prim in VIEW_PRIMITIVES:
+            return [dataclasses.replace(x, ops=(*x.ops, (prim, dict(eqn.params))))], [None]
+        out_specs = self.rules.eqn(eqn, in_specs)
+        shape = tuple(eqn.outvars[0].aval.shape)
+        acts = [k for k, a in enumerate(ins) if not isinstance(a, Symbolic) and in_specs[k] is not None]
+        if not (prim in fsdp_specs.ELEMENTWISE or _splits_no_contraction(eqn, in_specs)):
+            return bind(eqn, [self.output(a, "") for a in ins]), out_specs
+        if len(eqn.outvars) != 1 or not acts or out_specs[0] is None:
+            return bind(eqn, [self.output(a, "") for a in ins]), out_specs
+        ndim = len(shape)
+        specs, plain = [], []
+        for k, a in enumerate(ins):
+            if isinstance(a, PlainValue):
+                axis = a.shard_axis
+                entries = [None] * a.array.ndim
+                if axis is not None:
+                    entries[axis] = self.islands.entry
+                specs.append(PartitionSpec(*entries))
+                plain.append(a.array)
+            else:
+                specs.append(PartitionSpec(*entries_of(in_specs[k], np.ndim(a))))
+                plain.append(a)
+        token = acts[0]
+
+        def body(*local):
+            dep = local[token]
+            args = []
+            for a, loc in zip(ins, local):
+                if isinstance(a, PlainValue):
+                    whole = loc
+                    if a.shard_axis is not None:
+                        whole = gather_after(self.islands.entry, a.shard_axis, loc, dep)
+                    args.append(a.value(whole))
+                else:
+                    args.append(loc)
+            return bind(eqn, args)[0]
+
+        fn = self.islands.island(body, tuple(specs), PartitionSpec(*entries_of(out_specs[0], ndim)))
+        return [fn(*plain)], out_specs
+
+    # -- islands ----------------------------------------------------------------------------------
+
+    def gemm_island(self, op: UnitOp, act, act_spec: Spec, unit: UnitValue, unit_ndim: int, given):
+        """The unit GEMM on each device's part of ``act``: the activation split along the free
+        axes the batch split reaches (else along its first free axis the islands' devices
+        divide), the result split the same way."""
+        (lc, rc), (lb, rb) = op.params["dimension_numbers"]
+        contract, batch = (rc, rb) if op.position == 0 else (lc, lb)
+        free = [d for d in range(act.ndim) if d not in contract and d not in batch]
+        entries = [e if d in free else None for d, e in enumerate(entries_of(act_spec, act.ndim))]
+        if all(e is None for e in entries):
+            entries = self._split_one(act.shape, free, entries)
+        unit_free = unit_ndim - len(contract) - len(batch)
+        act_out = [entries[d] for d in free]
+        batch_out = [None] * len(batch)
+        out = (
+            [*batch_out, *([None] * unit_free), *act_out]
+            if op.position == 0
+            else [*batch_out, *act_out, *([None] * unit_free)]
+        )
+        act_spec = PartitionSpec(*entries)
+        out_spec = PartitionSpec(*out)
+        arrays, given_specs, given_meta = self._given(given, act, entries)
+
+        def body(a, leaves, given_arrays):
+            g = None if given_meta is None else given_meta(given_arrays)
+            return unit_gemm(op, a, leaves, g)
+
+        fn = self.islands.island(body, (act_spec, unit.leaf_specs(), given_specs), out_spec)
+        return fn(act, unit.leaves, arrays), _spec_of(out)
+
+    def lookup_island(self, op: UnitOp, others: tuple, other_specs, unit: UnitValue, out_spec: Spec, out_ndim: int):
+        """A lookup of the unit: the indices split as the batch split reaches them, the rows
+        looked up on each device for its indices."""
+        specs = tuple(PartitionSpec(*entries_of(s, np.ndim(x))) for s, x in zip(other_specs, others))
+        fn = self.islands.island(
+            lambda leaves, others: unit_lookup(op, others, leaves),
+            (unit.leaf_specs(), specs),
+            PartitionSpec(*entries_of(out_spec, out_ndim)),
+        )
+        return fn(unit.leaves, others)
+
+    def _split_one(self, shape, free, entries) -> list:
+        n = int(np.prod([self.islands.sizes[a] for a in self.islands.axes]))
+        for d in free:
+            if shape[d] % n == 0 and shape[d] > 0:
+                entries = list(entries)
+                entries[d] = self.islands.entry
+                return entries
+        return entries
+
+    def _given(self, given, act, entries):
+        """The MXFP8 planes of ``act`` (``gemm_operand``) as island operands split like ``act``:
+        rowwise planes as ``act``; columnwise ones ``[M, K]``, ``[M/32, K]`` reshaped so that their
+        rows show ``act``'s leading axes (or the given row ``order``), else left out (the GEMM
+        then quantizes its wgrad input itself)."""
+        if given is None:
+            return (), (), None
+        given, _ = given
+        normed, codes, scales, cq, cs = given.arrays
+        if normed.shape != act.shape:
+            return (), (), None
+        lead = entries[:-1]
+        if entries[-1] is not None:
+            return (), (), None
+        row_specs = (PartitionSpec(*entries), PartitionSpec(*entries), PartitionSpec(*entries))
+        col = None
+        if cq is not None:
+            col = _columnwise_rows(act.shape[:-1], lead, given.order, self.islands.sizes)
+        if col is None:
+            arrays, specs = (normed, codes, scales), row_specs
+
+            def rebuild(a):
+                return mxfp8_gemm.GivenOperand((*a, None, None), None)
+
+            return arrays, specs, rebuild
+        rows, col_entries, local_order = col
+        k = cq.shape[-1]
+        cq = cq.reshape(*rows, k)
+        cs = cs.reshape(*rows[:-1], rows[-1] // 32, k)
+        spec = PartitionSpec(*col_entries, None)
+
+        def rebuild_col(a):
+            normed, codes, scales, q, s = a
+            order = None if given.order is None else local_order(q.shape[:-1])
+            return mxfp8_gemm.GivenOperand((normed, codes, scales, q.reshape(-1, k), s.reshape(-1, k)), order)
+
+        return (normed, codes, scales, cq, cs), (*row_specs, spec, spec), rebuild_col
 
     def _transposed(self, unit: UnitValue, dims, position: int) -> bool:
         g = unit.geometry
@@ -200,11 +396,14 @@ class _Evaluator:
                 return True
         raise _misused(unit, f"a dot_general contracting its axes {roles and roles[0]}")
 
-    def scan(self, eqn, ins, materialize) -> list:
+    # -- loops and regions ----------------------------------------------------------------------------
+
+    def scan(self, eqn, ins, in_specs) -> tuple[list, list[Spec]]:
         parts = jaxprs.scan_parts(eqn)
         nc, ncar = parts.num_consts, parts.num_carry
         consts, carry, xs = ins[:nc], ins[nc : nc + ncar], ins[nc + ncar :]
-        carry = [materialize(_not_a_unit(x, "carried through a loop"), None) for x in carry]
+        c_specs, k_specs, x_specs = in_specs[:nc], in_specs[nc : nc + ncar], in_specs[nc + ncar :]
+        carry = [self.output(_not_a_unit(x, "carried through a loop"), "") for x in carry]
         xs_in, rebuild = [], []  # the scan's stacked inputs, and how the body sees each slice
         for x in xs:
             if isinstance(x, UnitValue):
@@ -219,53 +418,67 @@ class _Evaluator:
                     )
                 )
                 xs_in.extend(x.leaves)
-            elif isinstance(x, PlainValue) and x.shard_axis != 0:
+            elif isinstance(x, PlainValue):
+                if x.ops or x.shard_axis == 0:
+                    raise AssertionError(f"{x.name}: a scan slices a plain parameter along its split or viewed axes")
                 axis = None if x.shard_axis is None else x.shard_axis - 1
                 rebuild.append(
                     (
                         len(xs_in),
                         1,
-                        lambda leaves, x=x, axis=axis: dataclasses.replace(x, local=leaves[0], shard_axis=axis),
+                        lambda leaves, x=x, axis=axis: dataclasses.replace(x, array=leaves[0], shard_axis=axis),
                     )
                 )
-                xs_in.append(x.local)
+                xs_in.append(x.array)
             else:
                 rebuild.append((len(xs_in), 1, lambda leaves: leaves[0]))
-                xs_in.append(materialize(x, None))
+                xs_in.append(x)
+        body_x_specs = [fsdp_specs.sliced(s) for s in x_specs]
+        body_c_specs = [None] * len(parts.consts)
+        k_specs = self.rules.scan_carry(parts, list(c_specs), list(k_specs), body_x_specs)
         forwarded: dict[int, int] = {}  # body output -> the xs entry it hands back unchanged
+        y_specs: list = []
 
         def step(carry, xs_slices):
             sliced = [make(xs_slices[start : start + count]) for start, count, make in rebuild]
-            outs = self.eval(parts.jaxpr, parts.consts, [*consts, *carry, *sliced])
+            outs, out_specs = self.eval(
+                parts.jaxpr, parts.consts, body_c_specs, [*consts, *carry, *sliced], [*c_specs, *k_specs, *body_x_specs]
+            )
             forwarded.clear()
+            y_specs[:] = out_specs[ncar:]
             ys = []
             for k, y in enumerate(outs[ncar:]):
                 j = next((j for j, s in enumerate(sliced) if s is y), None) if isinstance(y, Symbolic) else None
                 if j is not None:
                     forwarded[k] = j
                 else:
-                    ys.append(_output(y, "returned by a scan body"))
-            new_carry = [_output(c, "carried through a loop") for c in outs[:ncar]]
+                    ys.append(self.output(y, "returned by a scan body"))
+            new_carry = [self.output(c, "carried through a loop") for c in outs[:ncar]]
             return new_carry, ys
 
         carry_out, ys = lax.scan(step, carry, xs_in, length=parts.length, reverse=parts.reverse, unroll=parts.unroll)
         ys = iter(ys)
-        return [*carry_out, *(xs[forwarded[k]] if k in forwarded else next(ys) for k in range(len(eqn.outvars) - ncar))]
+        n_ys = len(eqn.outvars) - ncar
+        outs = [*carry_out, *(xs[forwarded[k]] if k in forwarded else next(ys) for k in range(n_ys))]
+        stacked = [None if s is None else (None, *s) for s in y_specs]
+        return outs, [*k_specs, *stacked]
 
-    def remat(self, eqn, ins) -> list:
+    def remat(self, eqn, ins, in_specs) -> tuple[list, list[Spec]]:
         jaxpr, consts = jaxprs.remat_body(eqn)
         inputs = {v: k for k, v in enumerate(jaxpr.invars)}
         passed = [inputs.get(v) if not isinstance(v, jcore.Literal) else None for v in jaxpr.outvars]
         flat, rebuild = [], []
         for x in ins:
-            leaves = x.leaves if isinstance(x, UnitValue) else (x.local,) if isinstance(x, PlainValue) else (x,)
+            leaves = x.leaves if isinstance(x, UnitValue) else (x.array,) if isinstance(x, PlainValue) else (x,)
             rebuild.append((len(flat), len(leaves), x))
             flat.extend(leaves)
+        out_specs: list = []
 
         def region(*flat):
             args = [_rebuild(x, flat[start : start + count]) for start, count, x in rebuild]
-            outs = self.eval(jaxpr, consts, args)
-            return [_output(o, "returned by a rematerialised region") for o, p in zip(outs, passed) if p is None]
+            outs, specs = self.eval(jaxpr, consts, [None] * len(consts), args, in_specs)
+            out_specs[:] = specs
+            return [self.output(o, "returned by a rematerialised region") for o, p in zip(outs, passed) if p is None]
 
         policy = eqn.params.get("policy")
         if policy is None:
@@ -273,14 +486,91 @@ class _Evaluator:
         else:
             computed = jax.checkpoint(region, prevent_cse=eqn.params.get("prevent_cse", True), policy=policy)(*flat)
         computed = iter(computed)
-        return [ins[p] if p is not None else next(computed) for p in passed]
+        outs = [ins[p] if p is not None else next(computed) for p in passed]
+        specs = [in_specs[p] if p is not None else s for p, s in zip(passed, out_specs or [None] * len(passed))]
+        return outs, specs
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def gather_after(entry, axis: int, local: jax.Array, dep: jax.Array) -> jax.Array:
+    """``local`` all-gathered along ``axis`` over ``entry``, once ``dep`` exists; its transpose
+    reduce-scatters the cotangent and needs nothing of ``dep`` (a plain ``after`` would make the
+    backward keep ``dep``, and so recompute it under remat)."""
+    return lax.all_gather(after(local, dep), entry, axis=axis, tiled=True)
+
+
+def _gather_after_fwd(entry, axis, local, dep):
+    return gather_after(entry, axis, local, dep), None
+
+
+def _gather_after_bwd(entry, axis, _, ct):
+    return lax.psum_scatter(ct, entry, scatter_dimension=axis, tiled=True), None
+
+
+gather_after.defvjp(_gather_after_fwd, _gather_after_bwd)
+
+
+def _columnwise_rows(lead_shape, lead_entries, order, sizes):
+    """How columnwise planes ``[M, K]`` over the rows of ``normed [*lead, K]`` are reshaped so
+    their split shows: ``(rows shape, entries, local order fn)``, or None when it cannot.
+
+    Rows in ``normed``'s own order: ``[*lead, K]``; rows in a given ``order (p, b, s)`` (of
+    rows ``normed`` holds as ``[b, p * s]``): ``[p, b, s, K]`` with ``b`` split as ``normed``'s
+    first axis. The scales need the last row axis to be a multiple of 32."""
+    if order is None:
+        rows, entries = tuple(lead_shape), tuple(lead_entries)
+    else:
+        if len(lead_shape) != 2 or any(e is not None for e in lead_entries[1:]):
+            return None
+        p, b, s = order
+        rows, entries = (p, b, s), (None, lead_entries[0], None)
+    if rows[-1] % 32 or (entries and entries[-1] is not None):
+        return None
+    for d, e in zip(rows, entries):
+        if e is not None and d % fsdp_specs.axes_count(e, sizes):
+            return None
+    return rows, entries, (lambda local_rows: tuple(local_rows))
+
+
+def _reduce_scatter(x: jax.Array, params: dict) -> jax.Array:
+    """``lax.psum_scatter`` as one all-to-all and a local sum (the same bytes on the wire): jax
+    cannot lower a reduce-scatter over an outer manual axis inside a nested ``shard_map`` (it
+    traces the reducer against the wrong mesh), an all-to-all has no reducer. The parts are
+    added in device order."""
+    d, tiled = params["scatter_dimension"], params.get("tiled", False)
+    axis = params["axis_name"]
+    n = int(params.get("axis_size") or lax.axis_size(axis))
+    m = x.shape[d] // n  # untiled: the axis is the n parts themselves (m = 1, squeezed after)
+    y = lax.all_to_all(x, axis, split_axis=d, concat_axis=d, tiled=True)  # chunk this device owns, from each
+    y = y.reshape(*x.shape[:d], n, m, *x.shape[d + 1 :]).sum(axis=d)
+    return y if tiled else jnp.squeeze(y, d)
+
+
+def _body_of_ours(eqn) -> bool:
+    """An inlined call, a rematerialised region or a scan: a body this evaluator walks (under
+    tensor parallelism, also when no parameter enters it: the model's collectives inside)."""
+    return eqn.primitive in INLINED_CALLS or eqn.primitive is jaxprs.REMAT or eqn.primitive is jaxprs.SCAN
+
+
+def _splits_no_contraction(eqn, in_specs) -> bool:
+    """A ``dot_general`` none of whose operands is split along an axis it contracts (each
+    device's part of the product is then a part of the output, not a partial sum)."""
+    if eqn.primitive is not P.dot_general_p:
+        return False
+    (lc, rc), _ = eqn.params["dimension_numbers"]
+    return all(s is None or all(s[d] is None for d in c) for s, c in zip(in_specs, (lc, rc)))
+
+
+def _spec_of(entries) -> Spec:
+    t = tuple(entries)
+    return t if any(e is not None for e in t) else None
 
 
 def _rebuild(x, leaves):
     if isinstance(x, UnitValue):
         return dataclasses.replace(x, leaves=tuple(leaves))
     if isinstance(x, PlainValue):
-        return dataclasses.replace(x, local=leaves[0])
+        return dataclasses.replace(x, array=leaves[0])
     return leaves[0]
 
 

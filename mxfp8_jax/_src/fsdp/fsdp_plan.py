@@ -146,8 +146,29 @@ def check_rule(rule) -> None:
             f"got {type(rule).__name__}"
         )
     for pattern, precision in rule.items():
-        re.compile(pattern)
+        try:
+            re.compile(pattern)
+        except (re.error, TypeError) as err:
+            raise ValueError(
+                f"precision_by_path: the pattern {pattern!r} is not a regular expression ({err}); the keys are "
+                "regular expressions searched in the parameter names (e.g. 'blocks/.*/kernel')"
+            ) from None
         _check_precision(precision, f"precision_by_path[{pattern!r}]")
+
+
+def check_rule_matches(rule, names) -> None:
+    """Every pattern of a mapping ``rule`` matches some parameter name (a pattern that matches
+    none is a typo that would otherwise change nothing, silently)."""
+    if rule is None or callable(rule):
+        return
+    names = list(names)
+    for pattern in rule:
+        if not any(re.search(pattern, name) for name in names):
+            shown = ", ".join(names[:8]) + (f", ... ({len(names)} in all)" if len(names) > 8 else "")
+            raise ValueError(
+                f"precision_by_path: the pattern {pattern!r} matches no parameter of the model (re.search on "
+                f"the names: {shown})"
+            )
 
 
 def _check_precision(precision, where: str) -> None:

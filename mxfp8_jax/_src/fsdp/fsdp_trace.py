@@ -103,8 +103,56 @@ class Uses:
 def trace_uses(fn: Callable, params: Sequence[Any], *args) -> tuple[Uses, jcore.ClosedJaxpr]:
     """The uses of every entry of ``params`` (arrays or ``jax.ShapeDtypeStruct``s) in
     ``fn(params, *args)``, and the closed jaxpr they were read from."""
-    closed = jax.make_jaxpr(fn)(list(params), *args)
+    closed, _ = trace(fn, params, *args)
     return analyse(closed, len(params)), closed
+
+
+def trace(fn: Callable, params: Sequence[Any], *args, bound=(), forbidden=()) -> tuple[jcore.ClosedJaxpr, Any]:
+    """``fn(params, *args)`` traced, with the mesh axes ``bound`` (``(name, size)`` pairs: the
+    tensor-parallel axis, which the model's own collectives name) in the axis environment; the
+    jaxpr and the shapes of the outputs.
+
+    A function that names one of the ``forbidden`` axes (the FSDP axes: the loss sees the whole
+    batch, so a collective over them has no meaning) raises a ``ValueError`` that says which
+    ops do and what to do, instead of jax's unbound-axis ``NameError``."""
+    try:
+        return jax.make_jaxpr(fn, axis_env=list(bound), return_shape=True)(list(params), *args)
+    except NameError as err:
+        names = [name for name, _ in forbidden if repr(name) in str(err) or f" {name}" in str(err)]
+        if not names:
+            raise
+        closed = jax.make_jaxpr(fn, axis_env=[*bound, *forbidden])(list(params), *args)
+        ops = sorted(collectives_over(closed, {name for name, _ in forbidden}))
+        sizes = dict(forbidden)
+        raise ValueError(
+            f"loss_fn names the mesh axis {', '.join(map(repr, names))} that FSDP splits the batch over "
+            f"({', '.join(ops) or 'an axis query'}). FSDP evaluates loss_fn on the whole batch, as jax.jit does "
+            f"with a sharded batch: its means, sums and batch statistics are global already, and a psum over "
+            f"{names[0]!r} would count every value {sizes[names[0]]} times. Drop the axis name (the axis_name= of "
+            f"nnx.BatchNorm and similar layers, the lax.psum / pmean over it in the loss)"
+        ) from None
+
+
+_AXIS_PARAMS = ("axis_name", "axes", "axis_names")
+
+
+def collectives_over(closed, names: set) -> set[str]:
+    """The primitives of ``closed`` (nested bodies included) that name one of the mesh axes
+    ``names`` (``psum``, ``all_gather``, ``axis_index``, ...)."""
+    found = set()
+
+    def walk(jaxpr):
+        for eqn in jaxpr.eqns:
+            for key in _AXIS_PARAMS:
+                value = eqn.params.get(key)
+                values = value if isinstance(value, (tuple, list, set, frozenset)) else (value,)
+                if any(isinstance(v, str) and v in names for v in values):
+                    found.add(eqn.primitive.name)
+            for sub in jaxprs.sub_jaxprs(eqn):
+                walk(jaxprs.body(sub)[0])
+
+    walk(jaxprs.body(closed)[0])
+    return found
 
 
 def analyse(closed: jcore.ClosedJaxpr, num_params: int) -> Uses:
