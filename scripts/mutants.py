@@ -217,6 +217,31 @@ MUTANTS = (
         ("tests/test_fsdp_scale.py::test_floor_rule_planes_and_gradients",),
     ),
     Mutant(
+        "fsdp-plain-gradient-averaged-over-devices",
+        "a plain parameter's gradient is the mean of the devices' parts, not their sum (the "
+        "per-device loss's reduction over the batch)",
+        (
+            (
+                "mxfp8_jax/_src/fsdp/fsdp_eval.py",
+                "    return lax.psum_scatter(ct, entry, scatter_dimension=axis, tiled=True), None",
+                "    return lax.psum_scatter(ct, entry, scatter_dimension=axis, tiled=True) / lax.psum(1, entry), None",
+            ),
+        ),
+        ("tests/test_fsdp_semantics.py::test_batchnorm_training_uses_the_batch_statistics_of_the_whole_batch",),
+    ),
+    Mutant(
+        "fsdp-unit-gradient-averaged-over-devices",
+        "a unit's dW is the mean of the devices' parts, not their sum",
+        (
+            (
+                "mxfp8_jax/_src/fsdp/fsdp_unit.py",
+                "    dw = g.to_master(d_param, g.level)\n    return lax.psum_scatter(dw, g.axes,",
+                "    dw = g.to_master(d_param, g.level) / lax.psum(1, g.axes)\n    return lax.psum_scatter(dw, g.axes,",
+            ),
+        ),
+        ("tests/test_fsdp_semantics.py::test_masked_lm_loss_aux_and_update_are_the_unsharded_models",),
+    ),
+    Mutant(
         "fsdp-bf16-dgrad-negated",
         'precision="bf16": the dgrad GEMM reads -W',
         (
@@ -282,18 +307,6 @@ MUTANTS = (
         ("tests/test_fsdp_units.py::test_an_mxfp8_table_is_looked_up_in_its_rowwise_values",),
     ),
     Mutant(
-        "fsdp-devices-share-dropout-masks",
-        "every device folds its RNG streams with index 0: the same dropout masks on every device",
-        (
-            (
-                "mxfp8_jax/_src/fsdp/flax_fsdp.py",
-                "index = spmd.shard_position(self.mesh, self.mesh.axis_names)",
-                "index = 0 * spmd.shard_position(self.mesh, self.mesh.axis_names)",
-            ),
-        ),
-        ("tests/test_fsdp_models.py::test_dropout_draws_each_devices_own_masks_and_advances_its_streams",),
-    ),
-    Mutant(
         "fsdp-remat-recompute-unordered",
         "a rematerialised region's recompute does not wait for the cotangent (XLA:CPU merges it away)",
         (
@@ -304,18 +317,6 @@ MUTANTS = (
             ),
         ),
         ("tests/test_fsdp_models.py::test_loop_remat_gathers_again_in_the_backward",),
-    ),
-    Mutant(
-        "fsdp-plain-gather-interleaved",
-        "a plain parameter's gathered slices are put back device-minor (interleaved) instead of in order",
-        (
-            (
-                "mxfp8_jax/_src/fsdp/fsdp_eval.py",
-                "out[id(x)] = jnp.moveaxis(piece, 0, x.shard_axis).reshape(shape).astype(x.dtype)",
-                "out[id(x)] = jnp.moveaxis(piece, 0, -1).reshape(shape).astype(x.dtype)",
-            ),
-        ),
-        ("tests/test_flax.py::test_sharded_gradients_match_single_device_reference",),
     ),
     # -- MXFP8 GEMMs ----------------------------------------------------------------------------
     Mutant(

@@ -606,7 +606,8 @@ def exactly_fp32(v, what):
 
 
 def mlp_reference(w1, w2, x, t, *, fwd="row", dgrad="col", per_device=True, wgrad_blocks="tokens"):
-    """The recipe on each device's tokens, summed over devices: loss (value, scale) and the
+    """The recipe on each device's tokens, summed over devices (the loss is a sum over the
+    whole batch, as FSDP computes it): loss (value, scale) and the
     wgrads ``(exact, scale)`` as ``W [N, K]``. ``fwd``/``dgrad``: the planes the weights'
     GEMMs read; ``per_device``: token blocks per device; ``wgrad_blocks``: the wgrad's
     operands blocked along the tokens or (``"features"``) as in the forward and dgrad. The
@@ -625,7 +626,7 @@ def mlp_reference(w1, w2, x, t, *, fwd="row", dgrad="col", per_device=True, wgra
         out, out_s = product(rows(h), w2_fwd)
         loss += float((out * R2 * t[sl]).sum())
         loss_scale += float((out_s * R2 * np.abs(t[sl])).sum())
-        dout = t[sl] / devices * R2  # the step's loss is the devices' mean
+        dout = t[sl] * R2  # the loss sums over the whole batch
         dh = exactly_fp32(rows(dout) @ w2_bwd, "dh") * R1
         xs.append(x[sl]), hs.append(h), douts.append(dout), dhs.append(dh)
 
@@ -641,7 +642,7 @@ def mlp_reference(w1, w2, x, t, *, fwd="row", dgrad="col", per_device=True, wgra
             return sum(p[0] for p in parts), sum(p[1] for p in parts)
         return product(cols(np.concatenate(dys)).T, cols(np.concatenate(acts)).T)
 
-    return (loss / devices, loss_scale / devices), wgrad(dhs, xs), wgrad(douts, hs)
+    return (loss, loss_scale), wgrad(dhs, xs), wgrad(douts, hs)
 
 
 @pytest.fixture(scope="module")
@@ -750,7 +751,7 @@ def einsum_reference(a, b, x, t, *, dot_order=False):
         out, out_s = product(rows(h), wb_row)
         loss += float((out * t[d]).sum())
         loss_scale += float((out_s * np.abs(t[d])).sum())
-        dy = t[d] / devices
+        dy = t[d]  # the loss sums over the whole batch
         dh = from_k(exactly_fp32(rows(dy) @ wb_col, "dgrad of B"))  # in W_A's rows (h n)
         xs.append(x[d]), hs.append(h), dys.append(dy), dhs.append(dh)
     sum_parts = lambda parts: (sum(p[0] for p in parts), sum(p[1] for p in parts))
@@ -759,7 +760,7 @@ def einsum_reference(a, b, x, t, *, dot_order=False):
     # as the kernels: A [D, H, Nh], B [Nh, H, D]
     to_a = lambda v: v.reshape(H, NH, D).transpose(2, 0, 1)
     to_b = lambda v: from_k(v).reshape(D, H, NH).transpose(2, 1, 0)
-    return (loss / devices, loss_scale / devices), tuple(map(to_a, dwa)), tuple(map(to_b, dwb))
+    return (loss, loss_scale), tuple(map(to_a, dwa)), tuple(map(to_b, dwb))
 
 
 def test_fsdp_mxfp8_einsum_kernels_of_several_axes(mesh):
@@ -785,27 +786,27 @@ def test_fsdp_mxfp8_einsum_kernels_of_several_axes(mesh):
 # ------------------------------------------------------------------------------------------------
 # 5. What the step saves for the backward
 #
-# In the jaxpr of the jitted step, the per-device body (the shard_map) holds the forward, the
-# loss, then the backward that value_and_grad traced after it: every value defined up to the
-# loss and read after it is a residual (what the step keeps from its forward for its
-# backward). XLA may rematerialize or fuse further, never keep more than it is given.
+# In the jaxpr of the jitted step the forward, the loss, then the backward that value_and_grad
+# traced after it: every value defined up to the loss and read after it is a residual (what the
+# step keeps from its forward for its backward). A unit GEMM runs in a shard_map island, whose
+# own residuals leave it split over the devices along their first axis. XLA may rematerialize
+# or fuse further, never keep more than it is given.
 
 
 def step_residuals(fsdp, loss_fn, state, batch) -> list[tuple[str, tuple, str]]:
-    """``(dtype, shape, made by)`` of each residual of the step's per-device body."""
+    """``(dtype, shape per device, made by)`` of each residual of the step (a value split over
+    the mesh along its first axis counted per device)."""
     closed = jax.make_jaxpr(lambda b: fsdp.loss_and_grads(loss_fn)(state, b))(batch)
     (call,) = [e for e in closed.jaxpr.eqns if e.primitive.name in ("jit", "pjit")]
-    (smap,) = [e for e in call.params["jaxpr"].jaxpr.eqns if e.primitive.name == "shard_map"]
-    body = smap.params["jaxpr"]
-    (loss_sum,) = [e for e in body.eqns if body.outvars[0] in e.outvars]  # psum of the loss
+    body = call.params["jaxpr"].jaxpr
     made = {v: i for i, e in enumerate(body.eqns) for v in e.outvars}
-    cut = made[loss_sum.invars[0]]
-    read_after = {
-        v for e in body.eqns[cut + 1 :] if e is not loss_sum for v in e.invars if not isinstance(v, jcore.Literal)
-    }
+    cut = made[body.outvars[0]]  # the loss
+    read_after = {v for e in body.eqns[cut + 1 :] for v in e.invars if not isinstance(v, jcore.Literal)}
     kept = [v for v in read_after if made.get(v, -1) <= cut and (v in made or v in body.invars)]
     by = lambda v: body.eqns[made[v]].primitive.name if v in made else "input"
-    return sorted((str(v.aval.dtype), tuple(v.aval.shape), by(v)) for v in kept)
+    n = fsdp.mesh.size
+    local = lambda shape: (shape[0] // n, *shape[1:]) if shape and shape[0] % n == 0 else shape
+    return sorted((str(v.aval.dtype), local(tuple(v.aval.shape)), by(v)) for v in kept)
 
 
 class Chain(nnx.Module):
