@@ -209,7 +209,7 @@ MUTANTS = (
         "FSDP quantizes its masters with the default rule whatever scale_rule says",
         (
             (
-                "mxfp8_jax/_src/fsdp/flax_fsdp.py",
+                "mxfp8_jax/_src/fsdp/fsdp_state.py",
                 "t = quantize(w.reshape(-1, w.shape[-1]), scale_rule=rule)",
                 "t = quantize(w.reshape(-1, w.shape[-1]))",
             ),

@@ -282,7 +282,7 @@ def test_step_hlo_moves_weights_as_8_bit(bf16_training):
 
 def test_quantize_after_update_has_no_collective(bf16_training):
     fsdp, state, _, _ = bf16_training
-    text = fsdp._quantize_fn.lower(state.master).compile().as_text()
+    text = fsdp._layout.quantize_fn.lower(state.master).compile().as_text()
     assert hlo.collectives(text) == []
 
 

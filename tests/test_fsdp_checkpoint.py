@@ -75,7 +75,7 @@ def test_round_trip_exact_on_any_mesh(trained, devices, target):
     assert stored == {"up": (2, rows_per_device(H, n) * n, D), "down": (2, rows_per_device(D, n) * n, H)}  # 2 blocks
     if target == "half":
         assert any(restored.master[k].shape != state_n.master[k].shape for k in restored.master)
-    q = fsdp._quantize_fn(restored.master)
+    q = fsdp._layout.quantize_fn(restored.master)
     for name, planes in restored.quantized.items():
         chex.assert_trees_all_equal(planes, q[name])
     assert int(restored.step) == 3

@@ -79,7 +79,7 @@ def _lowered_text(fsdp, batch, platform: str) -> str:
     if platform == fsdp.mesh.devices.flat[0].platform:
         return lowered.as_text()
     return (
-        jax.jit(fsdp._step(loss_fn, tx, False))
+        jax.jit(fsdp._steps.step(loss_fn, tx, False))
         .trace(fsdp.abstract_state(tx), batch)
         .lower(lowering_platforms=(platform,))
         .as_text()

@@ -17,8 +17,6 @@ from mxfp8_jax import flax as mxflax
 from mxfp8_jax._src.core import jaxprs
 from mxfp8_jax._src.fsdp.fsdp_trace import trace_uses
 
-pytestmark = pytest.mark.compat
-
 W = jax.ShapeDtypeStruct((4, 64, 64), jnp.float32)  # a stacked weight [L, K, N]
 X = jax.ShapeDtypeStruct((8, 64), jnp.float32)
 

@@ -52,8 +52,6 @@ scan iteration's gather (and the previous one's reduce-scatter) into the current
 
 from __future__ import annotations
 
-import dataclasses
-import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -62,74 +60,29 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
-from jax import lax
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import Mesh, NamedSharding
 
 from mxfp8_jax._src.core import jaxprs, spmd
-from mxfp8_jax._src.fsdp import fsdp_checkpoint, fsdp_specs
+from mxfp8_jax._src.fsdp import fsdp_checkpoint
 from mxfp8_jax._src.fsdp.flax_layers import unit_kernel_shape
-from mxfp8_jax._src.fsdp.fsdp_eval import Islands, PlainValue, UnitValue, evaluate
 from mxfp8_jax._src.fsdp.fsdp_plan import (
     Mesh1D,
     ParamInfo,
     check_rule,
     check_rule_matches,
-    check_uses,
     describe,
     plan_from_uses,
-    split_axis,
     uses_from_layers,
 )
-from mxfp8_jax._src.fsdp.fsdp_trace import View, analyse, trace
+from mxfp8_jax._src.fsdp.fsdp_state import StateLayout, TrainState
+from mxfp8_jax._src.fsdp.fsdp_step import Steps, check_loss_shape, dtype_of
+from mxfp8_jax._src.fsdp.fsdp_trace import analyse, trace
 from mxfp8_jax._src.fsdp.fsdp_unit import PRECISIONS
 from mxfp8_jax._src.numerics.format import BLOCK, ScaleRule
 from mxfp8_jax._src.ops import mxfp8_gemm
-from mxfp8_jax._src.ops.quantize import quantize
 
 # ------------------------------------------------------------------------------------------------
 # State
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class UnitPlanes:
-    """The MXFP8 planes of one unit's master ``[*stack, N_padded, K]``, sharded like it.
-
-    ``rowwise_data``/``columnwise_data``: E4M3 bit patterns as uint8 ``[*stack, N_padded, K]``
-    (XLA:CPU widens float8 arrays that cross a loop to f16, twice the bytes; codes are bitcast
-    to ``float8_e4m3fn`` where they are dequantized);
-    ``rowwise_scale``: uint8 ``[*stack, N_padded, K/32]``; ``columnwise_scale``: uint8
-    ``[*stack, N_padded/32, K]``. Every device's rows are whole 32-row blocks of each layer.
-    """
-
-    rowwise_data: jax.Array
-    rowwise_scale: jax.Array
-    columnwise_data: jax.Array
-    columnwise_scale: jax.Array
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class TrainState:
-    """Everything a step updates. Invariant: ``quantized`` is the quantization of the MXFP8
-    units' masters.
-
-    ``master``: parameter name (its path joined by ``/``) -> fp32 array, for every trained
-    parameter: a unit's ``W`` with its rows padded, ``[*stack, N_padded, K]``, rows sharded
-    over the mesh; a plain parameter in its own shape, split along ``ParamInfo.shard_axis`` (or
-    replicated).
-    ``quantized``: MXFP8 unit name -> its ``UnitPlanes`` (empty without MXFP8 units).
-    ``frozen``: name -> value of each non-floating parameter, replicated, never trained.
-    ``rest``: the values of the model's other state (RNG keys and counts), replicated.
-    ``opt_state``: the optax state of ``FSDP.param_tree(master)``, sharded like the parameters.
-    """
-
-    master: dict[str, jax.Array]
-    quantized: dict[str, UnitPlanes]
-    frozen: dict[str, jax.Array]
-    rest: tuple
-    opt_state: Any
-    step: jax.Array
 
 
 # ------------------------------------------------------------------------------------------------
@@ -217,9 +170,6 @@ class FSDP:
         self._gemm_mode = mxfp8_gemm.check_mode(gemm, gemm_path, scale_rule)
         self.precision_by_path = precision_by_path
         graphdef, params, rest = nnx.split(model, nnx.Param, ...)
-        self._graphdef = graphdef
-        self._treedef = jax.tree.structure(params)  # one leaf per Variable: its value
-        self._rest_treedef = jax.tree.structure(rest)
         rest_flat = jax.tree_util.tree_flatten_with_path(rest)[0]
         self.rest_names = tuple("/".join(map(str, fsdp_checkpoint.path_names(k))) for k, _ in rest_flat)
         self._rest_avals = tuple(jax.ShapeDtypeStruct(np.shape(v), v.dtype) for _, v in rest_flat)
@@ -236,6 +186,18 @@ class FSDP:
             self.tp_size = int(mesh.shape[tp_axis])
             self._fsdp_axes = spmd.axis_group([a for a in mesh.axis_names if a != tp_axis])
             n_fsdp = n // self.tp_size
+        self._steps = Steps(
+            self.mesh,
+            axes=self._axes,
+            fsdp_axes=self._fsdp_axes,
+            tp_axis=tp_axis,
+            tp_size=self.tp_size,
+            graphdef=graphdef,
+            treedef=jax.tree.structure(params),  # one leaf per Variable: its value
+            rest_treedef=jax.tree.structure(rest),
+            rest_avals=self._rest_avals,
+            gemm_mode=self._gemm_mode,
+        )
         flat = jax.tree_util.tree_flatten_with_path(params, is_leaf=_is_variable)[0]
         found = [
             (fsdp_checkpoint.path_names(k), tuple(np.shape(v.get_value())), jnp.dtype(v.get_value().dtype))
@@ -243,17 +205,16 @@ class FSDP:
         ]
         self.traced = loss_fn is not None
         self._jitted: dict[tuple, Callable] = {}
-        self._example_tree = None
         if self.traced:
             avals = [jax.ShapeDtypeStruct(shape, dtype) for _, shape, dtype in found]
-            self._check_batch(example_batch, "example_batch")
-            self._example_tree = jax.tree.structure(example_batch)
-            batch = jax.tree.map(lambda a: jax.ShapeDtypeStruct(np.shape(a), _dtype_of(a)), example_batch)
-            closed, out_shape = trace(
-                self._traceable(loss_fn), avals, list(self._rest_avals), batch, forbidden=self._fsdp_axis_sizes
-            )
-            _check_loss_shape(out_shape[0])
+            self._steps.check_batch(example_batch, "example_batch")
+            batch = jax.tree.map(lambda a: jax.ShapeDtypeStruct(np.shape(a), dtype_of(a)), example_batch)
+            traceable = self._steps.traceable(loss_fn)
+            forbidden = self._steps.fsdp_axis_sizes
+            closed, out_shape = trace(traceable, avals, list(self._rest_avals), batch, forbidden=forbidden)
+            check_loss_shape(out_shape[0])
             uses = analyse(closed, len(avals))
+            self._steps.example_tree = jax.tree.structure(example_batch)
         else:
             uses = uses_from_layers(found, _unit_kernels(model))
         tp = (tp_axis, self.tp_size, Mesh1D(n_fsdp, self._fsdp_axes)) if tp_axis is not None else None
@@ -267,6 +228,18 @@ class FSDP:
             tp=tp,
         )
         check_rule_matches(precision_by_path, [p.name for p in self.params])
+        self._layout = StateLayout(
+            self.params,
+            self.mesh,
+            axes=self._axes,
+            fsdp_axes=self._fsdp_axes,
+            tp_axis=tp_axis,
+            tp_size=self.tp_size,
+            rest_avals=self._rest_avals,
+            precision=precision,
+            scale_rule=self.scale_rule,
+        )
+        self._steps.layout, self._steps.traced = self._layout, self.traced
         if not self.units:
             raise ValueError(
                 "model has no eligible weight: "
@@ -348,7 +321,7 @@ class FSDP:
           over the tp axis and then the FSDP axes; a ``"row"`` unit's rows over the FSDP axes and
           its columns over the tp axis. A frozen parameter's is replicated.
         """
-        return NamedSharding(self.mesh, self._spec(info))
+        return self._layout.master_sharding(info)
 
     def logical_sharding(self, info: ParamInfo) -> NamedSharding:
         """A parameter in its own shape (a checkpoint's tensor): split along the first axis the
@@ -362,12 +335,7 @@ class FSDP:
           axis that ``mesh.size`` divides is split over every mesh axis (replicated when none
           does); for any other parameter, ``master_sharding(info)``.
         """
-        if info.unit is None:
-            return self.master_sharding(info)
-        axis = split_axis(info.shape, self.mesh.size)
-        if axis is None:
-            return NamedSharding(self.mesh, PartitionSpec())
-        return NamedSharding(self.mesh, PartitionSpec(*(None,) * axis, self._axes))
+        return self._layout.logical_sharding(info)
 
     def param_tree(self, arrays: dict[str, Any]) -> dict:
         """``{name: array}`` (like ``TrainState.master``) as nested dicts keyed by the parameter
@@ -382,13 +350,7 @@ class FSDP:
         Returns:
           Nested dicts holding the trained parameters' values from ``arrays``, as given.
         """
-        tree: dict = {}
-        for p in self.trained:
-            node = tree
-            for key in p.path[:-1]:
-                node = node.setdefault(key, {})
-            node[p.path[-1]] = arrays[p.name]
-        return tree
+        return self._layout.param_tree(arrays)
 
     def from_param_tree(self, tree: dict) -> dict[str, Any]:
         """The inverse of ``param_tree``.
@@ -401,13 +363,7 @@ class FSDP:
         Returns:
           ``{name: value}`` for every trained parameter, in parameter order.
         """
-        out = {}
-        for p in self.trained:
-            node = tree
-            for key in p.path:
-                node = node[key]
-            out[p.name] = node
-        return out
+        return self._layout.from_param_tree(tree)
 
     def owner_of(self, key_path, leaf) -> ParamInfo | None:
         """The parameter an optimizer leaf belongs to: its key path ends with the parameter's
@@ -422,17 +378,7 @@ class FSDP:
           The ``ParamInfo`` of the trained parameter whose path is the longest such suffix, or
           None when no trained parameter matches.
         """
-        names = fsdp_checkpoint.path_names(key_path)
-        by_path = self._by_path
-        for k in range(min(max(map(len, by_path)), len(names)), 0, -1):
-            p = by_path.get(tuple(names[-k:]))
-            if p is not None and tuple(np.shape(leaf)) == p.stored_shape:
-                return p
-        return None
-
-    @functools.cached_property
-    def _by_path(self) -> dict[tuple, ParamInfo]:
-        return {p.path: p for p in self.trained}
+        return self._layout.owner_of(key_path, leaf)
 
     # -- state ---------------------------------------------------------------------------------
 
@@ -455,17 +401,17 @@ class FSDP:
           replicated, ``step`` 0.
         """
         values, rest = self._values_of(model)
-        master, frozen, rest, step = self._place_fn(
+        master, frozen, rest, step = self._layout.place_fn(
             {p.name: values[j] for j, p in enumerate(self.params) if p.kind != "frozen"},
             {p.name: values[j] for j, p in enumerate(self.params) if p.kind == "frozen"},
             rest,
         )
-        quantized = self._quantize_fn(master)
+        quantized = self._layout.quantize_fn(master)
         params = self.param_tree(master)
-        opt_shardings = self._opt_shardings(jax.eval_shape(tx.init, params))
+        opt_shardings = self._layout.opt_shardings(jax.eval_shape(tx.init, params))
         opt_state = jax.jit(tx.init, out_shardings=opt_shardings)(params)
         state = TrainState(master, quantized, frozen, tuple(rest), opt_state, step)
-        return jax.device_put(state, self._shardings(state))
+        return jax.device_put(state, self._layout.shardings(state))
 
     def abstract_state(self, tx: optax.GradientTransformation) -> TrainState:
         """The ``TrainState`` that ``init`` would return, as ``jax.ShapeDtypeStruct``s with their
@@ -478,20 +424,7 @@ class FSDP:
           A ``TrainState`` whose leaves are ``jax.ShapeDtypeStruct``s with shapes, dtypes and
           shardings as ``init`` makes them.
         """
-        sds = jax.ShapeDtypeStruct
-        master, quantized = {}, {}
-        for p in self.trained:
-            master[p.name] = sds(p.stored_shape, jnp.float32, sharding=self.master_sharding(p))
-        for p in self.mxfp8_units:
-            s = self.master_sharding(p)
-            codes, row_scale, col_scale = (sds(p.tp_global(a), jnp.uint8, sharding=s) for a in p.unit.plane_shapes())
-            quantized[p.name] = UnitPlanes(codes, row_scale, codes, col_scale)
-        rep = NamedSharding(self.mesh, PartitionSpec())
-        frozen = {p.name: sds(p.shape, p.dtype, sharding=rep) for p in self.frozen}
-        rest = tuple(sds(a.shape, a.dtype, sharding=rep) for a in self._rest_avals)
-        shapes = jax.eval_shape(tx.init, self.param_tree(master))
-        opt_state = jax.tree.map(lambda a, s: sds(a.shape, a.dtype, sharding=s), shapes, self._opt_shardings(shapes))
-        return TrainState(master, quantized, frozen, rest, opt_state, sds((), jnp.int32, sharding=rep))
+        return self._layout.abstract_state(tx)
 
     def gather(self, state: TrainState) -> nnx.Module:
         """The model with the full fp32 master parameters (one all-gather per array) and the
@@ -505,7 +438,7 @@ class FSDP:
           whole (replicated) on every device; the other state from ``state.rest``.
         """
         self.check_state(state, "state")
-        return self._merge(self._logical_fn(state.master, state.frozen), list(state.rest))
+        return self._steps.merge(self._layout.logical_fn(state.master, state.frozen), list(state.rest))
 
     def check_state(self, state: Any, argname: str = "state") -> None:
         """Raises ``ValueError`` unless ``state`` is a ``TrainState`` of this plan: the same
@@ -515,34 +448,7 @@ class FSDP:
           state: the value to check; ``TypeError`` when it is not a ``TrainState``.
           argname: the name the error messages give it.
         """
-        if not isinstance(state, TrainState):
-            raise TypeError(f"{argname} must be a TrainState (from FSDP.init), got {type(state).__name__}")
-        planes = sorted(state.quantized or {})
-        if planes != sorted(p.name for p in self.mxfp8_units):
-            raise ValueError(
-                f"{argname} has MXFP8 planes for {planes}, but this plan's MXFP8 units are "
-                f"{sorted(p.name for p in self.mxfp8_units)} (precision={self.precision!r})"
-            )
-        want = {p.name: (p.stored_shape, jnp.dtype(jnp.float32)) for p in self.trained}
-        got = {k: (tuple(np.shape(v)), jnp.dtype(v.dtype)) for k, v in state.master.items()}
-        want.update({p.name: (p.shape, p.dtype) for p in self.frozen})
-        got.update({k: (tuple(np.shape(v)), jnp.dtype(v.dtype)) for k, v in state.frozen.items()})
-        if want != got:
-            missing = sorted(want.keys() - got.keys())
-            extra = sorted(got.keys() - want.keys())
-            differ = sorted(k for k in want.keys() & got.keys() if want[k] != got[k])
-            detail = "; ".join(
-                part
-                for part in (
-                    f"missing {missing}" if missing else "",
-                    f"not in this plan {extra}" if extra else "",
-                    ", ".join(
-                        f"{k}: {got[k][0]} {got[k][1]}, the plan stores {want[k][0]} {want[k][1]}" for k in differ
-                    ),
-                )
-                if part
-            )
-            raise ValueError(f"{argname} is not a state of this FSDP plan (another model or mesh?): {detail}")
+        return self._layout.check_state(state, argname)
 
     # -- checkpoints ---------------------------------------------------------------------------
 
@@ -569,7 +475,7 @@ class FSDP:
           files.
         """
         self.check_state(state, "state")
-        self._check_live(state)
+        self._layout.check_live(state)
         return fsdp_checkpoint.save(self, state, directory, async_save=async_save, overwrite=overwrite)
 
     def restore(self, directory, tx: optax.GradientTransformation) -> TrainState:
@@ -590,8 +496,8 @@ class FSDP:
           state, other state and step, and planes quantized from the restored masters.
         """
         master, frozen, rest, opt_state, step = fsdp_checkpoint.restore(self, directory, self.abstract_state(tx))
-        state = TrainState(master, self._quantize_fn(master), frozen, tuple(rest), opt_state, step)
-        return jax.device_put(state, self._shardings(state))
+        state = TrainState(master, self._layout.quantize_fn(master), frozen, tuple(rest), opt_state, step)
+        return jax.device_put(state, self._layout.shardings(state))
 
     # -- steps ---------------------------------------------------------------------------------
 
@@ -611,38 +517,7 @@ class FSDP:
           The same tree: ``jax.ShapeDtypeStruct``s with the ``NamedSharding`` attached, or the
           arrays placed with it (``jax.device_put``).
         """
-        self._check_batch(batch)
-        sharding = NamedSharding(self.mesh, self._batch_spec)
-        if all(isinstance(leaf, jax.ShapeDtypeStruct) for leaf in jax.tree.leaves(batch)):
-            return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding), batch)
-        return jax.device_put(batch, sharding)
-
-    def _check_batch(self, batch, argname: str = "batch") -> None:
-        if self._example_tree is not None and jax.tree.structure(batch) != self._example_tree:
-            raise ValueError(
-                f"{argname} has the structure {jax.tree.structure(batch)}, but FSDP traced the loss on an "
-                f"example_batch with the structure {self._example_tree}; a step takes batches shaped like the "
-                "example (build FSDP with an example of the batches the steps get)"
-            )
-        n_batch = self.mesh.size // self.tp_size
-        for leaf in jax.tree.leaves(batch):
-            shape = np.shape(leaf)
-            if len(shape) == 0 or shape[0] % n_batch:
-                raise ValueError(
-                    f"{argname} leaf of shape {shape}: its leading (batch) axis must be divisible by the "
-                    f"{n_batch} devices it is split over"
-                )
-            if self.tp_axis is not None and (len(shape) < 2 or shape[1] % self.tp_size):
-                raise ValueError(
-                    f"{argname} leaf of shape {shape}: under tp_axis={self.tp_axis!r} its second (sequence) "
-                    f"axis is split over {self.tp_size} devices and must be divisible by them"
-                )
-
-    @functools.cached_property
-    def _batch_spec(self) -> PartitionSpec:
-        if self.tp_axis is None:
-            return PartitionSpec(self._axes)
-        return PartitionSpec(self._fsdp_axes, self.tp_axis)
+        return self._steps.place_batch(batch)
 
     def loss_and_grads(self, loss_fn: Callable, *, has_aux: bool = False) -> Callable:
         """``fn(state, batch) -> (loss, grads)`` (``((loss, aux), grads)`` with ``has_aux``),
@@ -662,18 +537,18 @@ class FSDP:
         """
 
         def make():
-            grads_fn = self._grads_fn(loss_fn, has_aux)
+            grads_fn = self._steps.grads_fn(loss_fn, has_aux)
 
             def fn(state, batch):
                 loss, aux, grads, _ = grads_fn(state, batch)
                 return ((loss, aux), grads) if has_aux else (loss, grads)
 
-            return jax.jit(fn, compiler_options=self._compiler_options)
+            return jax.jit(fn, compiler_options=self._steps.compiler_options)
 
         jitted = self._jit(("loss_and_grads", loss_fn, has_aux), make)
 
         def call(state, batch):
-            self._check_live(state)
+            self._layout.check_live(state)
             return jitted(state, self.place_batch(batch))
 
         return call
@@ -693,13 +568,15 @@ class FSDP:
         """
 
         def make():
-            grads_fn = self._grads_fn(loss_fn, False)
-            return jax.jit(lambda state, batch: grads_fn(state, batch)[0], compiler_options=self._compiler_options)
+            grads_fn = self._steps.grads_fn(loss_fn, False)
+            return jax.jit(
+                lambda state, batch: grads_fn(state, batch)[0], compiler_options=self._steps.compiler_options
+            )
 
         jitted = self._jit(("eval_step", loss_fn), make)
 
         def call(state, batch):
-            self._check_live(state)
+            self._layout.check_live(state)
             return jitted(state, self.place_batch(batch))
 
         return call
@@ -722,10 +599,10 @@ class FSDP:
           the whole batch (fp32). The batch goes through ``place_batch``. Asking again for the same ``loss_fn``,
           ``tx`` and ``has_aux`` returns a step that reuses the compiled program.
         """
-        jitted = self._jit(("train_step", loss_fn, tx, has_aux), lambda: self._train_jit(loss_fn, tx, has_aux))
+        jitted = self._jit(("train_step", loss_fn, tx, has_aux), lambda: self._steps.train_jit(loss_fn, tx, has_aux))
 
         def call(state, batch):
-            self._check_live(state)
+            self._layout.check_live(state)
             return jitted(state, self.place_batch(batch))
 
         return call
@@ -752,19 +629,7 @@ class FSDP:
         Returns:
           The ``jax.stages.Lowered`` step, not yet compiled.
         """
-        return self._train_jit(loss_fn, tx, has_aux).lower(state, self.place_batch(batch))
-
-    def _train_jit(self, loss_fn: Callable, tx, has_aux: bool):
-        return jax.jit(self._step(loss_fn, tx, has_aux), donate_argnums=0, compiler_options=self._compiler_options)
-
-    @functools.cached_property
-    def _compiler_options(self) -> dict | None:
-        """Under tensor parallelism the step is manual over tp only, and XLA:CPU's all-reduce
-        promotion pass aborts the compilation on the bf16 all-reduces its partitioner makes there
-        (a bf16 psum or reduce-scatter over tp, or the transpose of a bf16 all-gather): skip it."""
-        if self.tp_axis is None or jax.default_backend() != "cpu":
-            return None
-        return {"xla_disable_hlo_passes": "all-reduce-promotion"}
+        return self._steps.train_jit(loss_fn, tx, has_aux).lower(state, self.place_batch(batch))
 
     def _jit(self, key: tuple, make: Callable) -> Callable:
         """The jitted function made for ``key`` (what, and the loss, optimizer and flags it was
@@ -789,17 +654,7 @@ class FSDP:
           An array of ``info.shape`` in ``stored``'s dtype; ``stored`` itself for a parameter
           that is not a unit.
         """
-        g = info.unit
-        if g is None:
-            return stored
-        if info.tp is None:
-            return g.from_master(stored)
-        # a tensor-parallel Linear kernel [*stack, in, out]: W = kernel.T, tp slices side by side
-        if info.tp == "column":  # [*stack, tp * out_padded, in]: each slice's padding dropped
-            t = info.tp_size
-            w = stored.reshape(*stored.shape[:-2], t, g.out_padded, stored.shape[-1])[..., : g.out_features, :]
-            return jnp.swapaxes(w.reshape(*stored.shape[:-2], t * g.out_features, stored.shape[-1]), -1, -2)
-        return jnp.swapaxes(stored[..., : g.out_features, :], -1, -2)
+        return self._layout.to_logical(info, stored)
 
     def from_logical(self, info: ParamInfo, value: jax.Array, dtype=jnp.float32) -> jax.Array:
         """The inverse of ``to_logical``: a unit's parameter-shaped array as its padded master
@@ -814,288 +669,9 @@ class FSDP:
           An array of ``info.stored_shape`` in ``dtype``, its padding rows zero; for a parameter
           that is not a unit, ``value`` in ``dtype``.
         """
-        value = jnp.asarray(value, dtype)
-        g = info.unit
-        if g is None:
-            return value
-        if info.tp is None:
-            return g.to_master(value)
-        w = jnp.swapaxes(value, -1, -2)  # [*stack, out, in]
-        stack, pad = len(info.stack), g.out_padded - g.out_features
-        if info.tp == "column":  # each tp slice of rows padded on its own
-            t = info.tp_size
-            w = w.reshape(*w.shape[:-2], t, g.out_features, w.shape[-1])
-            w = jnp.pad(w, [(0, 0)] * (stack + 1) + [(0, pad), (0, 0)])
-            return w.reshape(*w.shape[:-3], t * g.out_padded, w.shape[-1])
-        return jnp.pad(w, [(0, 0)] * stack + [(0, pad), (0, 0)])
+        return self._layout.from_logical(info, value, dtype)
 
     # -- internals -----------------------------------------------------------------------------
-
-    def _check_live(self, state) -> None:
-        if isinstance(state, TrainState) and any(
-            isinstance(a, jax.Array) and a.is_deleted() for a in jax.tree.leaves(state)
-        ):
-            raise ValueError(
-                "this state was consumed by an earlier step (a step donates its input state); "
-                "use the state that step returned"
-            )
-
-    def _check_opt_state(self, tx, params, opt_state) -> None:
-        want = jax.eval_shape(tx.init, params)
-        w_leaves, w_def = jax.tree.flatten(want)
-        g_leaves, g_def = jax.tree.flatten(opt_state)
-        same = w_def == g_def and all(
-            tuple(a.shape) == tuple(np.shape(b)) and jnp.dtype(a.dtype) == jnp.dtype(b.dtype)
-            for a, b in zip(w_leaves, g_leaves)
-        )
-        if not same:
-            raise ValueError(
-                "state.opt_state was not initialised by the tx given to train_step (its structure "
-                f"differs: {g_def} vs {w_def}); build the state with fsdp.init(model, tx) using the "
-                "same optimizer"
-            )
-
-    def _step(self, loss_fn: Callable, tx, has_aux: bool) -> Callable:
-        grads_fn = self._grads_fn(loss_fn, has_aux)
-        quantize_local = self._quantize_local()
-
-        def step(state: TrainState, batch):
-            self.check_state(state, "state")
-            loss, aux, grads, rest = grads_fn(state, batch)
-            params = self.param_tree(state.master)
-            self._check_opt_state(tx, params, state.opt_state)
-            updates, opt_state = tx.update(self.param_tree(grads), state.opt_state, params)
-            master = self.from_param_tree(optax.apply_updates(params, updates))
-            master = {k: v.astype(jnp.float32) for k, v in master.items()}
-            new_state = TrainState(master, quantize_local(master), state.frozen, tuple(rest), opt_state, state.step + 1)
-            new_state = lax.with_sharding_constraint(new_state, self._shardings(new_state))
-            return (new_state, loss, aux) if has_aux else (new_state, loss)
-
-        return step
-
-    def _traceable(self, loss_fn: Callable) -> Callable:
-        """``(parameter values, rest values, batch) -> (loss_fn's output, rest values after)``:
-        the loss as a function of arrays, for tracing."""
-
-        def fn(values, rest, batch):
-            model = self._merge(values, rest)
-            out = loss_fn(model, batch)
-            _, _, after = nnx.split(model, nnx.Param, ...)
-            return out, jax.tree.leaves(after)
-
-        return fn
-
-    def _grads_fn(self, loss_fn: Callable, has_aux: bool) -> Callable:
-        """Loss, aux, gradients and the model's new other state of one step, on the whole batch.
-
-        The loss is evaluated under ``jit`` on global arrays (``fsdp_eval``), each unit read in an
-        island over the FSDP axes. Under tensor parallelism the whole of it runs inside a
-        ``shard_map`` manual over the tp axis only (the model's own collectives name it): each tp
-        rank evaluates its part, global over the FSDP axes, and the loss, aux and floating state
-        are averaged over tp."""
-        traceable = self._traceable(loss_fn)
-        islands = Islands(self.mesh, self._fsdp_axes)
-        tp = self.tp_axis
-
-        def loss_and_grads(master, planes, frozen, rest, batch):
-            avals = [jax.ShapeDtypeStruct(p.step_shape, p.dtype) for p in self.params]
-            closed, shapes = trace(traceable, avals, list(self._rest_avals), batch, forbidden=self._fsdp_axis_sizes)
-            check_uses(self.params, analyse(closed, len(self.params)), traced=self.traced)
-            out_tree = jax.tree.structure(shapes)
-            keys = self._step_keys(rest)
-            batch_leaves = jax.tree.leaves(batch)
-            specs = [None] * (len(self.params) + len(keys))
-            specs += [fsdp_specs.batch_spec(np.ndim(x), (self._fsdp_axes,)) for x in batch_leaves]
-
-            def loss_of(master):
-                args = [*self._step_values(master, planes, frozen), *keys, *batch_leaves]
-                out, after = jax.tree.unflatten(out_tree, evaluate(closed, args, specs, islands))
-                loss, aux = _split_loss(out, has_aux, averaged=tp is not None)
-                return loss.astype(jnp.float32) / self.tp_size, (aux, after)  # under tp: a share of the mean
-
-            (loss, (aux, after)), grads = jax.value_and_grad(loss_of, has_aux=True)(master)
-            after = self._next_rest(rest, after)
-            if tp is None:
-                return loss, aux, grads, after
-            for p in self.trained:  # whole on every tp rank, each rank's share of the tokens: summed
-                if p.tp is None:
-                    grads[p.name] = lax.psum(grads[p.name], tp)
-            return lax.psum(loss, tp), jax.tree.map(lambda a: lax.pmean(a, tp), aux), grads, after
-
-        if tp is None:
-
-            def grads_fn(state: TrainState, batch):
-                return loss_and_grads(state.master, state.quantized, state.frozen, tuple(state.rest), batch)
-
-            return grads_fn
-        master_specs = {p.name: self._tp_spec(p) for p in self.trained}
-        planes_specs = {p.name: UnitPlanes(*(self._tp_spec(p),) * 4) for p in self.mxfp8_units}
-        frozen_specs = {p.name: PartitionSpec() for p in self.frozen}
-        rest_specs = tuple(PartitionSpec() for _ in self._rest_avals)
-
-        def grads_fn(state: TrainState, batch):
-            batch_specs = jax.tree.map(lambda _: PartitionSpec(None, tp), batch)
-            fn = jax.shard_map(
-                loss_and_grads,
-                mesh=self.mesh,
-                in_specs=(master_specs, planes_specs, frozen_specs, rest_specs, batch_specs),
-                out_specs=(PartitionSpec(), PartitionSpec(), master_specs, rest_specs),
-                axis_names={tp},
-                check_vma=False,
-            )
-            return fn(state.master, state.quantized, state.frozen, tuple(state.rest), batch)
-
-        return grads_fn
-
-    @functools.cached_property
-    def _fsdp_axis_sizes(self) -> tuple[tuple[str, int], ...]:
-        """``(name, size)`` of each mesh axis the batch is split over (all but tp)."""
-        return tuple((a, int(self.mesh.shape[a])) for a in self.mesh.axis_names if a != self.tp_axis)
-
-    def _step_values(self, master, planes, frozen) -> list:
-        """Each parameter as the evaluated loss holds it (``fsdp_eval``)."""
-        values = []
-        for j, p in enumerate(self.params):
-            if p.kind == "frozen":
-                values.append(frozen[p.name])
-            elif p.unit is not None:
-                leaves = (master[p.name],)
-                if p.kind == "mxfp8":
-                    q = planes[p.name]
-                    leaves += (q.rowwise_data, q.rowwise_scale, q.columnwise_data, q.columnwise_scale)
-                view = View(j, tuple((a,) for a in range(len(p.step_shape))))
-                gemm = self._gemm_mode if p.kind == "mxfp8" else None
-                values.append(UnitValue(p.name, p.unit, p.dtype, leaves, view, gemm=gemm))
-            else:
-                values.append(PlainValue(p.name, master[p.name], p.shard_axis, p.dtype))
-        return values
-
-    def _step_keys(self, rest) -> list:
-        """The model's other state as the loss sees it: RNG keys as they are (draws on the whole
-        batch's shapes, the same bits however the mesh splits them where jax's threefry is
-        partitionable), folded with the tp index under tensor parallelism (each tp rank holds
-        other tokens)."""
-        if self.tp_axis is None or not any(_is_key(r) for r in rest):
-            return list(rest)
-        index = lax.axis_index(self.tp_axis)
-        return [jax.random.fold_in(r, index) if _is_key(r) else r for r in rest]
-
-    def _next_rest(self, before, after) -> tuple:
-        """The model's other state after the step: keys as they were (each step draws by the
-        advanced counts), the rest as the loss left it (batch statistics of the whole batch);
-        under tensor parallelism floating values averaged over the tp ranks."""
-        out = []
-        for b, a in zip(before, after):
-            if _is_key(b):
-                out.append(b)
-            elif self.tp_axis is not None and jnp.issubdtype(a.dtype, jnp.floating):
-                out.append(lax.pmean(a, self.tp_axis))
-            else:
-                out.append(a)
-        return tuple(out)
-
-    def _spec(self, info: ParamInfo) -> PartitionSpec:
-        stack = (None,) * len(info.stack)
-        if info.tp == "column":  # rows: tp slices, each split over the FSDP axes
-            fsdp = self._fsdp_axes if isinstance(self._fsdp_axes, tuple) else (self._fsdp_axes,)
-            return PartitionSpec(*stack, (self.tp_axis, *fsdp), None)
-        if info.tp == "row":  # rows over the FSDP axes, columns over tp
-            return PartitionSpec(*stack, self._fsdp_axes, self.tp_axis)
-        if info.unit is not None:  # rows over the FSDP axes (under tp: the same on every tp rank)
-            return PartitionSpec(*stack, self._fsdp_axes, None)
-        if info.shard_axis is None:
-            return PartitionSpec()
-        return PartitionSpec(*(None,) * info.shard_axis, self._fsdp_axes)
-
-    def _tp_spec(self, info: ParamInfo) -> PartitionSpec:
-        """The tp part of ``_spec``: how a step's tp-manual ``shard_map`` takes the array."""
-        stack = (None,) * len(info.stack)
-        if info.tp == "column":
-            return PartitionSpec(*stack, self.tp_axis, None)
-        if info.tp == "row":
-            return PartitionSpec(*stack, None, self.tp_axis)
-        return PartitionSpec()
-
-    @functools.cached_property
-    def _place_fn(self):
-        trained = self.trained
-        shardings = {p.name: self.master_sharding(p) for p in trained}
-        rep = NamedSharding(self.mesh, PartitionSpec())
-        frozen_shardings = {p.name: rep for p in self.frozen}
-
-        def place(values, frozen, rest):  # the step counter too: made on the devices, not sent
-            master = {p.name: self.from_logical(p, values[p.name]) for p in trained}
-            frozen = {k: jnp.asarray(v) for k, v in frozen.items()}
-            return master, frozen, [jnp.asarray(r) for r in rest], jnp.zeros((), jnp.int32)
-
-        rest_shardings = [rep] * len(self._rest_avals)
-        return jax.jit(place, out_shardings=(shardings, frozen_shardings, rest_shardings, rep))
-
-    @functools.cached_property
-    def _logical_fn(self):
-        """``(master, frozen) -> values`` in parameter order, each whole (replicated), in the
-        parameter's dtype."""
-        rep = NamedSharding(self.mesh, PartitionSpec())
-
-        def logical(master, frozen):
-            values = []
-            for p in self.params:
-                if p.kind == "frozen":
-                    values.append(frozen[p.name])
-                else:
-                    values.append(self.to_logical(p, master[p.name]).astype(p.dtype))
-            return values
-
-        return jax.jit(logical, out_shardings=[rep] * len(self.params))
-
-    def _quantize_local(self) -> Callable:
-        """``master -> {name: UnitPlanes}``: every device quantizes its own rows (no collective)."""
-        units, rule = self.mxfp8_units, self.scale_rule
-        if not units:
-            return lambda master: {}
-        specs = {p.name: self._spec(p) for p in units}
-
-        def local(master):
-            out = {}
-            for p in units:
-                w = master[p.name]  # [*stack, rows, K]: whole 32-row blocks of each layer
-                codes, row_scale, col_scale = p.unit.plane_shapes(rows=w.shape[-2], stack=w.shape[:-2])
-                t = quantize(w.reshape(-1, w.shape[-1]), scale_rule=rule)
-                as_bytes = lambda q: lax.bitcast_convert_type(q, jnp.uint8).reshape(codes)
-                out[p.name] = UnitPlanes(
-                    as_bytes(t.rowwise_data),
-                    t.rowwise_scale.reshape(row_scale),
-                    as_bytes(t.columnwise_data),
-                    t.columnwise_scale.reshape(col_scale),
-                )
-            return out
-
-        planes_specs = {name: UnitPlanes(*(s,) * 4) for name, s in specs.items()}
-        fn = spmd.shard_map(local, self.mesh, (specs,), planes_specs)
-        return lambda master: fn({p.name: master[p.name] for p in units})
-
-    @functools.cached_property
-    def _quantize_fn(self):
-        return jax.jit(self._quantize_local())
-
-    def _opt_shardings(self, shapes):
-        """Optimizer leaves that belong to a parameter (``owner_of``) are sharded like it; the
-        rest (step counts, scalars) replicated. Init and step agree, so the step compiles once."""
-        replicated = NamedSharding(self.mesh, PartitionSpec())
-
-        def sharding(key_path, leaf):
-            p = self.owner_of(key_path, leaf)
-            return replicated if p is None else self.master_sharding(p)
-
-        return jax.tree_util.tree_map_with_path(sharding, shapes)
-
-    def _shardings(self, state: TrainState):
-        master = {p.name: self.master_sharding(p) for p in self.trained}
-        quantized = {p.name: UnitPlanes(*(self.master_sharding(p),) * 4) for p in self.mxfp8_units}
-        replicated = NamedSharding(self.mesh, PartitionSpec())
-        frozen = {k: replicated for k in state.frozen}
-        rest = tuple(replicated for _ in state.rest)
-        return TrainState(master, quantized, frozen, rest, self._opt_shardings(state.opt_state), replicated)
 
     def _values_of(self, model: nnx.Module) -> tuple[list, list]:
         if not isinstance(model, nnx.Module):
@@ -1115,49 +691,6 @@ class FSDP:
                 f"model has {len(rest)} values of state other than nnx.Param, the plan {len(self._rest_avals)}"
             )
         return [v.get_value() for v in variables], rest
-
-    def _merge(self, values, rest) -> nnx.Module:
-        return nnx.merge(
-            self._graphdef, jax.tree.unflatten(self._treedef, values), jax.tree.unflatten(self._rest_treedef, rest)
-        )
-
-
-def _split_loss(out, has_aux: bool, *, averaged: bool = False):
-    """``loss_fn``'s output as ``(loss, aux)``, checked. ``averaged``: aux is averaged over the
-    tensor-parallel ranks, so its leaves must be floating."""
-    if has_aux:
-        if not (isinstance(out, tuple) and len(out) == 2):
-            raise ValueError(f"loss_fn must return (loss, aux) with has_aux=True, got {type(out).__name__}")
-        loss, aux = out
-        for leaf in jax.tree.leaves(aux) if averaged else ():
-            if not jnp.issubdtype(jnp.result_type(leaf), jnp.floating):
-                raise ValueError(
-                    "under tp_axis, loss_fn's aux leaves must be floating (they are averaged over the tp ranks), "
-                    f"got {jnp.result_type(leaf)}"
-                )
-    else:
-        if isinstance(out, tuple):
-            raise ValueError(
-                "loss_fn returned a tuple; for (loss, aux) pass has_aux=True to train_step / loss_and_grads"
-            )
-        loss, aux = out, None
-    _check_loss_shape(loss)
-    return loss, aux
-
-
-def _check_loss_shape(loss) -> None:
-    """The loss (or the first of ``(loss, aux)``) is a floating scalar."""
-    if isinstance(loss, tuple) and len(loss) == 2:
-        loss = loss[0]
-    shape = getattr(loss, "shape", np.shape(loss))
-    if len(shape) != 0:
-        raise ValueError(f"loss_fn must return a scalar (the loss of its batch), got shape {tuple(shape)}")
-    if not jnp.issubdtype(getattr(loss, "dtype", jnp.result_type(loss)), jnp.floating):
-        raise ValueError(f"loss_fn must return a floating scalar, got {getattr(loss, 'dtype', type(loss))}")
-
-
-def _dtype_of(leaf):
-    return leaf.dtype if hasattr(leaf, "dtype") else jnp.asarray(leaf).dtype
 
 
 def _unit_kernels(model: nnx.Module) -> dict[tuple, tuple[tuple[int, ...], int, int]]:
@@ -1185,7 +718,3 @@ def _tp_roles(model: nnx.Module) -> dict[tuple, str]:
 
 def _is_variable(x) -> bool:
     return isinstance(x, nnx.Variable)
-
-
-def _is_key(x) -> bool:
-    return jax.dtypes.issubdtype(getattr(x, "dtype", None), jax.dtypes.prng_key)
