@@ -260,3 +260,73 @@ def test_per_device_form_in_user_shard_map(devices):
         np.testing.assert_array_equal(as_bytes(a), as_bytes(b))
     # the dp row d gathers devices (d, 0..tp-1): rows [3 tp d, 3 tp (d + 1)) of x
     np.testing.assert_array_equal(as_bytes(outs[1][1]), as_bytes(x))
+
+
+def _partly_manual(devices, grouped: bool, **kw):
+    """The per-device op over "tp" in a shard_map manual over tp only, on a (n / 2, 2)
+    ("fsdp", "tp") mesh whose rows XLA keeps split over the automatic fsdp axis (an FSDP step
+    under tensor parallelism): outputs, compiled HLO, input."""
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    need_devices(4)
+    f = len(devices) // 2
+    mesh = Mesh(np.array(devices[: 2 * f]).reshape(f, 2), ("fsdp", "tp"))
+    rows = 32 * f  # each tp rank's rows: 32 per device of the fsdp axis (whole columnwise blocks)
+    rng = np.random.default_rng(11)
+    x = jnp.asarray(rng.standard_normal((2 * rows, 64)).astype(BF16))
+    gamma = jnp.asarray(rng.standard_normal(64).astype(BF16))
+    body = functools.partial(mx.allgather_rmsnorm_quant_local, axis_name="tp", grouped=grouped, **kw)
+    fn = jax.jit(
+        jax.shard_map(body, mesh=mesh, in_specs=(P("tp"), P()), out_specs=P(), axis_names={"tp"}, check_vma=False)
+    )
+    placed = jax.device_put(x, NamedSharding(mesh, P(("tp", "fsdp"))))
+    return fn(placed, gamma), fn.lower(placed, gamma).compile().as_text(), x, gamma
+
+
+def test_grouped_outputs_keep_the_automatic_axes_row_split(devices):
+    """``grouped=True``: the same bytes as the flat outputs and as the unfused op on the
+    gathered rows, as ``[member, rows, ...]``; with the rows split over an automatic mesh axis
+    the compiled program then moves nothing but the fused call's own gather, while the flat
+    outputs (members' rows interleaved with that split) make XLA gather every output."""
+    grouped, text, x, gamma = _partly_manual(devices, True, columnwise=True)
+    flat, flat_text, _, _ = _partly_manual(devices, False, columnwise=True)
+    want = mx.rmsnorm_quant(x, gamma, columnwise=True)
+    want = (*want[:3], x, *want[3:])  # the op's order: normed, quant, scales, residual, columnwise
+    assert len(grouped) == len(flat) == len(want) == 6
+    for g, fl, w in zip(grouped, flat, want):
+        assert g.shape == (2, w.shape[0] // 2, w.shape[1])
+        assert fl.shape == w.shape
+        np.testing.assert_array_equal(as_bytes(g), as_bytes(w))
+        np.testing.assert_array_equal(as_bytes(fl), as_bytes(w))
+    assert [c.target for c in hlo.custom_calls(text)] == ["mxfp8_allgather_rmsnorm_quantize"]
+    assert hlo.collectives(text) == []
+    assert {c.op for c in hlo.collectives(flat_text)} == {"all-gather"}
+
+
+@pytest.mark.parametrize(
+    "kw, err, match",
+    [
+        (dict(grouped=1), TypeError, r"grouped=1 must be True or False"),
+        (
+            dict(grouped=True, row_counts=(15, 16)),
+            ValueError,
+            r"grouped=True needs every device's row count equal to rows_max=16",
+        ),
+        # 16 rows a device: the gathered 32 make whole blocks, each member's 16 do not
+        (
+            dict(grouped=True, columnwise=True),
+            ValueError,
+            r"grouped=True with columnwise=True needs rows_max a multiple of 32.*rows_max=16",
+        ),
+    ],
+    ids=["not-bool", "ragged", "columnwise-part-block"],
+)
+def test_grouped_errors(devices, kw, err, match):
+    from jax.sharding import PartitionSpec as P
+
+    mesh = Mesh(np.array(devices[:2]), ("tp",))
+    x, gamma = jnp.zeros((32, 64), jnp.bfloat16), jnp.ones(64, jnp.bfloat16)
+    body = functools.partial(mx.allgather_rmsnorm_quant_local, axis_name="tp", **kw)
+    with pytest.raises(err, match=match):
+        jax.shard_map(body, mesh=mesh, in_specs=(P("tp"), P()), out_specs=P(), check_vma=False)(x, gamma)

@@ -95,6 +95,8 @@ def run(hidden: int, layers: int, seq: int, batch: int, devices: int, tp: int, i
                 r["fused_calls"],
                 mib("all-gather"),
                 mib("reduce-scatter"),
+                mib("all-to-all"),
+                mib("all-reduce"),
             )
         )
     title = (
@@ -103,7 +105,18 @@ def run(hidden: int, layers: int, seq: int, batch: int, devices: int, tp: int, i
     )
     print_table(
         title,
-        ("case", "step ms", "vs fused", "compile s", "temp MiB", "fused calls", "all-gather MiB", "reduce-scatter MiB"),
+        (
+            "case",
+            "step ms",
+            "vs fused",
+            "compile s",
+            "temp MiB",
+            "fused calls",
+            "all-gather MiB",
+            "reduce-scatter MiB",
+            "all-to-all MiB",
+            "all-reduce MiB",
+        ),
         rows,
     )
     payload = {

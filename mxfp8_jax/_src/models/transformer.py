@@ -38,7 +38,7 @@ import numpy as np
 from flax import nnx
 from jax import lax
 
-from mxfp8_jax._src.core import checks
+from mxfp8_jax._src.core import checks, spmd
 from mxfp8_jax._src.fsdp.flax_layers import tensor_parallel
 from mxfp8_jax._src.ops.fused import allgather_rmsnorm_quant_local
 from mxfp8_jax._src.ops.mxfp8_gemm import GEMMS, gemm_operand
@@ -181,27 +181,33 @@ class Block(nnx.Module):
         b, s, h = x.shape
         rows = x.reshape(b * s, h).astype(jnp.bfloat16)
         gamma = norm.scale.get_value().astype(jnp.bfloat16)
-        # columnwise blocks need whole 32-row groups of the gathered rows; otherwise each GEMM
+        # columnwise blocks need whole 32-row groups of each tp rank's rows; otherwise each GEMM
         # quantizes ``normed`` along its tokens itself (zero-padded to 32)
-        col = cfg.gemm == "mxfp8" and (tp * b * s) % 32 == 0
+        col = cfg.gemm == "mxfp8" and (b * s) % 32 == 0
         if tp == 1:
             normed, q, scales, *planes = rmsnorm_quant(rows, gamma, eps=cfg.eps, columnwise=col)
             act = gemm_operand(*(a.reshape(b, s, -1) for a in (normed, q, scales)), tuple(planes) or None)
             return act, rows.reshape(b, s, h)
+        # the gathered rows [tp, batch * seq]: grouped by tp rank, each rank's rows as sharded
+        # over the other mesh axes (by batch), which flat [tp * batch * seq] rows would interleave
         if cfg.norm_path == "fused":
             normed, q, scales, residual, *planes = allgather_rmsnorm_quant_local(
-                rows, gamma, axis_name=cfg.tp_axis, eps=cfg.eps, strategy=cfg.strategy, columnwise=col
+                rows, gamma, axis_name=cfg.tp_axis, eps=cfg.eps, strategy=cfg.strategy, columnwise=col, grouped=True
             )
         else:
-            residual = lax.all_gather(rows, cfg.tp_axis, tiled=True)
-            normed, q, scales, *planes = rmsnorm_quant(residual, gamma, eps=cfg.eps, columnwise=col)
-        # gathered rows are [tp, batch, seq]: the whole sequences are [batch, tp * seq]; the
-        # columnwise planes stay in gathered order (their 32-row blocks), and say so
+
+            def unfused(r, g):  # this device's rows -> the gathered rows' planes, [tp, rows, ...]
+                gathered = lax.all_gather(r, cfg.tp_axis)
+                out = rmsnorm_quant(gathered.reshape(-1, h), g, eps=cfg.eps, columnwise=col)
+                return (*(a.reshape(tp, -1, a.shape[-1]) for a in out), gathered)
+
+            normed, q, scales, *planes, residual = spmd.by_row_shards(unfused, rows, gamma, block=32 if col else 1)
+        # the whole sequences are [batch, tp * seq]; the columnwise planes stay in gathered order
+        # [tp, batch * seq] (their 32-row blocks), and say so
         seqs = lambda a: a.reshape(tp, b, s, -1).transpose(1, 0, 2, 3).reshape(b, tp * s, -1)
-        act = gemm_operand(
-            seqs(normed), seqs(q), seqs(scales), tuple(planes) or None, order=(tp, b, s) if planes else None
-        )
-        skip = lax.dynamic_index_in_dim(residual.reshape(tp, b, s, h), lax.axis_index(cfg.tp_axis), keepdims=False)
+        order = (tp, b, s) if planes else None
+        act = gemm_operand(seqs(normed), seqs(q), seqs(scales), tuple(planes) or None, order=order)
+        skip = lax.dynamic_index_in_dim(residual, lax.axis_index(cfg.tp_axis), keepdims=False).reshape(b, s, h)
         return act, skip
 
     def _reduce(self, y: jax.Array) -> jax.Array:

@@ -404,6 +404,7 @@ def allgather_rmsnorm_quant_local(
     strategy: str = "auto",
     scale_rule: str = "rceil",
     p2p_timeout_s: float | None = DEFAULT_P2P_TIMEOUT_S,
+    grouped: bool = False,
 ) -> tuple[jax.Array, ...]:
     """The fused op as one device sees it, for use inside ``jax.shard_map`` over ``axis_name``.
 
@@ -430,11 +431,19 @@ def allgather_rmsnorm_quant_local(
       strategy: ``"auto"``, ``"xla"`` or ``"p2p"``; ``"p2p"`` needs a single-process run and every
         other axis of the mesh manual in the ``shard_map``.
       p2p_timeout_s: how long a ``"p2p"`` device waits for its peers (``None``: no deadline).
+      grouped: return every output as ``[group_size, rows_max, ...]`` (group member, then its
+        rows) instead of ``[group_size * rows_max, ...]``: the same bytes. Inside a
+        ``shard_map`` that leaves other mesh axes automatic with ``x``'s rows sharded over them
+        (an FSDP step under tensor parallelism), a flat output would interleave the members'
+        rows with that sharding, which XLA can only honour by moving the rows between devices;
+        grouped outputs keep it. Needs equal row counts (and ``rows_max`` a multiple of 32 with
+        ``columnwise``).
 
     Returns:
       ``(normed [R, H] bf16, quant [R, H] e4m3, scales [R, H/32] uint8, residual [R, H] bf16)``,
       plus ``(columnwise_quant [R, H], columnwise_scales [R/32, H])`` when ``columnwise=True``;
-      ``residual`` is the group's gathered valid rows of ``x``.
+      ``residual`` is the group's gathered valid rows of ``x``. With ``grouped``, each
+      ``[R, ...]`` is ``[group_size, rows_max, ...]``.
     """
     rows_max, h = rmsnorm.check_rows(x)
     rmsnorm.check_gamma(gamma, h, ((h,),))
@@ -453,16 +462,32 @@ def allgather_rmsnorm_quant_local(
         scale_rule=scale_rule,
         p2p_timeout_s=p2p_timeout_s,
     )
-    return _local(x, gamma, axis_name, opts)
+    if not isinstance(grouped, bool):
+        raise TypeError(f"grouped={grouped!r} must be True or False")
+    if grouped:
+        if any(c != rows_max for c in opts.row_counts):
+            raise ValueError(
+                f"grouped=True needs every device's row count equal to rows_max={rows_max}; "
+                f"got row_counts={opts.row_counts}"
+            )
+        if columnwise and rows_max % fmt.BLOCK:
+            raise ValueError(
+                f"grouped=True with columnwise=True needs rows_max a multiple of {fmt.BLOCK} (each member's "
+                f"columnwise scales whole 32-row blocks); got rows_max={rows_max}"
+            )
+    return _local(x, gamma, axis_name, opts, grouped=grouped)
 
 
-def _local(x, gamma, axis_name: str, opts: _Options) -> tuple[jax.Array, ...]:
-    """The per-device op on checked ``x``, ``gamma`` and options."""
+def _local(x, gamma, axis_name: str, opts: _Options, *, grouped: bool = False) -> tuple[jax.Array, ...]:
+    """The per-device op on checked ``x``, ``gamma`` and options (``grouped``: outputs
+    ``[group_size, rows, ...]``)."""
     rows_max, h = x.shape
     n = int(jax.lax.axis_size(axis_name))
     unmapped = _other_mesh_axes(axis_name)[1]
     if unmapped and opts.strategy != "xla" and (out := _manual_over(unmapped, x, gamma, axis_name, opts)) is not None:
-        return out
+        return out if grouped else tuple(o.reshape(-1, o.shape[-1]) for o in out)
+    if grouped:
+        return tuple(o.reshape(opts.group_size, -1, o.shape[-1]) for o in _local(x, gamma, axis_name, opts))
     if unmapped and opts.strategy == "p2p":
         raise ValueError(
             f"strategy='p2p' cannot tell apart the groups of axis {axis_name!r} repeated along "
@@ -495,7 +520,9 @@ def _manual_over(unmapped: list[str], x, gamma, axis_name: str, opts: _Options):
     device gathering its part of every row block of its group, so that ``"p2p"`` can run; the
     outputs are put back in the caller's row order (group member, then row), byte for byte what
     the op gives on the automatic axes. None where that cannot be: rows the automatic axes do
-    not divide, ragged row counts, columnwise blocks across a device's rows, several processes."""
+    not divide, ragged row counts, columnwise blocks across a device's rows, several processes.
+    The outputs are ``[group member, row, ...]``: flattened, the members' rows would interleave
+    the automatic axes' row sharding."""
     mesh = jax.sharding.get_abstract_mesh()
     sizes = dict(zip(mesh.axis_names, mesh.axis_sizes))
     split = math.prod(sizes[a] for a in unmapped)
@@ -524,7 +551,7 @@ def _manual_over(unmapped: list[str], x, gamma, axis_name: str, opts: _Options):
         axis_names=set(unmapped),
         check_vma=False,
     )(x, gamma)
-    return tuple(o.reshape(-1, o.shape[-1]) for o in out)
+    return out
 
 
 # ------------------------------------------------------------------------------------------------

@@ -307,7 +307,9 @@ def gemm_operand(normed, codes, scales, columnwise=None, *, order: tuple[int, in
         (straight-through).
       codes: rowwise E4M3 codes ``[..., K]`` (or their uint8 bytes), in ``normed``'s layout.
       scales: rowwise E8M0 scales ``[..., K/32]`` uint8.
-      columnwise: optional ``(codes [M, K], scales [M/32, K])`` over ``normed``'s ``M`` rows.
+      columnwise: optional ``(codes [M, K], scales [M/32, K])`` over ``normed``'s ``M`` rows
+        (with ``order``, also ``[p, b * s, K]`` and ``[p, b * s / 32, K]``: the same rows, the
+        form in which a batch split over other mesh axes stays a split of axis 1).
       order: ``(p, b, s)`` when the columnwise rows are in the order ``[p, b, s]`` of rows that
         ``normed`` holds as ``[b, p * s]`` (what a sequence-parallel all-gather returns before
         the rows are put back into sequences); None: ``normed``'s own row order.
