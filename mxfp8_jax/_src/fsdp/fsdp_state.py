@@ -107,32 +107,11 @@ class StateLayout:
         return tuple(p for p in self.params if p.kind == "mxfp8")
 
     def master_sharding(self, info: ParamInfo) -> NamedSharding:
-        """A unit's master (and planes): the row axis (second to last) split over the mesh.
-        A plain parameter: split along its ``shard_axis``, or replicated.
-
-        Args:
-          info: a parameter of this plan (an entry of ``params``).
-
-        Returns:
-          The ``NamedSharding`` over ``mesh`` of its ``TrainState.master`` array
-          (``info.stored_shape``). Under tensor parallelism a ``"column"`` unit's rows are split
-          over the tp axis and then the FSDP axes; a ``"row"`` unit's rows over the FSDP axes and
-          its columns over the tp axis. A frozen parameter's is replicated.
-        """
+        """``FSDP.master_sharding`` (documented there)."""
         return NamedSharding(self.mesh, self.spec(info))
 
     def logical_sharding(self, info: ParamInfo) -> NamedSharding:
-        """A parameter in its own shape (a checkpoint's tensor): split along the first axis the
-        device count divides.
-
-        Args:
-          info: a parameter of this plan (an entry of ``params``).
-
-        Returns:
-          The ``NamedSharding`` over ``mesh`` for an array of ``info.shape``. For a unit, its first
-          axis that ``mesh.size`` divides is split over every mesh axis (replicated when none
-          does); for any other parameter, ``master_sharding(info)``.
-        """
+        """``FSDP.logical_sharding`` (documented there)."""
         if info.unit is None:
             return self.master_sharding(info)
         axis = split_axis(info.shape, self.mesh.size)
@@ -141,18 +120,7 @@ class StateLayout:
         return NamedSharding(self.mesh, PartitionSpec(*(None,) * axis, self._axes))
 
     def param_tree(self, arrays: dict[str, Any]) -> dict:
-        """``{name: array}`` (like ``TrainState.master``) as nested dicts keyed by the parameter
-        paths of ``nnx.state(model, nnx.Param)`` (its ``to_pure_dict()`` structure): the tree
-        ``tx`` is initialised and applied on.
-
-        Args:
-          arrays: ``{name: value}`` with an entry for every trained parameter (``trained``), e.g.
-            ``TrainState.master`` or the gradients of ``loss_and_grads``; other entries are
-            ignored.
-
-        Returns:
-          Nested dicts holding the trained parameters' values from ``arrays``, as given.
-        """
+        """``FSDP.param_tree`` (documented there)."""
         tree: dict = {}
         for p in self.trained:
             node = tree
@@ -162,16 +130,7 @@ class StateLayout:
         return tree
 
     def from_param_tree(self, tree: dict) -> dict[str, Any]:
-        """The inverse of ``param_tree``.
-
-        Args:
-          tree: nested dicts holding a value at every trained parameter's path (as
-            ``param_tree`` builds them, e.g. after ``optax.apply_updates``); other entries are
-            ignored.
-
-        Returns:
-          ``{name: value}`` for every trained parameter, in parameter order.
-        """
+        """``FSDP.from_param_tree`` (documented there)."""
         out = {}
         for p in self.trained:
             node = tree
@@ -181,18 +140,7 @@ class StateLayout:
         return out
 
     def owner_of(self, key_path, leaf) -> ParamInfo | None:
-        """The parameter an optimizer leaf belongs to: its key path ends with the parameter's
-        path and it has the parameter's stored shape (adam's moments, masked or labelled).
-
-        Args:
-          key_path: the leaf's key path in the optimizer state (as
-            ``jax.tree_util.tree_flatten_with_path`` gives it).
-          leaf: the leaf (an array or ``jax.ShapeDtypeStruct``); only its shape is read.
-
-        Returns:
-          The ``ParamInfo`` of the trained parameter whose path is the longest such suffix, or
-          None when no trained parameter matches.
-        """
+        """``FSDP.owner_of`` (documented there)."""
         names = fsdp_checkpoint.path_names(key_path)
         by_path = self._by_path
         for k in range(min(max(map(len, by_path)), len(names)), 0, -1):
@@ -206,16 +154,7 @@ class StateLayout:
         return {p.path: p for p in self.trained}
 
     def abstract_state(self, tx: optax.GradientTransformation) -> TrainState:
-        """The ``TrainState`` that ``init`` would return, as ``jax.ShapeDtypeStruct``s with their
-        shardings: for ``lower_train_step`` (memory analysis, HLO) without building the model.
-
-        Args:
-          tx: the optimizer ``init`` would be given.
-
-        Returns:
-          A ``TrainState`` whose leaves are ``jax.ShapeDtypeStruct``s with shapes, dtypes and
-          shardings as ``init`` makes them.
-        """
+        """``FSDP.abstract_state`` (documented there)."""
         sds = jax.ShapeDtypeStruct
         master, quantized = {}, {}
         for p in self.trained:
@@ -232,13 +171,7 @@ class StateLayout:
         return TrainState(master, quantized, frozen, rest, opt_state, sds((), jnp.int32, sharding=rep))
 
     def check_state(self, state: Any, argname: str = "state") -> None:
-        """Raises ``ValueError`` unless ``state`` is a ``TrainState`` of this plan: the same
-        parameter names, stored shapes and dtypes, planes exactly for the MXFP8 units.
-
-        Args:
-          state: the value to check; ``TypeError`` when it is not a ``TrainState``.
-          argname: the name the error messages give it.
-        """
+        """``FSDP.check_state`` (documented there)."""
         if not isinstance(state, TrainState):
             raise TypeError(f"{argname} must be a TrainState (from FSDP.init), got {type(state).__name__}")
         planes = sorted(state.quantized or {})
@@ -269,18 +202,7 @@ class StateLayout:
             raise ValueError(f"{argname} is not a state of this FSDP plan (another model or mesh?): {detail}")
 
     def to_logical(self, info: ParamInfo, stored: jax.Array) -> jax.Array:
-        """Any parameter's stored array (``TrainState.master`` entry, its gradient or an
-        optimizer moment) in the parameter's own shape (a unit's padding rows dropped); works
-        on sharded arrays.
-
-        Args:
-          info: the parameter (an entry of ``params``).
-          stored: an array of ``info.stored_shape``.
-
-        Returns:
-          An array of ``info.shape`` in ``stored``'s dtype; ``stored`` itself for a parameter
-          that is not a unit.
-        """
+        """``FSDP.to_logical`` (documented there)."""
         g = info.unit
         if g is None:
             return stored
@@ -294,18 +216,7 @@ class StateLayout:
         return jnp.swapaxes(stored[..., : g.out_features, :], -1, -2)
 
     def from_logical(self, info: ParamInfo, value: jax.Array, dtype=jnp.float32) -> jax.Array:
-        """The inverse of ``to_logical``: a unit's parameter-shaped array as its padded master
-        (zero rows), in ``dtype``.
-
-        Args:
-          info: the parameter (an entry of ``params``).
-          value: an array of ``info.shape`` (anything ``jnp.asarray`` takes).
-          dtype: the result's dtype.
-
-        Returns:
-          An array of ``info.stored_shape`` in ``dtype``, its padding rows zero; for a parameter
-          that is not a unit, ``value`` in ``dtype``.
-        """
+        """``FSDP.from_logical`` (documented there)."""
         value = jnp.asarray(value, dtype)
         g = info.unit
         if g is None:

@@ -61,21 +61,7 @@ class Steps:
         self.example_tree = None
 
     def place_batch(self, batch: Any) -> Any:
-        """``batch`` with every leaf's leading axis split over the mesh (as a step takes it);
-        under tensor parallelism the leading axis over the FSDP axes and the second (sequence)
-        over the tp axis.
-
-        ``jax.ShapeDtypeStruct`` leaves get the sharding attached (for lowering only).
-
-        Args:
-          batch: a pytree of arrays, or of ``jax.ShapeDtypeStruct``s only; every leaf's leading
-            axis divisible by the devices it is split over (``mesh.size / tp_size``) and, under
-            tensor parallelism, its second axis by ``tp_size`` (``ValueError`` otherwise).
-
-        Returns:
-          The same tree: ``jax.ShapeDtypeStruct``s with the ``NamedSharding`` attached, or the
-          arrays placed with it (``jax.device_put``).
-        """
+        """``FSDP.place_batch`` (documented there)."""
         self.check_batch(batch)
         sharding = NamedSharding(self.mesh, self.batch_spec)
         if all(isinstance(leaf, jax.ShapeDtypeStruct) for leaf in jax.tree.leaves(batch)):
