@@ -517,12 +517,11 @@ def _local(x, gamma, axis_name: str, opts: _Options, *, grouped: bool = False) -
 def _manual_over(unmapped: list[str], x, gamma, axis_name: str, opts: _Options):
     """The op inside a ``shard_map`` manual over the mesh axes the caller left automatic (an FSDP
     step under tensor parallelism is manual over tp only): ``x``'s rows split over them, each
-    device gathering its part of every row block of its group, so that ``"p2p"`` can run; the
-    outputs are put back in the caller's row order (group member, then row), byte for byte what
-    the op gives on the automatic axes. None where that cannot be: rows the automatic axes do
-    not divide, ragged row counts, columnwise blocks across a device's rows, several processes.
-    The outputs are ``[group member, row, ...]``: flattened, the members' rows would interleave
-    the automatic axes' row sharding."""
+    device gathering its part of every row block of its group, so that ``"p2p"`` can run. The
+    outputs are ``[group member, row, ...]``, byte for byte what the op gives on the automatic
+    axes (flattened, the members' rows would interleave the automatic axes' row split). None
+    where that cannot be: rows the automatic axes do not divide, ragged row counts, columnwise
+    blocks across a device's rows, several processes."""
     mesh = jax.sharding.get_abstract_mesh()
     sizes = dict(zip(mesh.axis_names, mesh.axis_sizes))
     split = math.prod(sizes[a] for a in unmapped)
