@@ -13,6 +13,9 @@ releases, and this module is the one place that knows how each supported release
 A primitive whose parameters are not spelled in any known way raises ``UnsupportedJax``, which
 names the primitive, the installed jax and what to do, instead of a ``KeyError`` deep inside a
 trace. ``TESTED_JAX`` is the range the test suite runs on (oldest, newest).
+
+``reshape_groups`` pairs a ``reshape``'s input and output axes, for the two readers that follow
+axes through one: the plan (parameter axes) and the step's batch split (``fsdp_specs``).
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import warnings
+from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -194,3 +198,31 @@ def bind(eqn, ins) -> list:
     with ctx.manager if ctx is not None else contextlib.nullcontext():
         out = eqn.primitive.bind(*subfuns, *ins, **params)
     return list(out) if eqn.primitive.multiple_results else [out]
+
+
+def reshape_groups(in_shape: Sequence[int], out_shape: Sequence[int]):
+    """The groups of a reshape's input and output axes whose sizes have equal products, in
+    order, as ``(input axes, output axes)`` lists; size-1 axes belong to no group."""
+    i = j = 0
+    while i < len(in_shape) or j < len(out_shape):
+        if i < len(in_shape) and in_shape[i] == 1:
+            i += 1
+            continue
+        if j < len(out_shape) and out_shape[j] == 1:
+            j += 1
+            continue
+        if i >= len(in_shape) or j >= len(out_shape):
+            return
+        gi, gj = [i], [j]
+        pi, pj = in_shape[i], out_shape[j]
+        i, j = i + 1, j + 1
+        while pi != pj:
+            if pi < pj:
+                pi *= in_shape[i]
+                gi.append(i)
+                i += 1
+            else:
+                pj *= out_shape[j]
+                gj.append(j)
+                j += 1
+        yield gi, gj

@@ -251,28 +251,7 @@ class Propagation:
         if s is None:
             return None
         new = [None] * len(out)
-        i = j = 0
-        while i < len(shape) or j < len(out):
-            if i < len(shape) and shape[i] == 1:
-                i += 1
-                continue
-            if j < len(out) and out[j] == 1:
-                j += 1
-                continue
-            if i >= len(shape) or j >= len(out):
-                break
-            gi, gj = [i], [j]
-            pi, pj = shape[i], out[j]
-            i, j = i + 1, j + 1
-            while pi != pj:
-                if pi < pj:
-                    pi *= shape[i]
-                    gi.append(i)
-                    i += 1
-                else:
-                    pj *= out[j]
-                    gj.append(j)
-                    j += 1
+        for gi, gj in jaxprs.reshape_groups(shape, out):
             split = [k for k in gi if s[k] is not None]
             if split == [gi[0]] and out[gj[0]] % axes_count(s[gi[0]], self.sizes) == 0:
                 new[gj[0]] = s[gi[0]]

@@ -208,26 +208,7 @@ def reshape_axes(axes, in_shape, out_shape) -> tuple[tuple[int, ...], ...]:
     """The parameter axes of each output axis of a reshape: every output axis of a group of
     input and output axes with equal products spans the group's input axes."""
     out = [()] * len(out_shape)
-    i = j = 0
-    while i < len(in_shape) or j < len(out_shape):
-        if i < len(in_shape) and in_shape[i] == 1:
-            i += 1
-            continue
-        if j < len(out_shape) and out_shape[j] == 1:
-            j += 1
-            continue
-        gi, gj = [i], [j]
-        pi, pj = in_shape[i], out_shape[j]
-        i, j = i + 1, j + 1
-        while pi != pj:
-            if pi < pj:
-                pi *= in_shape[i]
-                gi.append(i)
-                i += 1
-            else:
-                pj *= out_shape[j]
-                gj.append(j)
-                j += 1
+    for gi, gj in jaxprs.reshape_groups(in_shape, out_shape):
         spanned = tuple(sorted({a for k in gi for a in axes[k]}))
         for k in gj:
             out[k] = spanned
