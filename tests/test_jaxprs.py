@@ -59,11 +59,31 @@ def test_jit_and_remat_bodies_are_followed():
     assert [(u.kind, u.level, u.remat) for u in uses] == [("gemm", 0, True)]
 
 
+def test_cond_branches_and_while_bodies_are_followed():
+    """A parameter read in a ``cond`` branch or a ``while`` body is read there: by index (a
+    layer axis), with the branch marked and the while's trips unknown; a ``fori_loop`` with
+    static bounds is a scan whose trips are known."""
+
+    def branches(w, x):
+        return lax.cond(x.sum() > 0, lambda a: a @ w[0], lambda a: a @ w[1], x).sum()
+
+    def while_body(w, x):
+        return lax.while_loop(lambda c: c[1] < 3, lambda c: (c[0] @ w[0, :, :], c[1] + 1), (x, 0))[0].sum()
+
+    def fori(w, x):
+        return lax.fori_loop(0, 5, lambda i, a: a @ w[i % 4], x).sum()
+
+    uses, _ = uses_of(branches)
+    assert sorted((u.kind, u.level, u.trips, u.branch) for u in uses) == [("gemm", 1, 1, True)] * 2
+    uses, _ = uses_of(while_body)
+    assert [(u.kind, u.level, u.trips, u.branch) for u in uses] == [("gemm", 1, None, False)]
+    uses, _ = uses_of(fori)
+    assert [(u.kind, u.level, u.trips) for u in uses] == [("gemm", 1, 5)]
+
+
 @pytest.mark.parametrize(
     "prim, fn",
     [
-        ("cond", lambda w, x: lax.cond(x.sum() > 0, lambda a: a @ w[0], lambda a: a @ w[1], x).sum()),
-        ("while", lambda w, x: lax.while_loop(lambda c: c[1] < 3, lambda c: (c[0] @ w[0, :, :], c[1] + 1), (x, 0))),
         ("custom_jvp_call", lambda w, x: jax.nn.relu(x @ w[0]).sum() + jax.nn.relu(w).sum()),
     ],
 )
@@ -141,14 +161,21 @@ def test_versions_compare_as_numbers():
     assert oldest <= jaxprs.version_tuple(jax.__version__) <= newest, "CI runs inside the tested range"
 
 
+@jax.custom_vjp
+def _matmul(a, w):
+    return a @ w
+
+
+_matmul.defvjp(lambda a, w: (a @ w, (a, w)), lambda r, g: (g @ r[1].T, r[0].T @ g))
+
+
 class _Tiny(nnx.Module):
     def __init__(self):
         self.w = nnx.Linear(32, 32, use_bias=False, rngs=nnx.Rngs(0))
         self.gate = nnx.Param(jnp.ones((32, 32)))
 
     def __call__(self, x):
-        h = self.w(x)
-        return lax.cond(h.sum() > 0, lambda a: a @ self.gate.get_value(), lambda a: a, h)
+        return _matmul(self.w(x), self.gate.get_value())
 
 
 def test_the_plan_names_a_parameter_the_trace_stops_at(devices, monkeypatch):
@@ -158,7 +185,7 @@ def test_the_plan_names_a_parameter_the_trace_stops_at(devices, monkeypatch):
         warnings.simplefilter("error", jaxprs.UntestedJaxWarning)  # inside the range: no warning
         fsdp = mxflax.FSDP(_Tiny(), mesh, loss_fn=lambda m, x: m(x).sum(), example_batch=batch)
     row = next(line for line in str(fsdp).splitlines() if line.startswith("gate "))
-    assert "plain fp32" in row and "passed into cond" in row, row
+    assert "plain fp32" in row and "passed into custom_vjp_call" in row, row
     assert next(p for p in fsdp.params if p.name == "w/kernel").is_unit
     # outside the range: one warning naming the jax and the range
     monkeypatch.setattr(jax, "__version__", "99.0.0")

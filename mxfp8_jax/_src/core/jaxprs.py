@@ -104,6 +104,8 @@ def primitives(*names: str) -> frozenset:
 INLINED_CALLS = primitives("jit_p", "pjit_p", "closed_call_p", "call_p", "core_call_p")
 SCAN = primitive("scan_p")
 REMAT = primitive("remat_p")
+COND = primitive("cond_p")
+WHILE = primitive("while_p")
 
 
 def is_jaxpr(x) -> bool:
@@ -177,6 +179,34 @@ def scan_parts(eqn) -> ScanParts:
     return ScanParts(
         jaxpr, consts, num_consts, num_carry, int(params["length"]), bool(params["reverse"]), params["unroll"]
     )
+
+
+def cond_branches(eqn) -> list[tuple[jcore.Jaxpr, list]]:
+    """The branches of a ``cond`` equation (``lax.cond``, ``lax.switch``) as ``(jaxpr, consts)``;
+    its operands are the branch index, then the branches' operands."""
+    if "branches" not in eqn.params:
+        raise unsupported("cond", eqn.params, "its bodies as 'branches'")
+    return [body(b) for b in eqn.params["branches"]]
+
+
+@dataclasses.dataclass(frozen=True)
+class WhileParts:
+    """A ``while`` equation's parts. Its operands are ``cond_consts + body_consts + carry``;
+    ``cond`` takes ``cond_consts + carry``, ``body`` takes ``body_consts + carry``."""
+
+    cond: tuple[jcore.Jaxpr, list]
+    body: tuple[jcore.Jaxpr, list]
+    cond_nconsts: int
+    body_nconsts: int
+
+
+def while_parts(eqn) -> WhileParts:
+    """The parts of a ``while`` equation (``lax.while_loop``, ``fori_loop`` with traced bounds)."""
+    keys = ("cond_jaxpr", "body_jaxpr", "cond_nconsts", "body_nconsts")
+    if not all(k in eqn.params for k in keys):
+        raise unsupported("while", eqn.params, str(list(keys)))
+    p = eqn.params
+    return WhileParts(body(p["cond_jaxpr"]), body(p["body_jaxpr"]), int(p["cond_nconsts"]), int(p["body_nconsts"]))
 
 
 def sub_jaxprs(eqn) -> list:

@@ -46,14 +46,17 @@ from mxfp8_jax._src.core.jaxprs import INLINED_CALLS, bind
 from mxfp8_jax._src.fsdp import fsdp_specs
 from mxfp8_jax._src.fsdp.fsdp_specs import Propagation, Spec, entries_of
 from mxfp8_jax._src.fsdp.fsdp_trace import (
+    INDEX_PRIMITIVES,
     LOOKUP_PRIMITIVES,
+    RETYPE_PRIMITIVES,
     VIEW_PRIMITIVES,
     P,
     View,
     dot_roles,
+    index_view,
     view_through,
 )
-from mxfp8_jax._src.fsdp.fsdp_unit import UnitGeometry, UnitOp, after, unit_gemm, unit_lookup
+from mxfp8_jax._src.fsdp.fsdp_unit import UnitGeometry, UnitOp, after, pick_layer, unit_gemm, unit_lookup
 from mxfp8_jax._src.ops import mxfp8_gemm
 
 
@@ -62,7 +65,8 @@ class UnitValue:
     """A unit as the evaluated loss holds it: ``leaves`` = ``(master, *planes)``, global arrays
     ``[*stack, rows, K]`` split by rows over ``geometry.axes``, the layer axes of enclosing scans
     sliced off; ``ops`` the layout ops applied since the parameter, ``view`` their effect on its
-    axes."""
+    axes; ``pick`` the layer an index (``w[i]``) chose, one index per leading axis of the leaves,
+    picked by the op that reads it."""
 
     name: str
     geometry: UnitGeometry
@@ -71,10 +75,29 @@ class UnitValue:
     view: View
     ops: tuple = ()
     gemm: Any = None  # an mxfp8_gemm.GemmMode: its GEMMs run in MXFP8
+    pick: tuple = ()  # indices of the leaves' leading layer axes the value reads (``w[i]``)
 
     def leaf_specs(self) -> tuple[PartitionSpec, ...]:
         """The islands' ``in_specs`` of the leaves: rows split over the unit's axes."""
         return tuple(PartitionSpec(*(None,) * (x.ndim - 2), self.geometry.axes, None) for x in self.leaves)
+
+    @property
+    def picked(self) -> tuple[int, ...]:
+        """The sizes of the leaves' leading axes that ``pick`` indexes."""
+        return tuple(self.leaves[0].shape[: len(self.pick)])
+
+    def picked_leaves(self) -> tuple:
+        """The leaves of the layer ``pick`` names (a copy of that layer's shards)."""
+        return tuple(pick_layer(a, self.pick) for a in self.leaves)
+
+    def arrays(self) -> tuple:
+        """The arrays it stands for: its leaves, then its pick indices."""
+        return (*self.leaves, *self.pick)
+
+    def with_arrays(self, arrays) -> UnitValue:
+        """The same unit on ``arrays`` (as ``arrays()`` lists them, e.g. inside a region)."""
+        n = len(self.leaves)
+        return dataclasses.replace(self, leaves=tuple(arrays[:n]), pick=tuple(arrays[n:]))
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -161,6 +184,9 @@ class _Evaluator:
         self.islands = islands
         self.rules = Propagation(islands.sizes)
         self.operands: dict = {}  # values marked by mxfp8_gemm.gemm_operand: their planes
+        self.branches = 0  # how many cond branches the equations being evaluated are inside
+        self.substitutes: dict = {}  # id(slice equation) -> the layer a cond picked before it
+        self.splits: dict = {}  # id(stacked array) -> (it, its layers): ``layer_of``
 
     def output(self, x, how: str):
         """A value leaving an evaluated region: a plain parameter whole (XLA gathers it), never
@@ -187,6 +213,9 @@ class _Evaluator:
         for v, x, s in zip(jaxpr.invars, args, specs):
             env[v], spec_env[v] = x, s
         for eqn in jaxpr.eqns:
+            if id(eqn) in self.substitutes:  # a layer the enclosing cond picked (``cond``)
+                env[eqn.outvars[0]], spec_env[eqn.outvars[0]] = self.substitutes[id(eqn)], None
+                continue
             ins, in_specs = [read(v) for v in eqn.invars], [spec(v) for v in eqn.invars]
             if any(isinstance(x, Symbolic) for x in ins):
                 outs, out_specs = self.symbolic(eqn, ins, in_specs)
@@ -224,10 +253,20 @@ class _Evaluator:
             return self.remat(eqn, ins, in_specs)
         if prim is jaxprs.SCAN:
             return self.scan(eqn, ins, in_specs)
+        if prim is jaxprs.COND:
+            return self.cond(eqn, ins, in_specs)
+        if prim is jaxprs.WHILE:
+            return self.while_loop(eqn, ins, in_specs)
+        indexed = self.index(eqn, ins)
+        if indexed is not None:
+            return [indexed], [None]
         units = [x for x in ins if isinstance(x, UnitValue)]
         if not units:
             return self.plain(eqn, ins, in_specs)
         unit = units[0]
+        if unit.pick and self.branches:  # see ``cond``
+            unit = dataclasses.replace(unit, leaves=unit.picked_leaves(), pick=())
+            ins = [unit if x is units[0] else x for x in ins]
         if len(units) == 1 and ins[0] is unit and prim in VIEW_PRIMITIVES:
             view = view_through(prim, params, unit.view, eqn.invars[0].aval.shape, eqn.outvars[0].aval.shape)
             if view is not None:
@@ -236,7 +275,9 @@ class _Evaluator:
             position = ins.index(unit)
             act = self.output(ins[1 - position], "")
             transposed = self._transposed(unit, params["dimension_numbers"], position)
-            op = UnitOp(unit.geometry, unit.dtype, unit.ops, prim, dict(params), position, transposed, unit.gemm)
+            op = UnitOp(
+                unit.geometry, unit.dtype, unit.ops, prim, dict(params), position, transposed, unit.gemm, unit.picked
+            )
             var = eqn.invars[1 - position]
             given = self.operands.get(var) if isinstance(var, jcore.Var) else None
             unit_ndim = eqn.invars[position].aval.ndim
@@ -244,10 +285,61 @@ class _Evaluator:
             return [out], [spec]
         if len(units) == 1 and ins[0] is unit and prim in LOOKUP_PRIMITIVES:
             others = tuple(self.output(x, "") for x in ins[1:])
-            op = UnitOp(unit.geometry, unit.dtype, unit.ops, prim, dict(params), 0)
+            op = UnitOp(unit.geometry, unit.dtype, unit.ops, prim, dict(params), 0, picked=unit.picked)
             out_spec = self.rules.eqn(eqn, in_specs)[0] if prim is P.gather_p else None
             return [self.lookup_island(op, others, in_specs[1:], unit, out_spec, eqn.outvars[0].aval.ndim)], [out_spec]
         raise _misused(unit, prim.name)
+
+    def index(self, eqn, ins):
+        """``w[i]`` of a stacked unit or plain parameter (a ``slice`` / ``dynamic_slice`` taking
+        one index of its leading layer axes): the same value reading that layer of each device's
+        shards (no communication: the rows, not the layers, are split), the index replayed as a
+        reshape that restores the size-1 axes. A static index reads a layer of one split of the
+        stack (``layer_of``); a unit read by a traced index keeps its stacked leaves and the index
+        (``pick``): the op reading it picks the layer, so its backward keeps the stack rather
+        than a per-layer copy. None for any other op."""
+        prim, params = eqn.primitive, eqn.params
+        x = ins[0]
+        if prim not in INDEX_PRIMITIVES or not isinstance(x, Symbolic) or any(isinstance(a, Symbolic) for a in ins[1:]):
+            return None
+        if any(op not in RETYPE_PRIMITIVES for op, _ in x.ops):
+            return None
+        in_shape, out_aval = eqn.invars[0].aval.shape, eqn.outvars[0].aval
+        if isinstance(x, UnitValue):
+            view = index_view(prim, params, x.view, in_shape)
+            if view is None:
+                return None
+            m = view.level - x.view.level
+        else:
+            probe = View(0, tuple((a,) for a in range(len(in_shape))))
+            view = index_view(prim, params, probe, in_shape)
+            m = 0 if view is None else view.level
+            if not m or (x.shard_axis is not None and x.shard_axis < m):
+                return None
+        ops = (*x.ops, _reshape_op(tuple(in_shape[m:]), out_aval))
+        if prim is P.slice_p and not (isinstance(x, UnitValue) and x.pick):  # a static index
+            layer = lambda a: self.layer_of(a, [int(i) for i in params["start_indices"][:m]])
+            if isinstance(x, UnitValue):
+                return dataclasses.replace(x, view=view, ops=ops, leaves=tuple(map(layer, x.leaves)))
+        else:
+            starts = list(params["start_indices"][:m]) if prim is P.slice_p else list(ins[1 : 1 + m])
+            starts = [jnp.asarray(i, jnp.int32) for i in starts]
+            if isinstance(x, UnitValue):
+                return dataclasses.replace(x, view=view, ops=ops, pick=(*x.pick, *starts))
+            layer = lambda a: pick_layer(a, starts)
+        axis = None if x.shard_axis is None else x.shard_axis - m
+        return dataclasses.replace(x, array=layer(x.array), shard_axis=axis, ops=ops)
+
+    def layer_of(self, a: jax.Array, starts: list[int]) -> jax.Array:
+        """``a[starts]`` for static indices, from one ``lax.split`` of ``a`` into its layers made
+        once for all the indices that read it (a Python loop over a stack): the gradients of the
+        layers then meet in one concatenation, not in a zero-padded stack per layer."""
+        for i in starts:
+            if id(a) not in self.splits:
+                pieces = lax.split(a, (1,) * a.shape[0], axis=0)
+                self.splits[id(a)] = (a, [jnp.squeeze(p, 0) for p in pieces])
+            a = self.splits[id(a)][1][i]
+        return a
 
     def plain(self, eqn, ins, in_specs) -> tuple[list, list[Spec]]:
         """An op reading plain parameters. A layout op on one is recorded; an elementwise op or a
@@ -321,23 +413,24 @@ class _Evaluator:
         out_spec = PartitionSpec(*out)
         arrays, given_specs, given_meta = self._given(given, act, entries)
 
-        def body(a, leaves, given_arrays):
+        def body(a, leaves, given_arrays, pick):
             g = None if given_meta is None else given_meta(given_arrays)
-            return unit_gemm(op, a, leaves, g)
+            return unit_gemm(op, a, leaves, g, pick)
 
-        fn = self.islands.island(body, (act_spec, unit.leaf_specs(), given_specs), out_spec)
-        return fn(act, unit.leaves, arrays), _spec_of(out)
+        pick_specs = (PartitionSpec(),) * len(unit.pick)
+        fn = self.islands.island(body, (act_spec, unit.leaf_specs(), given_specs, pick_specs), out_spec)
+        return fn(act, unit.leaves, arrays, unit.pick), _spec_of(out)
 
     def lookup_island(self, op: UnitOp, others: tuple, other_specs, unit: UnitValue, out_spec: Spec, out_ndim: int):
         """A lookup of the unit: the indices split as the batch split reaches them, the rows
         looked up on each device for its indices."""
         specs = tuple(PartitionSpec(*entries_of(s, np.ndim(x))) for s, x in zip(other_specs, others))
         fn = self.islands.island(
-            lambda leaves, others: unit_lookup(op, others, leaves),
-            (unit.leaf_specs(), specs),
+            lambda leaves, others, pick: unit_lookup(op, others, leaves, pick),
+            (unit.leaf_specs(), specs, (PartitionSpec(),) * len(unit.pick)),
             PartitionSpec(*entries_of(out_spec, out_ndim)),
         )
-        return fn(unit.leaves, others)
+        return fn(unit.leaves, others, unit.pick)
 
     def _split_one(self, shape, free, entries) -> list:
         n = int(np.prod([self.islands.sizes[a] for a in self.islands.axes]))
@@ -463,15 +556,74 @@ class _Evaluator:
         stacked = [None if s is None else (None, *s) for s in y_specs]
         return outs, [*k_specs, *stacked]
 
+    def cond(self, eqn, ins, in_specs) -> tuple[list, list[Spec]]:
+        """A ``cond`` / ``switch`` whose branches read parameters: every branch evaluated here
+        (its reads in islands) inside ``lax.switch``. The index is a global value, so every
+        device takes the same branch and runs the same gathers. A stack that the branches read
+        only as one static layer (``w[i]`` in a Python loop) enters the ``cond`` as that layer:
+        the ``cond``'s gradient for it is then one layer's, not a zero-padded stack per ``cond``.
+        A layer picked from a stack by a traced index is picked before the op inside a branch:
+        jax saves a branch's residuals as outputs of the ``cond``, so the op's backward keeps that
+        layer's planes rather than the stack's."""
+        branches = jaxprs.cond_branches(eqn)
+        operands, slicers = list(ins[1:]), {}
+        for k, x in enumerate(operands):
+            found = _static_index(branches, k) if isinstance(x, Symbolic) else None
+            picked = None if found is None else self.index(found[0], [x])
+            if isinstance(picked, UnitValue):
+                picked = dataclasses.replace(picked, leaves=picked.picked_leaves(), pick=())
+            if picked is not None:  # every branch reads x[i] for one static i: i picked here
+                operands[k] = picked
+                slicers.update((id(e), k) for e in found)
+        flat, rebuild = _flatten(operands)
+        out_specs: list = []
+
+        def make(inner, consts):
+            def branch(*flat):
+                args = [_rebuild(x, flat[start : start + count]) for start, count, x in rebuild]
+                self.branches += 1
+                self.substitutes.update((e, args[k]) for e, k in slicers.items())
+                try:
+                    outs, specs = self.eval(inner, consts, [None] * len(consts), args, in_specs[1:])
+                finally:
+                    self.branches -= 1
+                    for e in slicers:
+                        self.substitutes.pop(e, None)
+                out_specs.append(specs)
+                return [self.output(o, "returned by a cond branch") for o in outs]
+
+            return branch
+
+        outs = lax.switch(ins[0], [make(*b) for b in branches], *flat)
+        specs = [s if all(o[k] == s for o in out_specs) else None for k, s in enumerate(out_specs[0])]
+        return list(outs), specs
+
+    def while_loop(self, eqn, ins, in_specs) -> tuple[list, list[Spec]]:
+        """A ``while`` loop whose body reads parameters, evaluated here: forward only (jax has no
+        reverse-mode derivative of a while loop; the step refuses to train through one)."""
+        parts = jaxprs.while_parts(eqn)
+        nc, nb = parts.cond_nconsts, parts.body_nconsts
+        c_consts, b_consts = ins[:nc], ins[nc : nc + nb]
+        carry = [self.output(_not_a_unit(x, "carried through a loop"), "") for x in ins[nc + nb :]]
+        c_specs, b_specs = in_specs[:nc], in_specs[nc : nc + nb]
+        none = [None] * len(carry)
+        (cj, cc), (bj, bc) = parts.cond, parts.body
+
+        def cond_fn(carry):
+            outs, _ = self.eval(cj, cc, [None] * len(cc), [*c_consts, *carry], [*c_specs, *none])
+            return outs[0]
+
+        def body_fn(carry):
+            outs, _ = self.eval(bj, bc, [None] * len(bc), [*b_consts, *carry], [*b_specs, *none])
+            return [self.output(o, "carried through a loop") for o in outs]
+
+        return list(lax.while_loop(cond_fn, body_fn, carry)), none
+
     def remat(self, eqn, ins, in_specs) -> tuple[list, list[Spec]]:
         jaxpr, consts = jaxprs.remat_body(eqn)
         inputs = {v: k for k, v in enumerate(jaxpr.invars)}
         passed = [inputs.get(v) if not isinstance(v, jcore.Literal) else None for v in jaxpr.outvars]
-        flat, rebuild = [], []
-        for x in ins:
-            leaves = x.leaves if isinstance(x, UnitValue) else (x.array,) if isinstance(x, PlainValue) else (x,)
-            rebuild.append((len(flat), len(leaves), x))
-            flat.extend(leaves)
+        flat, rebuild = _flatten(ins)
         out_specs: list = []
 
         def region(*flat):
@@ -566,9 +718,48 @@ def _spec_of(entries) -> Spec:
     return t if any(e is not None for e in t) else None
 
 
+def _static_index(branches, k: int) -> list | None:
+    """The equations of ``branches`` that read the ``k``-th operand, when each is a ``slice``
+    with the same static indices and nothing else reads it (None otherwise)."""
+    found, params = [], None
+    for inner, _ in branches:
+        v = inner.invars[k]
+        if v in inner.outvars:
+            return None
+        for e in inner.eqns:
+            if not any(u is v for u in e.invars):
+                continue
+            if e.primitive is not P.slice_p or e.invars[0] is not v:
+                return None
+            if params is not None and e.params != params:
+                return None
+            params = e.params
+            found.append(e)
+    return found or None
+
+
+def _flatten(ins) -> tuple[list, list]:
+    """The arrays of ``ins`` (a unit's leaves, a plain parameter's array, values) in one list,
+    and ``(start, count, value)`` to rebuild each from it (``_rebuild``)."""
+    flat, rebuild = [], []
+    for x in ins:
+        leaves = x.arrays() if isinstance(x, UnitValue) else (x.array,) if isinstance(x, PlainValue) else (x,)
+        rebuild.append((len(flat), len(leaves), x))
+        flat.extend(leaves)
+    return flat, rebuild
+
+
+def _reshape_op(shape: tuple[int, ...], out_aval) -> tuple:
+    """``(primitive, params)`` of the reshape from ``shape`` to ``out_aval``'s shape, as this jax
+    writes it (replayed on a layer picked by ``_pick`` to give what the index op gave)."""
+    closed = jax.make_jaxpr(lambda v: jnp.reshape(v, out_aval.shape))(jax.ShapeDtypeStruct(shape, out_aval.dtype))
+    (eqn,) = closed.jaxpr.eqns
+    return eqn.primitive, dict(eqn.params)
+
+
 def _rebuild(x, leaves):
     if isinstance(x, UnitValue):
-        return dataclasses.replace(x, leaves=tuple(leaves))
+        return x.with_arrays(leaves)
     if isinstance(x, PlainValue):
         return dataclasses.replace(x, array=leaves[0])
     return leaves[0]

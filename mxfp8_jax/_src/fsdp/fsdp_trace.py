@@ -13,7 +13,12 @@ that only move or retype its elements (``convert_element_type``, ``transpose``, 
 - anything else (a norm's scale multiplied in, a bias added, a custom_vjp): ``other``.
 
 A parameter that a ``scan`` slices (the stacked weights of ``nnx.vmap`` + ``nnx.scan``) is read
-one layer at a time: the leading axes the scans slice off are its stack axes (``level``).
+one layer at a time: the leading axes the scans slice off are its stack axes (``level``). So is
+a parameter indexed on its leading axes (``w[i]``: a ``dynamic_slice`` by a ``fori_loop``
+counter, a static ``slice`` in a Python loop) before it is read: the indexed axes are layer
+axes too. The trace follows ``cond`` / ``switch`` branches and ``while`` bodies, and counts how
+many times each use runs per step (``trips``: the lengths of the enclosing scans; None inside a
+``while``, whose trip count is not known when tracing).
 
 Besides the uses, one dataflow fact: which parameters' GEMM outputs reach another parameter's
 GEMM. A parameter whose GEMMs feed none is an output head (the logits), kept in bf16 by default
@@ -48,6 +53,7 @@ VIEW_PRIMITIVES = primitives(
 )
 RETYPE_PRIMITIVES = primitives("convert_element_type_p", "copy_p", "sharding_constraint_p")
 LOOKUP_PRIMITIVES = primitives("gather_p", "dynamic_slice_p")
+INDEX_PRIMITIVES = primitives("slice_p", "dynamic_slice_p")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,7 +80,9 @@ class Use:
     ``batch`` are the parameter axes it contracts, keeps, and batches over (in the dot's batch
     order). ``level``: the parameter's leading axes sliced off by scans at that point.
     ``remat``: inside a rematerialised region (its gathers run again in the backward).
-    ``what``: the op, for plans and errors.
+    ``what``: the op, for plans and errors. ``trips``: how many times it runs per step (the
+    product of the enclosing scans' lengths; None inside a ``while`` loop). ``branch``: inside
+    a ``cond`` / ``switch`` branch (it runs when that branch is taken).
     """
 
     kind: str
@@ -85,6 +93,8 @@ class Use:
     batch: tuple[int, ...] = ()
     remat: bool = False
     site: int = 0
+    trips: int | None = 1
+    branch: bool = False
 
 
 @dataclasses.dataclass
@@ -204,6 +214,26 @@ def view_through(prim, params, view: View, in_shape, out_shape) -> View | None:
     raise AssertionError(prim)
 
 
+def index_view(prim, params, view: View, in_shape) -> View | None:
+    """The view after a ``slice`` / ``dynamic_slice`` that takes one index of the parameter's
+    leading axes (from ``view.level`` on, not moved) and every element of the others: those
+    axes become layer axes (``level`` grows by their number). None for any other slice."""
+    if prim is P.slice_p:
+        if any(s != 1 for s in params.get("strides") or ()):
+            return None
+        sizes = [hi - lo for lo, hi in zip(params["start_indices"], params["limit_indices"])]
+    else:
+        sizes = list(params["slice_sizes"])
+    if view.moved:
+        return None
+    m = 0
+    while m < len(sizes) and sizes[m] == 1 and view.axes[m] == (view.level + m,):
+        m += 1
+    if m == 0 or any(sizes[d] != in_shape[d] for d in range(m, len(sizes))):
+        return None
+    return dataclasses.replace(view, axes=((),) * m + view.axes[m:], level=view.level + m, moved=True)
+
+
 def reshape_axes(axes, in_shape, out_shape) -> tuple[tuple[int, ...], ...]:
     """The parameter axes of each output axis of a reshape: every output axis of a group of
     input and output axes with equal products spans the group's input axes."""
@@ -236,19 +266,24 @@ def dot_roles(view: View, dims, position: int) -> tuple[tuple[int, ...], tuple[i
 
 class _Walker:
     """Abstract evaluation of a jaxpr: each value is a ``View`` of a parameter or the set of
-    parameters whose GEMM outputs it depends on."""
+    parameters whose GEMM outputs it depends on. ``trips`` / ``branch``: the loop and branch
+    context of the equations being walked (``Use.trips``, ``Use.branch``)."""
 
     def __init__(self, num_params: int) -> None:
         self.uses: list[set[Use]] = [set() for _ in range(num_params)]
         self.fed: set[int] = set()
         self._sites: dict[int, int] = {}
+        self.trips: int | None = 1
+        self.branch = False
 
     def site(self, eqn) -> int:
         return self._sites.setdefault(id(eqn), len(self._sites))
 
     def use(self, view: View, kind: str, what: str, *, remat: bool, site: int = 0, roles=((), (), ())) -> None:
         contract, free, batch = roles
-        self.uses[view.param].add(Use(kind, view.level, what, contract, free, batch, remat, site))
+        self.uses[view.param].add(
+            Use(kind, view.level, what, contract, free, batch, remat, site, self.trips, self.branch)
+        )
 
     def walk(self, jaxpr: jcore.Jaxpr, consts, args, *, remat: bool) -> list:
         env: dict = {}
@@ -267,6 +302,17 @@ class _Walker:
                     env[v] = x
         return [read(v) for v in jaxpr.outvars]
 
+    def inside(self, jaxpr, consts, args, *, remat: bool, trips: int | None = 1, branch: bool = False) -> list:
+        """``walk`` of a body that runs ``trips`` times per run of the enclosing one (None: a
+        ``while`` body), or in a branch."""
+        saved = self.trips, self.branch
+        self.trips = None if trips is None or self.trips is None else self.trips * trips
+        self.branch = self.branch or branch
+        try:
+            return self.walk(jaxpr, consts, args, remat=remat)
+        finally:
+            self.trips, self.branch = saved
+
     def eqn(self, eqn, ins: list, *, remat: bool) -> list:
         prim, params = eqn.primitive, eqn.params
         views = [x for x in ins if isinstance(x, View)]
@@ -279,6 +325,10 @@ class _Walker:
             return self.walk(inner, [frozenset()] * len(consts), ins, remat=True)
         if prim is jaxprs.SCAN:
             return self.scan(eqn, ins, remat=remat)
+        if prim is jaxprs.COND and views:
+            return self.cond(eqn, ins, remat=remat)
+        if prim is jaxprs.WHILE and views:
+            return self.while_loop(eqn, ins, remat=remat)
         if not views:
             deps = frozenset().union(*ins) if ins else frozenset()
             return [deps] * n_out
@@ -288,6 +338,10 @@ class _Walker:
                 return [out]
             self.use(ins[0], "other", f"{prim.name} (a broadcast)", remat=remat)
             return [frozenset()]
+        if prim in INDEX_PRIMITIVES and isinstance(ins[0], View) and len(views) == 1:
+            out = index_view(prim, params, ins[0], eqn.invars[0].aval.shape)
+            if out is not None:
+                return [out]
         if prim is P.dot_general_p and len(views) == 1:
             return [self.dot(eqn, ins, remat=remat)]
         if prim in LOOKUP_PRIMITIVES and isinstance(ins[0], View) and len(views) == 1:
@@ -300,7 +354,7 @@ class _Walker:
                 what = "a dot_general of two parameters"
             else:
                 what = prim.name
-            self.use(x, "other", what, remat=remat)
+            self.use(x, "other", what, remat=remat, site=self.site(eqn))
         deps = frozenset().union(*(x for x in ins if not isinstance(x, View)))
         return [deps] * n_out
 
@@ -314,6 +368,41 @@ class _Walker:
         self.use(view, "gemm", "dot_general", remat=remat, site=self.site(eqn), roles=roles)
         self.fed.update(act)
         return act | {view.param}
+
+    def _returned(self, outs, how: str, *, remat: bool) -> list:
+        result = []
+        for o in outs:
+            if isinstance(o, View):
+                self.use(o, "other", how, remat=remat)
+                o = frozenset()
+            result.append(o)
+        return result
+
+    def cond(self, eqn, ins, *, remat: bool) -> list:
+        """Every branch walked on the operands (a parameter's uses are those of all branches);
+        an output depends on what it depends on in any branch."""
+        outs = [frozenset()] * len(eqn.outvars)
+        for inner, consts in jaxprs.cond_branches(eqn):
+            got = self.inside(inner, [frozenset()] * len(consts), ins[1:], remat=remat, branch=True)
+            got = self._returned(got, "returned by a cond branch", remat=remat)
+            outs = [a | b for a, b in zip(outs, got)]
+        return outs
+
+    def while_loop(self, eqn, ins, *, remat: bool) -> list:
+        parts = jaxprs.while_parts(eqn)
+        nc, nb = parts.cond_nconsts, parts.body_nconsts
+        c_consts, b_consts, carry = ins[:nc], ins[nc : nc + nb], list(ins[nc + nb :])
+        carry = self._returned(carry, "carried through a loop", remat=remat)
+        (cj, cc), (bj, bc) = parts.cond, parts.body
+        for _ in range(16):
+            self.inside(cj, [frozenset()] * len(cc), c_consts + carry, remat=remat, trips=None)
+            outs = self.inside(bj, [frozenset()] * len(bc), b_consts + carry, remat=remat, trips=None)
+            outs = self._returned(outs, "carried through a loop", remat=remat)
+            grown = [c | o for c, o in zip(carry, outs)]
+            if grown == carry:
+                break
+            carry = grown
+        return carry
 
     def scan(self, eqn, ins, *, remat: bool) -> list:
         parts = jaxprs.scan_parts(eqn)
@@ -335,7 +424,7 @@ class _Walker:
                 body_xs.append(x)
         body_consts = [frozenset()] * len(parts.consts)
         for _ in range(16):  # the carries' dependencies, to a fixed point
-            outs = self.walk(parts.jaxpr, body_consts, consts + carry + body_xs, remat=remat)
+            outs = self.inside(parts.jaxpr, body_consts, consts + carry + body_xs, remat=remat, trips=parts.length)
             grown = [c | o if not isinstance(o, View) else c for c, o in zip(carry, outs[:ncar])]
             if grown == carry:
                 break

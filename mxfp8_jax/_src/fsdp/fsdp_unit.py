@@ -242,7 +242,10 @@ class UnitOp:
     ``ops``: the layout ops ``(primitive, params)`` between the parameter and the op, replayed
     on the gathered weight; ``prim``/``params``: the op itself (``dot_general``, ``gather``,
     ``dynamic_slice``), the unit its operand ``position``; ``transposed``: a GEMM contracting
-    the unit's N axes (its forward reads the columnwise planes).
+    the unit's N axes (its forward reads the columnwise planes); ``picked``: the sizes of the
+    leading layer axes of the shards it is given, of which it reads one index each (``w[i]``
+    of a stack: the op picks the layer from the stacked shards itself, so the backward keeps
+    the stack, not a per-layer copy of its planes).
     """
 
     geometry: UnitGeometry
@@ -253,6 +256,7 @@ class UnitOp:
     position: int
     transposed: bool = False
     gemm: Any = None  # an mxfp8_gemm.GemmMode: the GEMMs of an MXFP8 unit run in MXFP8
+    picked: tuple[int, ...] = ()  # sizes of the leading layer axes it reads one index of
 
     def value(self, w: jax.Array) -> jax.Array:
         """``W [*batch, N, K]`` (gathered) -> the operand as the layer's op sees it."""
@@ -274,51 +278,73 @@ class UnitOp:
         return self.prim.bind(*operands, **self.params)
 
 
-def unit_gemm(op: UnitOp, act: jax.Array, leaves: tuple, given=None) -> jax.Array:
+def unit_gemm(op: UnitOp, act: jax.Array, leaves: tuple, given=None, pick: tuple = ()) -> jax.Array:
     """The ``dot_general`` of ``op`` with the unit as one operand and ``act`` the other, run on
     this device's shards ``leaves`` (``(master, *planes)``): one ``custom_vjp``. ``given``: the
     MXFP8 planes of ``act`` when it is one (``mxfp8_gemm.GivenOperand``), used by MXFP8 GEMMs
-    whose activation is the marked value itself, rows by tokens and K last."""
+    whose activation is the marked value itself, rows by tokens and K last. ``pick``: one
+    int32 index per axis of ``op.picked`` (the layer the op reads of stacked shards)."""
+    pick = tuple(jnp.asarray(i, jnp.int32) for i in pick)
     if op.gemm is not None and op.geometry.precision == "mxfp8":
         canon = _Canonical.of(op, act)
         if given is not None and not canon.takes(given, act):
             given = None
         order = None if given is None else given.order
         arrays = None if given is None else given.arrays
-        return _mx_gemm(op, canon, order, act, leaves[0], tuple(leaves[1:]), arrays)
-    return _gemm(op, act, leaves[0], tuple(leaves[1:]))
+        return _mx_gemm(op, canon, order, act, leaves[0], tuple(leaves[1:]), arrays, pick)
+    return _gemm(op, act, leaves[0], tuple(leaves[1:]), pick)
 
 
-def unit_lookup(op: UnitOp, others: tuple, leaves: tuple) -> jax.Array:
+def unit_lookup(op: UnitOp, others: tuple, leaves: tuple, pick: tuple = ()) -> jax.Array:
     """A ``gather`` / ``dynamic_slice`` of the unit (``others``: its index operands), on this
-    device's shards: the table gathered for the lookup, the gradient reduce-scattered."""
-    return _lookup(op, tuple(others), leaves[0], tuple(leaves[1:]))
+    device's shards: the table gathered for the lookup, the gradient reduce-scattered.
+    ``pick``: as for ``unit_gemm``."""
+    pick = tuple(jnp.asarray(i, jnp.int32) for i in pick)
+    return _lookup(op, tuple(others), leaves[0], tuple(leaves[1:]), pick)
 
 
-def _local(op: UnitOp, master, planes, *, backward: bool):
+def pick_layer(a: jax.Array, pick) -> jax.Array:
+    """``a[pick]``: one index of each of ``a``'s leading ``len(pick)`` axes (static or traced,
+    clamped as ``dynamic_slice`` clamps)."""
+    for i in pick:
+        a = lax.dynamic_index_in_dim(a, i, axis=0, keepdims=False)
+    return a
+
+
+def _unpick(op: UnitOp, d_layer: jax.Array, pick) -> jax.Array:
+    """The gradient of one picked layer's shards -> of the stacked shards (zero elsewhere)."""
+    if not pick:
+        return d_layer
+    full = jnp.zeros((*op.picked, *d_layer.shape), d_layer.dtype)
+    start = (*pick, *(jnp.zeros((), jnp.int32),) * d_layer.ndim)
+    return lax.dynamic_update_slice(full, d_layer.reshape((1,) * len(pick) + d_layer.shape), start)
+
+
+def _local(op: UnitOp, master, planes, *, backward: bool, pick=()):
     """The local shards a gather of ``op`` reads: MXFP8 planes blocked along its forward
-    contraction (``backward``: the other direction), or the bf16 master."""
+    contraction (``backward``: the other direction), or the bf16 master; the layer ``pick``
+    names when given (stacked shards otherwise)."""
     if op.geometry.precision != "mxfp8":
-        return master
+        return pick_layer(master, pick)
     rowwise = op.transposed == backward  # forward of a K-contracting GEMM: rowwise
-    return planes[:2] if rowwise else planes[2:]
+    return tuple(pick_layer(p, pick) for p in (planes[:2] if rowwise else planes[2:]))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _gemm(op: UnitOp, act, master, planes):
-    local = after(_local(op, master, planes, backward=False), act)
+def _gemm(op: UnitOp, act, master, planes, pick):
+    local = after(_local(op, master, planes, backward=False, pick=pick), act)
     w = gathered(op.geometry, local, columnwise=op.transposed)
     return _forward_dot(op, act, op.value(w))
 
 
-def _gemm_fwd(op: UnitOp, act, master, planes):
-    y = _gemm(op, act, master, planes)
-    return y, (act, _local(op, master, planes, backward=True))
+def _gemm_fwd(op: UnitOp, act, master, planes, pick):
+    y = _gemm(op, act, master, planes, pick)
+    return y, (act, _local(op, master, planes, backward=True), pick)
 
 
 def _gemm_bwd(op: UnitOp, residuals, dy):
-    act, local = residuals
-    local = after(local, dy)  # the backward gather waits for the gradient that needs it
+    act, local, pick = residuals
+    local = after(jax.tree.map(lambda p: pick_layer(p, pick), local), dy)  # waits for the gradient that needs it
     v = op.value(gathered(op.geometry, local, columnwise=not op.transposed))
     f32 = lambda a: a.astype(jnp.float32)
     params = dict(op.params, preferred_element_type=jnp.float32)
@@ -328,7 +354,7 @@ def _gemm_bwd(op: UnitOp, residuals, dy):
 
     _, vjp = jax.vjp(dot32, f32(act), f32(v))
     d_act, d_v = vjp(f32(dy))
-    return d_act.astype(act.dtype), _to_local_grad(op, d_v), None
+    return d_act.astype(act.dtype), _unpick(op, _to_local_grad(op, d_v), pick), None, None
 
 
 _gemm.defvjp(_gemm_fwd, _gemm_bwd)
@@ -339,12 +365,12 @@ _gemm.defvjp(_gemm_fwd, _gemm_bwd)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
-def _mx_gemm(op: UnitOp, canon: _Canonical, order, act, master, planes, given):
-    return _mx_gemm_fwd(op, canon, order, act, master, planes, given)[0]
+def _mx_gemm(op: UnitOp, canon: _Canonical, order, act, master, planes, given, pick):
+    return _mx_gemm_fwd(op, canon, order, act, master, planes, given, pick)[0]
 
 
-def _mx_gemm_fwd(op: UnitOp, canon: _Canonical, order, act, master, planes, given):
-    local = after(_local(op, master, planes, backward=False), act)
+def _mx_gemm_fwd(op: UnitOp, canon: _Canonical, order, act, master, planes, given, pick):
+    local = after(_local(op, master, planes, backward=False, pick=pick), act)
     w = _weight(op.geometry, local, op.transposed)
     if given is None:
         y, x_col = mxfp8_gemm.forward(canon.act_to_x(act), w, op.gemm)
@@ -357,15 +383,16 @@ def _mx_gemm_fwd(op: UnitOp, canon: _Canonical, order, act, master, planes, give
         else:
             x_col = mxfp8_gemm.quantize_tokens(canon.act_to_x(normed), op.gemm.scale_rule, rowwise=False)
     # saved: x's columnwise planes (8.25 bits a value) and the LOCAL planes of the dgrad
-    return canon.y_to_out(y), (x_col, _local(op, master, planes, backward=True))
+    # (stacked when the op picks a layer: the stack itself, not a copy of the layer)
+    return canon.y_to_out(y), (x_col, _local(op, master, planes, backward=True), pick)
 
 
 def _mx_gemm_bwd(op: UnitOp, canon: _Canonical, order, residuals, dy):
-    x_col, local = residuals
-    local = after(local, dy)  # the backward gather waits for the gradient that needs it
+    x_col, local, pick = residuals
+    local = after(jax.tree.map(lambda p: pick_layer(p, pick), local), dy)  # waits for the gradient that needs it
     w_t = _weight(op.geometry, local, not op.transposed)
     dx, dv = mxfp8_gemm.backward(canon.out_to_y(dy), x_col, w_t, op.gemm, order=order)
-    return canon.x_to_act(dx), _scatter_rows(op.geometry, canon.v_to_w(dv)), None, None
+    return canon.x_to_act(dx), _unpick(op, _scatter_rows(op.geometry, canon.v_to_w(dv)), pick), None, None, None
 
 
 _mx_gemm.defvjp(_mx_gemm_fwd, _mx_gemm_bwd)
@@ -531,19 +558,20 @@ class _Canonical:
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _lookup(op: UnitOp, others, master, planes):
-    local = after(_local(op, master, planes, backward=False), others[0] if others else None)
+def _lookup(op: UnitOp, others, master, planes, pick):
+    local = after(_local(op, master, planes, backward=False, pick=pick), others[0] if others else None)
     return op.bind(op.value(gathered(op.geometry, local, columnwise=False)), others)
 
 
-def _lookup_fwd(op: UnitOp, others, master, planes):
-    return _lookup(op, others, master, planes), others
+def _lookup_fwd(op: UnitOp, others, master, planes, pick):
+    return _lookup(op, others, master, planes, pick), (others, pick)
 
 
-def _lookup_bwd(op: UnitOp, others, dy):
+def _lookup_bwd(op: UnitOp, residuals, dy):
+    others, pick = residuals
     shape = jax.ShapeDtypeStruct(_value_shape(op), jnp.float32)
     (d_v,) = jax.linear_transpose(lambda v: op.bind(v, others), shape)(dy.astype(jnp.float32))
-    return None, _to_local_grad(op, d_v), None
+    return None, _unpick(op, _to_local_grad(op, d_v), pick), None, None
 
 
 _lookup.defvjp(_lookup_fwd, _lookup_bwd)
