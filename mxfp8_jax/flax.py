@@ -10,6 +10,8 @@
     state, loss = step(state, batch)
     model = fsdp.gather(state)
 
+``FSDP(..., trainable=nnx.LoRAParam)`` trains only the variables that filter names (as
+``nnx.Optimizer(wrt=)``); the others are frozen: gathered, never updated, no gradient.
 ``FSDP(..., gemm="mxfp8")`` runs the MXFP8 units' GEMMs in MXFP8 too (``gemm_paths()``: the
 path each platform takes); ``gemm_operand`` hands an activation that is MXFP8 already (an
 RMSNorm + quantize's planes) to those GEMMs as it is.

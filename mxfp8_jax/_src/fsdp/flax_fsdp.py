@@ -28,10 +28,12 @@ input), so per-device memory is the shards, a unit or two being computed and the
 the model saves, flat in depth either way. ``nnx.remat`` recomputes the gathers in the
 backward.
 
-The optimizer sees the model's parameters: ``tx`` is initialised and applied on nested dicts
-with the paths of ``nnx.state(model, nnx.Param).to_pure_dict()``, whose leaves are the
-sharded fp32 arrays (a unit's leaf is its master ``W``, rows padded; a plain one has the
-parameter's own shape). Masks and labels by path (``optax.adamw(mask=...)``,
+The optimizer sees the model's trained parameters: ``tx`` is initialised and applied on nested
+dicts with the paths of ``nnx.state(model, trainable).to_pure_dict()`` (``trainable``:
+``nnx.Param`` by default), whose leaves are the sharded fp32 arrays (a unit's leaf is its
+master ``W``, rows padded; a plain one has the parameter's own shape). Parameters ``trainable``
+leaves out (a LoRA model's base kernels) are frozen: gathered like any unit, never updated,
+no gradient computed or reduce-scattered for them. Masks and labels by path (``optax.adamw(mask=...)``,
 ``optax.multi_transform``, ``optax.masked``), elementwise transforms and global norms therefore
 behave as on the unsharded model; the padding rows of a master hold zeros and receive zero
 gradients. Elementwise updates run on each device's shard with no communication.
@@ -60,6 +62,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
+from flax.nnx import filterlib
 from jax.sharding import Mesh, NamedSharding
 
 from mxfp8_jax._src.core import jaxprs, spmd
@@ -75,7 +78,7 @@ from mxfp8_jax._src.fsdp.fsdp_plan import (
     uses_from_layers,
 )
 from mxfp8_jax._src.fsdp.fsdp_state import StateLayout, TrainState
-from mxfp8_jax._src.fsdp.fsdp_step import Steps, check_loss_shape, dtype_of
+from mxfp8_jax._src.fsdp.fsdp_step import Partition, Steps, check_loss_shape, dtype_of
 from mxfp8_jax._src.fsdp.fsdp_trace import analyse, trace
 from mxfp8_jax._src.fsdp.fsdp_unit import PRECISIONS
 from mxfp8_jax._src.numerics.format import BLOCK, ScaleRule
@@ -118,6 +121,15 @@ class FSDP:
         ``"mxfp8"``, ``"bf16"`` or ``"plain"`` (the first that matches wins), or a callable
         ``(name, role) -> precision | None`` (role: ``"projection"``, ``"embedding"``,
         ``"head"``).
+      trainable: an nnx filter naming the variables the optimizer trains, as
+        ``nnx.Optimizer(wrt=)`` takes it (a Variable type such as ``nnx.LoRAParam``, a tuple,
+        ``nnx.Any(...)``, a predicate ``(path, variable) -> bool``); it must match a floating
+        variable. Every other ``nnx.Param``, and every other floating variable that a GEMM or
+        lookup of the traced loss reads and the loss does not assign (a frozen base kernel held
+        in a custom ``nnx.Variable``), is a frozen parameter: a frozen unit when the loss reads
+        it as one (stored in its own dtype, rows sharded, MXFP8 planes quantized once, no
+        gradient, no optimizer state), else kept whole. Variables the loss assigns (BatchNorm's
+        statistics, RNG counts) stay the model's other state.
       gemm: how MXFP8 units multiply: ``"dequantized"`` (default: the gathered planes are
         dequantized exactly and the layer's own GEMM runs in its dtype) or ``"mxfp8"``
         (Transformer Engine's MXFP8BlockScaling recipe: the forward, dgrad and wgrad GEMMs take
@@ -149,6 +161,7 @@ class FSDP:
         precision_by_path=None,
         gemm: str = "dequantized",
         gemm_path: str = "auto",
+        trainable: Any = nnx.Param,
     ) -> None:
         if not isinstance(model, nnx.Module):
             raise TypeError(f"model must be a flax.nnx.Module, got {type(model).__name__}")
@@ -169,10 +182,9 @@ class FSDP:
         self.gemm, self.gemm_path = gemm, gemm_path
         self._gemm_mode = mxfp8_gemm.check_mode(gemm, gemm_path, scale_rule)
         self.precision_by_path = precision_by_path
-        graphdef, params, rest = nnx.split(model, nnx.Param, ...)
-        rest_flat = jax.tree_util.tree_flatten_with_path(rest)[0]
-        self.rest_names = tuple("/".join(map(str, fsdp_checkpoint.path_names(k))) for k, _ in rest_flat)
-        self._rest_avals = tuple(jax.ShapeDtypeStruct(np.shape(v), v.dtype) for _, v in rest_flat)
+        self.trainable = trainable
+        trained_paths, params_paths, candidates, loose = _select(model, trainable, traced=loss_fn is not None)
+        partition = Partition(model, params_paths | candidates)
         self._axes = spmd.axis_group(self.mesh.axis_names)  # all axes, innermost first
         n = self.mesh.size
         self.tp_axis, self.tp_size = tp_axis, 1
@@ -186,37 +198,45 @@ class FSDP:
             self.tp_size = int(mesh.shape[tp_axis])
             self._fsdp_axes = spmd.axis_group([a for a in mesh.axis_names if a != tp_axis])
             n_fsdp = n // self.tp_size
+        found, rest_avals = self._found(model, partition)
         self._steps = Steps(
             self.mesh,
             axes=self._axes,
             fsdp_axes=self._fsdp_axes,
             tp_axis=tp_axis,
             tp_size=self.tp_size,
-            graphdef=graphdef,
-            treedef=jax.tree.structure(params),  # one leaf per Variable: its value
-            rest_treedef=jax.tree.structure(rest),
-            rest_avals=self._rest_avals,
+            partition=partition,
+            rest_avals=rest_avals,
             gemm_mode=self._gemm_mode,
         )
-        flat = jax.tree_util.tree_flatten_with_path(params, is_leaf=_is_variable)[0]
-        found = [
-            (fsdp_checkpoint.path_names(k), tuple(np.shape(v.get_value())), jnp.dtype(v.get_value().dtype))
-            for k, v in flat
-        ]
         self.traced = loss_fn is not None
         self._jitted: dict[tuple, Callable] = {}
         if self.traced:
-            avals = [jax.ShapeDtypeStruct(shape, dtype) for _, shape, dtype in found]
             self._steps.check_batch(example_batch, "example_batch")
             batch = jax.tree.map(lambda a: jax.ShapeDtypeStruct(np.shape(a), dtype_of(a)), example_batch)
-            traceable = self._steps.traceable(loss_fn)
             forbidden = self._steps.fsdp_axis_sizes
-            closed, out_shape = trace(traceable, avals, list(self._rest_avals), batch, forbidden=forbidden)
-            check_loss_shape(out_shape[0])
-            uses = analyse(closed, len(avals))
+
+            def uses_of(partition, found, rest_avals, assigned=None):
+                avals = [jax.ShapeDtypeStruct(shape, dtype) for _, shape, dtype in found]
+                traceable = self._steps.traceable(loss_fn, partition, assigned)
+                closed, out_shape = trace(traceable, avals, list(rest_avals), batch, forbidden=forbidden)
+                check_loss_shape(out_shape[0])
+                return analyse(closed, len(avals))
+
+            assigned: list[bool] = []
+            uses = uses_of(partition, found, rest_avals, assigned)
+            kept = _read_as_weights(found, uses, assigned, trainable, loose, candidates)
+            if kept != candidates:  # the other candidates are the model's other state: plan without them
+                partition = Partition(model, params_paths | kept)
+                found, rest_avals = self._found(model, partition)
+                self._steps.partition, self._steps.rest_avals = partition, rest_avals
+                uses = uses_of(partition, found, rest_avals)
             self._steps.example_tree = jax.tree.structure(example_batch)
         else:
             uses = uses_from_layers(found, _unit_kernels(model))
+        rest = jax.tree_util.tree_flatten_with_path(partition.split(model)[2])[0]
+        self.rest_names = tuple("/".join(map(str, fsdp_checkpoint.path_names(k))) for k, _ in rest)
+        self._rest_avals = rest_avals
         tp = (tp_axis, self.tp_size, Mesh1D(n_fsdp, self._fsdp_axes)) if tp_axis is not None else None
         self.params = plan_from_uses(
             found,
@@ -226,6 +246,7 @@ class FSDP:
             rule=precision_by_path,
             tp_roles=_tp_roles(model),
             tp=tp,
+            frozen=frozenset(j for j, (path, _, _) in enumerate(found) if path not in trained_paths),
         )
         check_rule_matches(precision_by_path, [p.name for p in self.params])
         self._layout = StateLayout(
@@ -265,7 +286,7 @@ class FSDP:
         Returns:
           The table as a multi-line ``str`` (what ``print(fsdp)`` prints).
         """
-        return describe(self.params, self.mesh.size // self.tp_size, traced=self.traced)
+        return describe(self.params, self.mesh.size // self.tp_size, traced=self.traced, trainable=self.trainable)
 
     @property
     def units(self) -> tuple[ParamInfo, ...]:
@@ -284,13 +305,14 @@ class FSDP:
 
     @property
     def frozen(self) -> tuple[ParamInfo, ...]:
-        """The non-floating parameters (kept, not trained)."""
-        return tuple(p for p in self.params if p.kind == "frozen")
+        """The parameters the optimizer does not train, in parameter order: frozen units
+        (``trained=False``) and kind ``"frozen"`` (non-floating, or not read as a unit)."""
+        return tuple(p for p in self.params if not p.trained)
 
     @property
     def trained(self) -> tuple[ParamInfo, ...]:
         """Every parameter the optimizer updates (units and plain), in parameter order."""
-        return tuple(p for p in self.params if p.kind != "frozen")
+        return tuple(p for p in self.params if p.trained)
 
     @property
     def weight_elements(self) -> int:
@@ -319,7 +341,8 @@ class FSDP:
           The ``NamedSharding`` over ``mesh`` of its ``TrainState.master`` array
           (``info.stored_shape``). Under tensor parallelism a ``"column"`` unit's rows are split
           over the tp axis and then the FSDP axes; a ``"row"`` unit's rows over the FSDP axes and
-          its columns over the tp axis. A frozen parameter's is replicated.
+          its columns over the tp axis. A frozen unit's rows (``TrainState.frozen``) are split
+          like a master's; any other frozen parameter is replicated.
         """
         return self._layout.master_sharding(info)
 
@@ -339,7 +362,7 @@ class FSDP:
 
     def param_tree(self, arrays: dict[str, Any]) -> dict:
         """``{name: array}`` (like ``TrainState.master``) as nested dicts keyed by the parameter
-        paths of ``nnx.state(model, nnx.Param)`` (its ``to_pure_dict()`` structure): the tree
+        paths of ``nnx.state(model, trainable)`` (its ``to_pure_dict()`` structure): the tree
         ``tx`` is initialised and applied on.
 
         Args:
@@ -396,17 +419,18 @@ class FSDP:
 
         Returns:
           A ``TrainState``: the masters sharded as ``master_sharding`` says, the planes
-          quantized from them, the frozen parameters and other state replicated, the optimizer
-          leaves that belong to a parameter (``owner_of``) sharded like it and the others
-          replicated, ``step`` 0.
+          quantized from them, the frozen units' rows in their own dtype sharded like masters
+          (their planes quantized once), the other frozen parameters and other state
+          replicated, the optimizer leaves that belong to a parameter (``owner_of``) sharded
+          like it and the others replicated, ``step`` 0.
         """
         values, rest = self._values_of(model)
         master, frozen, rest, step = self._layout.place_fn(
-            {p.name: values[j] for j, p in enumerate(self.params) if p.kind != "frozen"},
-            {p.name: values[j] for j, p in enumerate(self.params) if p.kind == "frozen"},
+            {p.name: values[j] for j, p in enumerate(self.params) if p.trained},
+            {p.name: values[j] for j, p in enumerate(self.params) if not p.trained},
             rest,
         )
-        quantized = self._layout.quantize_fn(master)
+        quantized = self._layout.quantize_fn(master, frozen)
         params = self.param_tree(master)
         opt_shardings = self._layout.opt_shardings(jax.eval_shape(tx.init, params))
         opt_state = jax.jit(tx.init, out_shardings=opt_shardings)(params)
@@ -496,7 +520,7 @@ class FSDP:
           state, other state and step, and planes quantized from the restored masters.
         """
         master, frozen, rest, opt_state, step = fsdp_checkpoint.restore(self, directory, self.abstract_state(tx))
-        state = TrainState(master, self._layout.quantize_fn(master), frozen, tuple(rest), opt_state, step)
+        state = TrainState(master, self._layout.quantize_fn(master, frozen), frozen, tuple(rest), opt_state, step)
         return jax.device_put(state, self._layout.shardings(state))
 
     # -- steps ---------------------------------------------------------------------------------
@@ -555,8 +579,9 @@ class FSDP:
 
     def eval_step(self, loss_fn: Callable) -> Callable:
         """``fn(state, batch) -> loss``, jitted: the loss the training step would see (the same
-        gathers, precisions and GEMMs), on the whole batch; no gradient is computed (XLA
-        drops the backward), the state is not donated.
+        gathers, precisions and GEMMs), on the whole batch; no backward is traced (so the loss
+        may read parameters inside a ``lax.while_loop``, which a training step refuses), the
+        state is not donated.
 
         Args:
           loss_fn: ``loss_fn(model, batch) -> scalar``, as the class docstring describes (no
@@ -568,7 +593,7 @@ class FSDP:
         """
 
         def make():
-            grads_fn = self._steps.grads_fn(loss_fn, False)
+            grads_fn = self._steps.grads_fn(loss_fn, False, differentiate=False)
             return jax.jit(
                 lambda state, batch: grads_fn(state, batch)[0], compiler_options=self._steps.compiler_options
             )
@@ -676,7 +701,7 @@ class FSDP:
     def _values_of(self, model: nnx.Module) -> tuple[list, list]:
         if not isinstance(model, nnx.Module):
             raise TypeError(f"model must be a flax.nnx.Module, got {type(model).__name__}")
-        _, params, rest = nnx.split(model, nnx.Param, ...)
+        _, params, rest = self._steps.partition.split(model)
         variables = jax.tree.leaves(params, is_leaf=_is_variable)
         found = tuple(
             (fsdp_checkpoint.path_names(k), tuple(v.get_value().shape))
@@ -688,9 +713,69 @@ class FSDP:
         rest = jax.tree.leaves(rest)
         if len(rest) != len(self._rest_avals):
             raise ValueError(
-                f"model has {len(rest)} values of state other than nnx.Param, the plan {len(self._rest_avals)}"
+                f"model has {len(rest)} values of state other than the plan's parameters, the plan "
+                f"{len(self._rest_avals)}"
             )
         return [v.get_value() for v in variables], rest
+
+    @staticmethod
+    def _found(model: nnx.Module, partition: Partition) -> tuple[list, tuple]:
+        """``(path, shape, dtype)`` of each parameter of ``partition``, and the avals of the rest."""
+        _, params, rest = partition.split(model)
+        flat = jax.tree_util.tree_flatten_with_path(params, is_leaf=_is_variable)[0]
+        found = [
+            (fsdp_checkpoint.path_names(k), tuple(np.shape(v.get_value())), jnp.dtype(v.get_value().dtype))
+            for k, v in flat
+        ]
+        rest_avals = tuple(jax.ShapeDtypeStruct(np.shape(v), v.dtype) for v in jax.tree.leaves(rest))
+        return found, rest_avals
+
+
+def _select(model: nnx.Module, trainable, *, traced: bool) -> tuple[frozenset, frozenset, frozenset, frozenset]:
+    """``(trained, parameters, candidates, variables)``: the paths of the floating variables
+    ``trainable`` matches; of those and every ``nnx.Param``; of the other floating variables,
+    which a traced loss may read as frozen weights (none without a trace); of the trained ones
+    that are not ``nnx.Param``s."""
+    try:
+        filterlib.to_predicate(trainable)
+    except (TypeError, ValueError):
+        raise TypeError(
+            f"trainable={trainable!r} is not an nnx filter (a Variable type such as nnx.LoRAParam, a tuple of "
+            f"filters, nnx.Any(...), or a predicate (path, variable) -> bool)"
+        ) from None
+    floating = lambda v: jnp.issubdtype(v.get_value().dtype, jnp.floating)
+    variables = [(tuple(path), v) for path, v in nnx.to_flat_state(nnx.state(model))]
+    matched = {tuple(path) for path, _ in nnx.to_flat_state(nnx.state(model, trainable))}
+    trained = frozenset(path for path, v in variables if path in matched and floating(v))
+    if not trained:
+        shown = sorted({type(v).__name__ for _, v in variables if floating(v)})
+        raise ValueError(
+            f"trainable={trainable!r} matches no floating variable of the model, so the optimizer would train "
+            f"nothing; the model's floating variables are of the types {shown} (give the filter "
+            "nnx.Optimizer(wrt=) would take: nnx.Param, nnx.LoRAParam, ...)"
+        )
+    params = trained | {path for path, v in variables if isinstance(v, nnx.Param)}
+    candidates = frozenset(path for path, v in variables if traced and path not in params and floating(v))
+    loose = frozenset(path for path, v in variables if path in trained and not isinstance(v, nnx.Param))
+    return trained, frozenset(params), candidates, loose
+
+
+def _read_as_weights(found, uses, assigned, trainable, variables: frozenset, candidates: frozenset) -> frozenset:
+    """The ``candidates`` (traced as parameters) that a GEMM or lookup of the loss reads and that
+    the loss does not assign: frozen weights. A trained variable other than an ``nnx.Param``
+    (in ``variables``) that the loss assigns is model state, not a weight: a ``ValueError``."""
+    kept = set()
+    for j, (path, _, _) in enumerate(found):
+        path = tuple(path)
+        if path in variables and assigned[j]:
+            raise ValueError(
+                f"trainable={trainable!r} matches {'/'.join(map(str, path))}, which the loss assigns (model state "
+                "such as BatchNorm's statistics, updated by the forward pass, not by the optimizer); leave it out "
+                "of the trainable filter"
+            )
+        if path in candidates and not assigned[j] and any(u.kind in ("gemm", "lookup") for u in uses.by_param[j]):
+            kept.add(path)
+    return frozenset(kept)
 
 
 def _unit_kernels(model: nnx.Module) -> dict[tuple, tuple[tuple[int, ...], int, int]]:

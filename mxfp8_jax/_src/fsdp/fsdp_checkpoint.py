@@ -3,7 +3,8 @@
 Stored under these names (``mxfp8_jax._src.buffers.checkpoint`` writes them shard by shard):
 
     params/<parameter path>          every trained parameter (a unit as the parameter, padding dropped)
-    frozen/<parameter path>          the non-floating parameters
+    frozen/<parameter path>          the parameters not trained, in their own dtype (a frozen unit
+                                     as the parameter, padding dropped)
     rest/<variable path>             the model's other state (RNG streams: keys as their key data)
     opt/<optimizer path>             optimizer leaves; one that belongs to a parameter in its shape
     step
@@ -40,7 +41,7 @@ def names(fsdp, opt_state) -> tuple[list[str], list[ParamInfo | None]]:
         owners.append(by_name[name])
     for name in sorted(p.name for p in fsdp.frozen):
         out.append(f"frozen/{name}")
-        owners.append(None)
+        owners.append(by_name[name] if by_name[name].is_unit else None)
     for name in fsdp.rest_names:
         out.append(f"rest/{name}")
         owners.append(None)

@@ -12,7 +12,14 @@ Four kinds, one word each (``ParamInfo.kind``):
 - ``"plain"``: fp32 in its own shape, split over the mesh along an axis the device count
   divides (after its layer axes), gathered where it is read (norm scales, biases, anything
   that is not a GEMM operand or a lookup table).
-- ``"frozen"``: not floating; replicated, passed to the model, never trained.
+- ``"frozen"``: not trained and not a unit (an integer parameter, or one the ``trainable``
+  filter leaves out that no GEMM or lookup reads as a unit); whole on every device in its own
+  dtype, passed to the model as it is.
+
+A parameter the optimizer does not train (``FSDP(trainable=...)`` leaves it out) that the loss
+reads as a unit is a frozen unit: ``ParamInfo.trained`` is False, its rows are stored like a
+master's but in the parameter's own dtype, its MXFP8 planes are quantized once, and the step
+gathers it as it gathers any unit but computes no gradient for it.
 
 What a parameter is read by comes from a trace of the loss (``fsdp_trace``): a parameter
 contracted by ``dot_general`` (any layer: ``nnx.Linear``, ``nnx.LinearGeneral``,
@@ -50,8 +57,12 @@ class ParamInfo:
     (leading layer axes that scans slice). ``reason`` says why a unit is bf16 or why a
     parameter is not a unit. Under tensor parallelism a unit's ``tp`` is ``"column"`` (``N``
     split over the ``tp_size`` devices of the tp axis) or ``"row"`` (``K`` split); its ``unit``
-    geometry is then that of one tp slice. ``sites`` / ``remat_sites``: the ops of the loss that
-    read it, and those of them inside rematerialised regions.
+    geometry is then that of one tp slice. ``gemm_sites`` / ``lookup_sites`` / ``remat_sites``:
+    the ops of the loss that read it, and those of them inside rematerialised regions.
+    ``trained``: the optimizer updates it (False: a frozen unit, or kind ``"frozen"``).
+    ``gathers``: how many times a step gathers the whole parameter (each read weighted by its
+    trips through loops and divided by the layers it reads one of; a unit's GEMM counts twice,
+    forward and backward); ``in_while``: read inside a ``while`` loop, counted once per trip.
     """
 
     path: tuple[str | int, ...]
@@ -68,6 +79,9 @@ class ParamInfo:
     gemm_sites: int = 0
     lookup_sites: int = 0
     remat_sites: int = 0
+    gathers: float = 0.0
+    in_while: bool = False
+    trained: bool = True
 
     @property
     def name(self) -> str:
@@ -189,17 +203,36 @@ def plan_from_uses(
     rule=None,
     tp_roles: Mapping[tuple, str] | None = None,
     tp: tuple[str, int, Mesh1D] | None = None,
+    frozen: frozenset[int] = frozenset(),
 ) -> tuple[ParamInfo, ...]:
     """``ParamInfo`` for every ``(path, shape, dtype)`` of ``params`` from how the loss reads it.
 
     ``tp``: ``(axis name, tp size, the FSDP group)`` under tensor parallelism, with the roles of
-    the marked layers' kernels in ``tp_roles``."""
+    the marked layers' kernels in ``tp_roles``. ``frozen``: the indices of the parameters the
+    optimizer does not train; each is planned by the same rules, then a unit stays a unit with
+    ``trained=False`` and anything else is kind ``"frozen"``."""
     out = []
     for j, (path, shape, dtype) in enumerate(params):
-        out.append(
-            _classify(path, shape, dtype, uses.by_param[j], uses.is_head(j), mesh, precision, rule, tp_roles, tp)
-        )
+        info = _classify(path, shape, dtype, uses.by_param[j], uses.is_head(j), mesh, precision, rule, tp_roles, tp)
+        if j in frozen or info.kind == "frozen":
+            info = _frozen(info)
+        out.append(info)
     return tuple(out)
+
+
+def _frozen(info: ParamInfo) -> ParamInfo:
+    """``info`` as a parameter the optimizer does not train."""
+    if info.unit is not None or info.kind == "frozen":
+        return dataclasses.replace(info, trained=False)
+    why = f" ({info.reason})" if info.reason else ""
+    return ParamInfo(
+        info.path,
+        info.shape,
+        info.dtype,
+        "frozen",
+        reason=f"not trained, not a unit{why}: kept as it is, whole on every device",
+        trained=False,
+    )
 
 
 def _classify(path, shape, dtype, uses: list[Use], head, mesh, precision, rule, tp_roles, tp) -> ParamInfo:
@@ -221,10 +254,12 @@ def _classify(path, shape, dtype, uses: list[Use], head, mesh, precision, rule, 
             level=level,
             reason=reason,
             remat_sites=sum(u.remat for u in uses),
+            gathers=_gathers(uses, shape, plain=True),
+            in_while=any(u.trips is None for u in uses),
         )
 
     if not uses:
-        return plain("not read by the loss")
+        return plain("unused: not read by the loss")
     other = next((u for u in uses if u.kind == "other"), None)
     if other is not None:
         return plain(f"read by {other.what}")
@@ -289,7 +324,22 @@ def _classify(path, shape, dtype, uses: list[Use], head, mesh, precision, rule, 
         gemm_sites=len(gemms),
         lookup_sites=len(lookups),
         remat_sites=sum(u.remat for u in uses),
+        gathers=_gathers(uses, shape, plain=False),
+        in_while=any(u.trips is None for u in uses),
     )
+
+
+def _gathers(uses: list[Use], shape, *, plain: bool) -> float:
+    """Whole-parameter gathers per step: each read once per trip (a ``while`` body: once), of
+    the one layer it reads (``1 / product(layer axes)``); a unit's GEMM twice (its forward and
+    its backward gather), a read in a rematerialised region once more. A plain parameter is
+    gathered once per read (its gradient leaves by a reduce-scatter)."""
+    total = 0.0
+    for u in uses:
+        share = (u.trips or 1) / product(shape[: u.level])
+        reads = 1 if plain or u.kind != "gemm" else 2
+        total += share * (reads + u.remat)
+    return total
 
 
 def _tp_slice(name, shape, level, batch, n_axes, k_axes, role, axis_name, t) -> tuple[int, ...]:
@@ -394,9 +444,10 @@ def stack_roots(params, unit_kernels: Mapping[tuple, tuple[tuple[int, ...], int,
 # The table
 
 
-def describe(infos, mesh_size: int, *, traced: bool) -> str:
+def describe(infos, mesh_size: int, *, traced: bool, trainable=None) -> str:
     """``print(fsdp)``: every parameter with what it became, stored bytes per device, bytes
-    gathered per step, and totals."""
+    gathered per step, and totals (those of the frozen parameters on a line of their own,
+    ``trainable`` naming the filter that left them out)."""
     rows = []
     for p in infos:
         rows.append(
@@ -405,14 +456,14 @@ def describe(infos, mesh_size: int, *, traced: bool) -> str:
                 describe_shape(p.shape),
                 _what(p),
                 _fmt(stored_bytes(p, mesh_size)),
-                _fmt(gathered_bytes(p, mesh_size)),
+                _fmt(gathered_bytes(p, mesh_size)) + (" a while trip" if p.in_while else ""),
                 p.reason,
             )
         )
     header = ("parameter", "shape", "kind", "stored/device", "gathered/step", "why")
     widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
     line = lambda r: "  ".join(str(c).ljust(w) for c, w in zip(r, widths)).rstrip()
-    total = lambda kinds: sum(int(np.prod(p.shape)) * 4 for p in infos if p.kind in kinds)
+    total = lambda kinds: sum(int(np.prod(p.shape)) * 4 for p in infos if p.kind in kinds and p.trained)
     model = total(("mxfp8", "bf16", "plain"))
     out = [
         f"FSDP plan over {mesh_size} devices ("
@@ -436,47 +487,62 @@ def describe(infos, mesh_size: int, *, traced: bool) -> str:
         "gathered per step (each GEMM forward and backward, each lookup, each rematerialised read; XLA drops "
         "the backward gather of a GEMM whose input needs no gradient)"
     )
+    frozen = [p for p in infos if not p.trained]
+    if frozen:
+        units = [p for p in frozen if p.is_unit]
+        label = "" if trainable is None else f" (trainable={trainable!r} leaves them out)"
+        out.append(
+            f"frozen{label}: {len(frozen)} parameters, {len(units)} of them units "
+            f"({sum(p.kind == 'mxfp8' for p in units)} mxfp8, {sum(p.kind == 'bf16' for p in units)} bf16); "
+            f"{_fmt(sum(stored_bytes(p, mesh_size) for p in frozen))} stored per device in their own dtypes "
+            "(with the planes), 0 optimizer state, no gradient"
+        )
     return "\n".join(out)
 
 
 def _what(p: ParamInfo) -> str:
     if p.unit is None:
+        if p.kind == "plain" and p.gathers == 0 and p.reason.startswith("unused"):
+            return "unused (plain fp32)"
         if p.kind == "plain":
             return "plain fp32" + ("" if p.shard_axis is not None else ", whole on every device")
         return p.kind
     g = p.unit
     stack = f"{describe_shape(g.stack)} x " if g.stack else ""
     tp = f", {p.tp}-parallel" if p.tp else ""
-    return f"{p.kind} {p.role} {stack}N={g.out_features} K={g.in_features}{tp}"
+    frozen = "" if p.trained else ", frozen"
+    return f"{p.kind} {p.role} {stack}N={g.out_features} K={g.in_features}{tp}{frozen}"
 
 
 def stored_bytes(p: ParamInfo, n: int) -> int:
-    """Bytes one device stores for ``p`` (master, planes; optimizer state not included)."""
+    """Bytes one device stores for ``p`` (master, planes; optimizer state not included). A
+    frozen unit's rows are in the parameter's own dtype instead of fp32."""
     if p.kind == "frozen":
         return int(np.prod(p.shape)) * jnp.dtype(p.dtype).itemsize
     if p.unit is None:
         whole = int(np.prod(p.shape)) * 4
         return whole if p.shard_axis is None else whole // n
     elements = int(np.prod(p.stored_shape)) // (p.unit.num_shards * p.tp_size)
-    if p.kind == "mxfp8":  # fp32 master + two code planes + two scale planes
-        return elements * (4 + 2 + 2 / BLOCK)
-    return elements * 4
+    master = 4 if p.trained else jnp.dtype(p.dtype).itemsize
+    if p.kind == "mxfp8":  # master rows + two code planes + two scale planes
+        return elements * (master + 2 + 2 / BLOCK)
+    return elements * master
 
 
 def gathered_bytes(p: ParamInfo, n: int) -> int:
     """Bytes gathered into one device per step for ``p`` (its whole stack), from the reads the
-    trace found: each GEMM once forward and once backward, each lookup once, each read inside
-    a rematerialised region once more."""
+    trace found (``ParamInfo.gathers``): each GEMM once forward and once backward, each lookup
+    once, each read inside a rematerialised region once more, each as many times as the loops
+    around it run, of the layer it reads. A read in a ``cond`` branch counts as if taken."""
     if p.kind == "frozen":
         return 0
     if p.unit is None:
         if p.shard_axis is None:
             return 0
-        return int(np.prod(p.shape)) * 4 * (1 + min(p.remat_sites, 1))
+        return int(int(np.prod(p.shape)) * 4 * p.gathers)
     g = p.unit
     per_gather = int(np.prod(g.padded_shape())) * (1 + 1 / BLOCK if p.kind == "mxfp8" else 2)
-    gathers = 2 * p.gemm_sites + p.lookup_sites + p.remat_sites
-    return int(per_gather * gathers)
+    return int(per_gather * p.gathers)
 
 
 def _fmt(b: float) -> str:

@@ -50,14 +50,17 @@ class UnitPlanes:
 @dataclasses.dataclass(frozen=True)
 class TrainState:
     """Everything a step updates. Invariant: ``quantized`` is the quantization of the MXFP8
-    units' masters.
+    units' masters (a frozen unit's: of its rows in ``frozen``).
 
     ``master``: parameter name (its path joined by ``/``) -> fp32 array, for every trained
     parameter: a unit's ``W`` with its rows padded, ``[*stack, N_padded, K]``, rows sharded
     over the mesh; a plain parameter in its own shape, split along ``ParamInfo.shard_axis`` (or
     replicated).
-    ``quantized``: MXFP8 unit name -> its ``UnitPlanes`` (empty without MXFP8 units).
-    ``frozen``: name -> value of each non-floating parameter, replicated, never trained.
+    ``quantized``: MXFP8 unit name -> its ``UnitPlanes`` (empty without MXFP8 units); a frozen
+    unit's are quantized once and carried unchanged by the steps.
+    ``frozen``: name -> value of each parameter the optimizer does not train: a frozen unit's
+    ``W [*stack, N_padded, K]`` in the parameter's own dtype, rows sharded like a master's; any
+    other (kind ``"frozen"``) whole and replicated. Never updated.
     ``rest``: the values of the model's other state (RNG keys and counts), replicated.
     ``opt_state``: the optax state of ``FSDP.param_tree(master)``, sharded like the parameters.
     """
@@ -96,11 +99,12 @@ class StateLayout:
 
     @property
     def trained(self) -> tuple[ParamInfo, ...]:
-        return tuple(p for p in self.params if p.kind != "frozen")
+        return tuple(p for p in self.params if p.trained)
 
     @property
     def frozen(self) -> tuple[ParamInfo, ...]:
-        return tuple(p for p in self.params if p.kind == "frozen")
+        """The parameters in ``TrainState.frozen``: frozen units and kind ``"frozen"``."""
+        return tuple(p for p in self.params if not p.trained)
 
     @property
     def mxfp8_units(self) -> tuple[ParamInfo, ...]:
@@ -164,7 +168,7 @@ class StateLayout:
             codes, row_scale, col_scale = (sds(p.tp_global(a), jnp.uint8, sharding=s) for a in p.unit.plane_shapes())
             quantized[p.name] = UnitPlanes(codes, row_scale, codes, col_scale)
         rep = NamedSharding(self.mesh, PartitionSpec())
-        frozen = {p.name: sds(p.shape, p.dtype, sharding=rep) for p in self.frozen}
+        frozen = {p.name: sds(p.stored_shape, p.dtype, sharding=self.master_sharding(p)) for p in self.frozen}
         rest = tuple(sds(a.shape, a.dtype, sharding=rep) for a in self._rest_avals)
         shapes = jax.eval_shape(tx.init, self.param_tree(master))
         opt_state = jax.tree.map(lambda a, s: sds(a.shape, a.dtype, sharding=s), shapes, self.opt_shardings(shapes))
@@ -182,7 +186,7 @@ class StateLayout:
             )
         want = {p.name: (p.stored_shape, jnp.dtype(jnp.float32)) for p in self.trained}
         got = {k: (tuple(np.shape(v)), jnp.dtype(v.dtype)) for k, v in state.master.items()}
-        want.update({p.name: (p.shape, p.dtype) for p in self.frozen})
+        want.update({p.name: (p.stored_shape, jnp.dtype(p.dtype)) for p in self.frozen})
         got.update({k: (tuple(np.shape(v)), jnp.dtype(v.dtype)) for k, v in state.frozen.items()})
         if want != got:
             missing = sorted(want.keys() - got.keys())
@@ -280,14 +284,14 @@ class StateLayout:
 
     @functools.cached_property
     def place_fn(self):
-        trained = self.trained
+        trained, frozen_params = self.trained, self.frozen
         shardings = {p.name: self.master_sharding(p) for p in trained}
         rep = NamedSharding(self.mesh, PartitionSpec())
-        frozen_shardings = {p.name: rep for p in self.frozen}
+        frozen_shardings = {p.name: self.master_sharding(p) for p in frozen_params}
 
         def place(values, frozen, rest):  # the step counter too: made on the devices, not sent
             master = {p.name: self.from_logical(p, values[p.name]) for p in trained}
-            frozen = {k: jnp.asarray(v) for k, v in frozen.items()}
+            frozen = {p.name: self.from_logical(p, frozen[p.name], p.dtype) for p in frozen_params}
             return master, frozen, [jnp.asarray(r) for r in rest], jnp.zeros((), jnp.int32)
 
         rest_shardings = [rep] * len(self._rest_avals)
@@ -302,17 +306,20 @@ class StateLayout:
         def logical(master, frozen):
             values = []
             for p in self.params:
-                if p.kind == "frozen":
-                    values.append(frozen[p.name])
+                if not p.trained:
+                    values.append(self.to_logical(p, frozen[p.name]))
                 else:
                     values.append(self.to_logical(p, master[p.name]).astype(p.dtype))
             return values
 
         return jax.jit(logical, out_shardings=[rep] * len(self.params))
 
-    def quantize_local(self) -> Callable:
-        """``master -> {name: UnitPlanes}``: every device quantizes its own rows (no collective)."""
-        units, rule = self.mxfp8_units, self.scale_rule
+    def quantize_local(self, units: tuple[ParamInfo, ...] | None = None) -> Callable:
+        """``arrays -> {name: UnitPlanes}`` for the MXFP8 ``units`` (default: the trained ones,
+        from ``TrainState.master``; a frozen unit's from its rows in ``TrainState.frozen``, in
+        its own dtype): every device quantizes its own rows (no collective)."""
+        rule = self.scale_rule
+        units = tuple(p for p in self.mxfp8_units if p.trained) if units is None else units
         if not units:
             return lambda master: {}
         specs = {p.name: self.spec(p) for p in units}
@@ -320,7 +327,7 @@ class StateLayout:
         def local(master):
             out = {}
             for p in units:
-                w = master[p.name]  # [*stack, rows, K]: whole 32-row blocks of each layer
+                w = master[p.name].astype(jnp.float32)  # [*stack, rows, K]: whole 32-row blocks of each layer
                 codes, row_scale, col_scale = p.unit.plane_shapes(rows=w.shape[-2], stack=w.shape[:-2])
                 t = quantize(w.reshape(-1, w.shape[-1]), scale_rule=rule)
                 as_bytes = lambda q: lax.bitcast_convert_type(q, jnp.uint8).reshape(codes)
@@ -338,7 +345,19 @@ class StateLayout:
 
     @functools.cached_property
     def quantize_fn(self):
-        return jax.jit(self.quantize_local())
+        """``(master, frozen=None) -> {name: UnitPlanes}``, jitted: the trained MXFP8 units'
+        planes from ``master`` and, given ``frozen``, the frozen ones' from their rows there."""
+        trained = self.quantize_local()
+        frozen_units = tuple(p for p in self.mxfp8_units if not p.trained)
+        frozen_fn = self.quantize_local(frozen_units) if frozen_units else None
+
+        def quantize_all(master, frozen=None):
+            planes = trained(master)
+            if frozen is not None and frozen_fn is not None:
+                planes.update(frozen_fn(frozen))
+            return planes
+
+        return jax.jit(quantize_all)
 
     def opt_shardings(self, shapes):
         """Optimizer leaves that belong to a parameter (``owner_of``) are sharded like it; the
@@ -355,6 +374,6 @@ class StateLayout:
         master = {p.name: self.master_sharding(p) for p in self.trained}
         quantized = {p.name: UnitPlanes(*(self.master_sharding(p),) * 4) for p in self.mxfp8_units}
         replicated = NamedSharding(self.mesh, PartitionSpec())
-        frozen = {k: replicated for k in state.frozen}
+        frozen = {p.name: self.master_sharding(p) for p in self.frozen}
         rest = tuple(replicated for _ in state.rest)
         return TrainState(master, quantized, frozen, rest, self.opt_shardings(state.opt_state), replicated)

@@ -29,14 +29,43 @@ from mxfp8_jax._src.fsdp.fsdp_state import StateLayout, TrainState, UnitPlanes
 from mxfp8_jax._src.fsdp.fsdp_trace import View, analyse, trace
 
 
+class Partition:
+    """A model's variables split into the plan's parameters (those at ``paths``, nnx paths) and
+    the rest of its state: the structures to split a model of that graph and merge it back.
+
+    Args:
+      model: the ``nnx.Module`` (concrete or abstract); only its structure is kept.
+      paths: the nnx paths (tuples of names and indices) of the variables that are parameters.
+    """
+
+    def __init__(self, model: nnx.Module, paths) -> None:
+        self.paths = frozenset(tuple(p) for p in paths)
+        self.graphdef, params, rest = self.split(model)
+        self.treedef = jax.tree.structure(params)  # one leaf per Variable: its value
+        self.rest_treedef = jax.tree.structure(rest)
+
+    def holds(self, path, _variable=None) -> bool:
+        """Whether the variable at ``path`` is a parameter (an nnx filter)."""
+        return tuple(path) in self.paths
+
+    def split(self, model: nnx.Module):
+        """``(graphdef, parameters State, rest State)`` of ``model``."""
+        return nnx.split(model, self.holds, ...)
+
+    def merge(self, values, rest) -> nnx.Module:
+        """The model from the parameters' and the rest's leaves (as ``split`` orders them)."""
+        return nnx.merge(
+            self.graphdef, jax.tree.unflatten(self.treedef, values), jax.tree.unflatten(self.rest_treedef, rest)
+        )
+
+
 class Steps:
     """The step functions of one plan over ``mesh`` (``axes``: every mesh axis, innermost first;
-    ``fsdp_axes``: those the batch is split over, all but ``tp_axis``). ``graphdef``,
-    ``treedef``, ``rest_treedef``, ``rest_avals``: the model's structure (its ``nnx.Param``
-    leaves and its other state); ``gemm_mode``: how MXFP8 units multiply
-    (``mxfp8_gemm.GemmMode`` or None). ``traced`` (the plan traced the loss) and ``layout`` (the
-    plan's ``StateLayout``), and ``example_tree`` (the structure of the example batch traced),
-    are set once the plan exists."""
+    ``fsdp_axes``: those the batch is split over, all but ``tp_axis``). ``partition``,
+    ``rest_avals``: the model's structure (the variables the plan holds as parameters and its
+    other state); ``gemm_mode``: how MXFP8 units multiply (``mxfp8_gemm.GemmMode`` or None).
+    ``traced`` (the plan traced the loss) and ``layout`` (the plan's ``StateLayout``), and
+    ``example_tree`` (the structure of the example batch traced), are set once the plan exists."""
 
     def __init__(
         self,
@@ -46,15 +75,13 @@ class Steps:
         fsdp_axes,
         tp_axis: str | None,
         tp_size: int,
-        graphdef,
-        treedef,
-        rest_treedef,
+        partition: Partition,
         rest_avals: tuple,
         gemm_mode,
     ) -> None:
         self.mesh, self.axes, self.fsdp_axes = mesh, axes, fsdp_axes
         self.tp_axis, self.tp_size = tp_axis, tp_size
-        self._graphdef, self._treedef, self._rest_treedef = graphdef, treedef, rest_treedef
+        self.partition = partition
         self.rest_avals, self._gemm_mode = rest_avals, gemm_mode
         self.layout: StateLayout | None = None
         self.traced = False
@@ -110,6 +137,7 @@ class Steps:
     def step(self, loss_fn: Callable, tx, has_aux: bool) -> Callable:
         grads_fn = self.grads_fn(loss_fn, has_aux)
         quantize_local = self.layout.quantize_local()
+        frozen_planes = [p.name for p in self.layout.mxfp8_units if not p.trained]
 
         def step(state: TrainState, batch):
             self.layout.check_state(state, "state")
@@ -119,26 +147,45 @@ class Steps:
             updates, opt_state = tx.update(self.layout.param_tree(grads), state.opt_state, params)
             master = self.layout.from_param_tree(optax.apply_updates(params, updates))
             master = {k: v.astype(jnp.float32) for k, v in master.items()}
-            new_state = TrainState(master, quantize_local(master), state.frozen, tuple(rest), opt_state, state.step + 1)
+            planes = {**quantize_local(master), **{k: state.quantized[k] for k in frozen_planes}}  # frozen: as they are
+            new_state = TrainState(master, planes, state.frozen, tuple(rest), opt_state, state.step + 1)
             new_state = lax.with_sharding_constraint(new_state, self.layout.shardings(new_state))
             return (new_state, loss, aux) if has_aux else (new_state, loss)
 
         return step
 
-    def traceable(self, loss_fn: Callable) -> Callable:
+    def traceable(
+        self, loss_fn: Callable, partition: Partition | None = None, assigned: list | None = None
+    ) -> Callable:
         """``(parameter values, rest values, batch) -> (loss_fn's output, rest values after)``:
-        the loss as a function of arrays, for tracing."""
+        the loss as a function of arrays, for tracing.
+
+        Args:
+          loss_fn: ``loss_fn(model, batch)``.
+          partition: the split of the model's variables into parameters and rest (default: the
+            plan's).
+          assigned: a list that a trace fills with one bool per parameter: whether the loss
+            assigned the variable another value (BatchNorm's statistics, a counter).
+
+        Returns:
+          The function, to trace.
+        """
+        partition = self.partition if partition is None else partition
 
         def fn(values, rest, batch):
-            model = self.merge(values, rest)
+            model = partition.merge(values, rest)
             out = loss_fn(model, batch)
-            _, _, after = nnx.split(model, nnx.Param, ...)
+            _, params_after, after = partition.split(model)
+            if assigned is not None:
+                assigned[:] = [a is not b for a, b in zip(jax.tree.leaves(params_after), values)]
             return out, jax.tree.leaves(after)
 
         return fn
 
-    def grads_fn(self, loss_fn: Callable, has_aux: bool) -> Callable:
-        """Loss, aux, gradients and the model's new other state of one step, on the whole batch.
+    def grads_fn(self, loss_fn: Callable, has_aux: bool, *, differentiate: bool = True) -> Callable:
+        """Loss, aux, gradients and the model's new other state of one step, on the whole batch
+        (``differentiate=False``: no gradients, an empty dict; the loss may then read parameters
+        inside a ``while`` loop, which jax cannot differentiate in reverse mode).
 
         The loss is evaluated under ``jit`` on global arrays (``fsdp_eval``), each unit read in an
         island over the FSDP axes. Under tensor parallelism the whole of it runs inside a
@@ -152,7 +199,10 @@ class Steps:
         def loss_and_grads(master, planes, frozen, rest, batch):
             avals = [jax.ShapeDtypeStruct(p.step_shape, p.dtype) for p in self.layout.params]
             closed, shapes = trace(traceable, avals, list(self.rest_avals), batch, forbidden=self.fsdp_axis_sizes)
-            check_uses(self.layout.params, analyse(closed, len(self.layout.params)), traced=self.traced)
+            uses = analyse(closed, len(self.layout.params))
+            check_uses(self.layout.params, uses, traced=self.traced)
+            if differentiate:
+                refuse_while(self.layout.params, uses)
             out_tree = jax.tree.structure(shapes)
             keys = self.step_keys(rest)
             batch_leaves = jax.tree.leaves(batch)
@@ -165,12 +215,15 @@ class Steps:
                 loss, aux = split_loss(out, has_aux, averaged=tp is not None)
                 return loss.astype(jnp.float32) / self.tp_size, (aux, after)  # under tp: a share of the mean
 
-            (loss, (aux, after)), grads = jax.value_and_grad(loss_of, has_aux=True)(master)
+            if differentiate:
+                (loss, (aux, after)), grads = jax.value_and_grad(loss_of, has_aux=True)(master)
+            else:
+                (loss, (aux, after)), grads = loss_of(master), {}
             after = self.next_rest(rest, after)
             if tp is None:
                 return loss, aux, grads, after
             for p in self.layout.trained:  # whole on every tp rank, each rank's share of the tokens: summed
-                if p.tp is None:
+                if p.tp is None and p.name in grads:
                     grads[p.name] = lax.psum(grads[p.name], tp)
             return lax.psum(loss, tp), jax.tree.map(lambda a: lax.pmean(a, tp), aux), grads, after
 
@@ -182,7 +235,7 @@ class Steps:
             return grads_fn
         master_specs = {p.name: self.layout.tp_spec(p) for p in self.layout.trained}
         planes_specs = {p.name: UnitPlanes(*(self.layout.tp_spec(p),) * 4) for p in self.layout.mxfp8_units}
-        frozen_specs = {p.name: PartitionSpec() for p in self.layout.frozen}
+        frozen_specs = {p.name: self.layout.tp_spec(p) for p in self.layout.frozen}
         rest_specs = tuple(PartitionSpec() for _ in self.rest_avals)
 
         def grads_fn(state: TrainState, batch):
@@ -191,7 +244,7 @@ class Steps:
                 loss_and_grads,
                 mesh=self.mesh,
                 in_specs=(master_specs, planes_specs, frozen_specs, rest_specs, batch_specs),
-                out_specs=(PartitionSpec(), PartitionSpec(), master_specs, rest_specs),
+                out_specs=(PartitionSpec(), PartitionSpec(), master_specs if differentiate else {}, rest_specs),
                 axis_names={tp},
                 check_vma=False,
             )
@@ -205,13 +258,15 @@ class Steps:
         return tuple((a, int(self.mesh.shape[a])) for a in self.mesh.axis_names if a != self.tp_axis)
 
     def step_values(self, master, planes, frozen) -> list:
-        """Each parameter as the evaluated loss holds it (``fsdp_eval``)."""
+        """Each parameter as the evaluated loss holds it (``fsdp_eval``). A frozen unit's leaves
+        are its rows in ``frozen`` and its planes: not among the arrays differentiated (``master``),
+        so the step computes no gradient for it and moves none."""
         values = []
         for j, p in enumerate(self.layout.params):
             if p.kind == "frozen":
                 values.append(frozen[p.name])
             elif p.unit is not None:
-                leaves = (master[p.name],)
+                leaves = (master[p.name] if p.trained else frozen[p.name],)
                 if p.kind == "mxfp8":
                     q = planes[p.name]
                     leaves += (q.rowwise_data, q.rowwise_scale, q.columnwise_data, q.columnwise_scale)
@@ -247,9 +302,21 @@ class Steps:
         return tuple(out)
 
     def merge(self, values, rest) -> nnx.Module:
-        return nnx.merge(
-            self._graphdef, jax.tree.unflatten(self._treedef, values), jax.tree.unflatten(self._rest_treedef, rest)
-        )
+        return self.partition.merge(values, rest)
+
+
+def refuse_while(params, uses) -> None:
+    """A ``ValueError`` when the loss reads a trained parameter inside a ``while`` loop (a
+    ``lax.while_loop``, a ``fori_loop`` whose bounds are traced values): jax has no reverse-mode
+    derivative of one, and the step needs the gradient."""
+    for j, p in enumerate(params):
+        if p.trained and p.kind != "frozen" and any(u.trips is None for u in uses.by_param[j]):
+            raise ValueError(
+                f"loss_fn reads {p.name} inside a lax.while_loop (or a lax.fori_loop whose bounds are traced "
+                "values): jax cannot differentiate a while loop in reverse mode, so a training step cannot run "
+                "it. Give fori_loop Python int bounds (it is then a scan) or use lax.scan; FSDP.eval_step runs "
+                "the loop as it is"
+            )
 
 
 def split_loss(out, has_aux: bool, *, averaged: bool = False):
