@@ -6,8 +6,12 @@
 #           with the same oracles as on simulated CPU devices; the end-of-run summary says what
 #           was not run for lack of devices;
 #   bench   the GPU benchmark (mxfp8_jax.bench.gpu): GB/s vs copy bandwidth and vs XLA's compiled
-#           pure-JAX reference, 1 MB .. 1 GB.
-# Each stage has a time cap (seconds: BUILD_CAP_S, KERNELS_CAP_S, SUITE_CAP_S, BENCH_CAP_S) and,
+#           pure-JAX reference, 1 MB .. 1 GB;
+#   overlap the FSDP step with prefetch=1 against prefetch=0 (mxfp8_jax.bench.fsdp, variants mxfp8
+#           and mxfp8-p0) over this host's GPUs, with the latency-hiding scheduler and the
+#           collective pipeliner on (XLA_FLAGS below); on one GPU there is no gather to hide.
+# Each stage has a time cap (seconds: BUILD_CAP_S, KERNELS_CAP_S, SUITE_CAP_S, BENCH_CAP_S,
+# OVERLAP_CAP_S) and,
 # as soon as it ends, its log and its row of the summary table are written under $OUT (default
 # ./gpu-check-out), so a run cut short still reports the stages it finished. A pytest stage cut by
 # its cap is interrupted (SIGINT), which still prints pytest's summary of what ran.
@@ -21,7 +25,7 @@ OUT="${OUT:-$PWD/gpu-check-out}"
 mkdir -p "$OUT"
 ARCHS="${MXFP8_CUDA_ARCHS:-90-real}"
 SIZES_MB="${SIZES_MB:-1,16,256,1024}"
-STAGES="${STAGES:-build kernels suite bench}"
+STAGES="${STAGES:-build kernels suite bench overlap}"
 SUMMARY="$OUT/summary.md"
 status=0
 
@@ -94,6 +98,14 @@ if wants bench; then
     python -m mxfp8_jax.bench.gpu --sizes-mb "$SIZES_MB" --json "$OUT/bench.json"
   # the benchmark's table (printed last)
   tail -40 "$OUT/bench.log"
+fi
+
+if wants overlap; then
+  gpus=$(python -c 'import jax; print(len(jax.devices()))' 2>/dev/null || echo 1)
+  stage overlap "${OVERLAP_CAP_S:-240}" env XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_enable_latency_hiding_scheduler=true \
+--xla_gpu_enable_pipelined_all_gather=true --xla_gpu_enable_pipelined_reduce_scatter=true" \
+    python -m mxfp8_jax.bench.fsdp --variants mxfp8,mxfp8-p0 --depths 8,16 --devices "$gpus" --json "$OUT/overlap.json"
+  tail -20 "$OUT/overlap.log"
 fi
 
 echo "== summary ($SUMMARY)"

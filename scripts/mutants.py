@@ -260,8 +260,8 @@ MUTANTS = (
         (
             (
                 "mxfp8_jax/_src/fsdp/fsdp_unit.py",
-                "return y, (act, _local(op, master, planes, backward=True))",
-                "return y, (act, _local(op, master, planes, backward=False))",
+                "return y, (act, _local(op, master, planes, backward=True), pick)",
+                "return y, (act, _local(op, master, planes, backward=False), pick)",
             ),
             (
                 "mxfp8_jax/_src/fsdp/fsdp_unit.py",
@@ -295,13 +295,15 @@ MUTANTS = (
         (
             (
                 "mxfp8_jax/_src/fsdp/fsdp_unit.py",
-                "local = after(_local(op, master, planes, backward=False), others[0] if others else None)",
-                "local = after(_local(op, master, planes, backward=True), others[0] if others else None)",
+                "def _lookup(op: UnitOp, others, master, planes, pick, token):\n"
+                "    local = after(_local(op, master, planes, backward=False, pick=pick), token)",
+                "def _lookup(op: UnitOp, others, master, planes, pick, token):\n"
+                "    local = after(_local(op, master, planes, backward=True, pick=pick), token)",
             ),
             (
                 "mxfp8_jax/_src/fsdp/fsdp_unit.py",
-                "return op.bind(op.value(gathered(op.geometry, local, columnwise=False)), others)",
-                "return op.bind(op.value(gathered(op.geometry, local, columnwise=True)), others)",
+                "return op.bind(op.value(gathered(op.geometry, local, columnwise=False, ready=ready)), others)",
+                "return op.bind(op.value(gathered(op.geometry, local, columnwise=True, ready=ready)), others)",
             ),
         ),
         ("tests/test_fsdp_units.py::test_an_mxfp8_table_is_looked_up_in_its_rowwise_values",),
@@ -330,6 +332,36 @@ MUTANTS = (
             ),
         ),
         ("tests/test_mxfp8_gemm.py::test_fsdp_mxfp8_einsum_kernels_of_several_axes",),
+    ),
+    Mutant(
+        "fsdp-stack-gradient-into-layer-0",
+        "a layer picked by a traced index (fori_loop w[i]) sends its gradient to layer 0 of the stack",
+        (
+            (
+                "mxfp8_jax/_src/fsdp/fsdp_unit.py",
+                "start = (*pick, *(jnp.zeros((), jnp.int32),) * d_layer.ndim)",
+                "start = (*(0 * i for i in pick), *(jnp.zeros((), jnp.int32),) * d_layer.ndim)",
+            ),
+        ),
+        (
+            "tests/test_fsdp_stacks.py::"
+            "test_a_stack_read_by_index_is_a_unit_read_a_layer_at_a_time_and_the_step_is_exact[fori]",
+        ),
+    ),
+    Mutant(
+        "fsdp-static-index-reads-layer-0",
+        "a static index w[i] (a Python loop over a stack) reads layer 0 of the split stack",
+        (("mxfp8_jax/_src/fsdp/fsdp_eval.py", "a = self.splits[id(a)][1][i]", "a = self.splits[id(a)][1][0]"),),
+        (
+            "tests/test_fsdp_stacks.py::"
+            "test_a_stack_read_by_index_is_a_unit_read_a_layer_at_a_time_and_the_step_is_exact[python]",
+        ),
+    ),
+    Mutant(
+        "fsdp-prefetch-waits-for-own-input",
+        "prefetch=1 ignored: a layer's gathers wait for its own input again",
+        (("mxfp8_jax/_src/fsdp/fsdp_eval.py", "        if not self.islands.prefetch:\n", "        if True:\n"),),
+        ("tests/test_fsdp_overlap.py::test_a_python_loop_gathers_each_layer_while_the_layer_before_computes",),
     ),
     Mutant(
         "gemm-exact-unshifted",

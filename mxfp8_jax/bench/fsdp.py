@@ -12,7 +12,12 @@ tokens per device (sequences of 16). Trained with ``optax.adam``. In one run, fo
 
 - ``mxfp8``: ``mxfp8_jax.flax.FSDP`` with the loss traced on the batch (units by operation):
   per-unit 8-bit gathers of rowwise (forward) and columnwise (dgrad) planes when each layer
-  runs, one reduce-scatter per unit; embeddings and heads as bf16 units;
+  runs, one reduce-scatter per unit; embeddings and heads as bf16 units; ``prefetch=1``: each
+  layer's gathers free to run while the layer before computes (in a scan: not waiting for the
+  carried activation);
+- ``mxfp8-p0``: the same with ``prefetch=0``, each gather waiting for its op's input. On CPU the
+  step time barely moves (simulated devices share the host's cores and a gather is a copy, so
+  there is nothing to hide); the temp memory shows what gathering ahead holds;
 - ``bf16``: the same FSDP with ``precision="bf16"`` (16-bit gathers, same structure);
 - ``gspmd``: what a JAX user writes instead (as MaxText does): the same nnx model under
   ``jax.jit`` with parameters and optimizer state sharded by ``NamedSharding`` over the FSDP
@@ -35,7 +40,7 @@ from __future__ import annotations
 import argparse
 import time
 
-VARIANTS = ("mxfp8", "bf16", "gspmd", "dp")
+VARIANTS = ("mxfp8", "mxfp8-p0", "bf16", "gspmd", "dp")
 SEQ = 16  # tokens per sequence of the style models
 
 
@@ -122,10 +127,10 @@ def workload(name: str, width: int, depth: int, devices: int, tokens: int, abstr
 # The variants: each returns (compiled step, state, batch) or, with abstract=True, compiled only
 
 
-def _fsdp(model, loss_fn, mesh, precision, tx, batch, abstract):
+def _fsdp(model, loss_fn, mesh, precision, tx, batch, abstract, prefetch=1):
     from mxfp8_jax.flax import FSDP
 
-    fsdp = FSDP(model, mesh, precision=precision, loss_fn=loss_fn, example_batch=batch)
+    fsdp = FSDP(model, mesh, precision=precision, loss_fn=loss_fn, example_batch=batch, prefetch=prefetch)
     state = fsdp.abstract_state(tx) if abstract else fsdp.init(model, tx)
     compiled = fsdp.lower_train_step(loss_fn, tx, state, batch).compile()
     run = None
@@ -222,8 +227,9 @@ def measure(
     tx = optax.adam(1e-4)
     module, fn, batch = workload(model, width, depth, mesh.size, tokens, abstract=not timed)
     t0 = time.perf_counter()
-    if variant in ("mxfp8", "bf16"):
-        compiled, run = _fsdp(module, fn, mesh, variant, tx, batch, abstract=not timed)
+    if variant in ("mxfp8", "mxfp8-p0", "bf16"):
+        precision, prefetch = variant.split("-")[0], 0 if variant.endswith("-p0") else 1
+        compiled, run = _fsdp(module, fn, mesh, precision, tx, batch, abstract=not timed, prefetch=prefetch)
     else:
         compiled, run = _jit(module, fn, mesh, variant == "gspmd", tx, batch, abstract=not timed)
     compile_s = time.perf_counter() - t0
@@ -285,7 +291,7 @@ def run(
     from mxfp8_jax.bench._timing import environment, print_table, write_json
 
     platform = jax.default_backend()
-    if "mxfp8" in variants:
+    if any(v.startswith("mxfp8") for v in variants):
         _ffi.require("mxfp8_quantize", platform)  # never silently benchmark the reference quantize
     devs = jax.devices()
     if len(devs) < devices:

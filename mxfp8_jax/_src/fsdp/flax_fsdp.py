@@ -45,11 +45,12 @@ and per-example metrics included. The model's other state (the RNG streams of
 batch's shapes (the unsharded model's masks, jax's threefry being partitionable), the counts
 advance and the averages update as in the unsharded model.
 
-Overlap: on GPUs, ``--xla_gpu_enable_latency_hiding_scheduler=true`` overlaps the gathers of
-one step with compute, and ``--xla_gpu_enable_pipelined_all_gather=true`` with
-``--xla_gpu_enable_pipelined_reduce_scatter=true`` (XLA's collective pipeliner) moves the next
-scan iteration's gather (and the previous one's reduce-scatter) into the current iteration
-(set them through ``XLA_FLAGS``).
+Overlap (``prefetch=1``): a layer's gathers in a Python loop wait for the input of the layer
+before it, not for their own op's, and a layer a scan slices is gathered without waiting for
+the carried activation, so the gathers can run beside the compute of the layer before (on GPUs
+with the latency-hiding scheduler and the collective pipeliner, flags the user sets in
+``XLA_FLAGS``: docs/fsdp.md). The backward gathers of a Python loop still wait for their op's
+cotangent.
 """
 
 from __future__ import annotations
@@ -130,6 +131,13 @@ class FSDP:
         it as one (stored in its own dtype, rows sharded, MXFP8 planes quantized once, no
         gradient, no optimizer state), else kept whole. Variables the loss assigns (BatchNorm's
         statistics, RNG counts) stay the model's other state.
+      prefetch: how many layers ahead each unit's forward gather starts: with ``1`` (default)
+        the gathers of layer ``l`` of a Python loop over layers (``blocks/3/...``) wait for the
+        input of layer ``l - 1``, so they run while it computes, and a layer a scan slices is
+        gathered with no wait on the loop's activation (XLA may run it beside the iteration's
+        GEMMs; XLA:GPU's collective pipeliner can move it one iteration ahead). ``0``: each
+        gather waits for the input of the op that reads it. Values and gradients are the same
+        either way (docs/fsdp.md, "Overlap").
       gemm: how MXFP8 units multiply: ``"dequantized"`` (default: the gathered planes are
         dequantized exactly and the layer's own GEMM runs in its dtype) or ``"mxfp8"``
         (Transformer Engine's MXFP8BlockScaling recipe: the forward, dgrad and wgrad GEMMs take
@@ -162,6 +170,7 @@ class FSDP:
         gemm: str = "dequantized",
         gemm_path: str = "auto",
         trainable: Any = nnx.Param,
+        prefetch: int = 1,
     ) -> None:
         if not isinstance(model, nnx.Module):
             raise TypeError(f"model must be a flax.nnx.Module, got {type(model).__name__}")
@@ -175,6 +184,10 @@ class FSDP:
                 "to find the parameters GEMMs and lookups read (give both, or neither for units by layer class)"
             )
         check_rule(precision_by_path)
+        if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
+            raise ValueError(
+                f"prefetch={prefetch!r} must be an int >= 0 (layers ahead; 0: each gather waits for its op)"
+            )
         jaxprs.warn_if_untested()
         self.mesh = Mesh(mesh.devices, mesh.axis_names)  # Auto axes: shard_map does the placing
         self.precision = precision
@@ -261,6 +274,7 @@ class FSDP:
             scale_rule=self.scale_rule,
         )
         self._steps.layout, self._steps.traced = self._layout, self.traced
+        self.prefetch = self._steps.prefetch = prefetch
         if not self.units:
             raise ValueError(
                 "model has no eligible weight: "

@@ -30,6 +30,7 @@ A region with a policy keeps ``jax.checkpoint``.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 from typing import Any
@@ -56,7 +57,7 @@ from mxfp8_jax._src.fsdp.fsdp_trace import (
     index_view,
     view_through,
 )
-from mxfp8_jax._src.fsdp.fsdp_unit import UnitGeometry, UnitOp, after, pick_layer, unit_gemm, unit_lookup
+from mxfp8_jax._src.fsdp.fsdp_unit import OWN, UnitGeometry, UnitOp, after, pick_layer, unit_gemm, unit_lookup
 from mxfp8_jax._src.ops import mxfp8_gemm
 
 
@@ -76,6 +77,7 @@ class UnitValue:
     ops: tuple = ()
     gemm: Any = None  # an mxfp8_gemm.GemmMode: its GEMMs run in MXFP8
     pick: tuple = ()  # indices of the leaves' leading layer axes the value reads (``w[i]``)
+    sliced: bool = False  # a scan's slice of it (one layer per iteration)
 
     def leaf_specs(self) -> tuple[PartitionSpec, ...]:
         """The islands' ``in_specs`` of the leaves: rows split over the unit's axes."""
@@ -128,10 +130,12 @@ class Islands:
     """Where the islands run: ``mesh`` (the step's; inside a ``shard_map`` manual over the
     tensor-parallel axis, the context's abstract mesh is taken) and ``entry``, the FSDP axes
     as a ``PartitionSpec`` entry (one name, or names innermost first as the batch and the units'
-    rows are split): the axes the islands are manual over."""
+    rows are split): the axes the islands are manual over. ``prefetch``: how many layers ahead
+    a unit's forward gather starts (``_Evaluator.token``)."""
 
     mesh: Mesh
     entry: Any
+    prefetch: int = 0
 
     @property
     def axes(self) -> tuple[str, ...]:
@@ -187,6 +191,9 @@ class _Evaluator:
         self.branches = 0  # how many cond branches the equations being evaluated are inside
         self.substitutes: dict = {}  # id(slice equation) -> the layer a cond picked before it
         self.splits: dict = {}  # id(stacked array) -> (it, its layers): ``layer_of``
+        self.region = 0  # the rematerialised region or loop body being evaluated (``token``)
+        self.regions = 0
+        self.layers: dict = {}  # region -> {layer key: its input, in order of first use}
 
     def output(self, x, how: str):
         """A value leaving an evaluated region: a plain parameter whole (XLA gathers it), never
@@ -413,13 +420,56 @@ class _Evaluator:
         out_spec = PartitionSpec(*out)
         arrays, given_specs, given_meta = self._given(given, act, entries)
 
-        def body(a, leaves, given_arrays, pick):
+        wait, token, token_spec = self.token(unit, act, act_spec)
+        op = dataclasses.replace(op, early=wait == "none")
+
+        def body(a, leaves, given_arrays, pick, token):
             g = None if given_meta is None else given_meta(given_arrays)
-            return unit_gemm(op, a, leaves, g, pick)
+            return unit_gemm(op, a, leaves, g, pick, {"own": OWN, "none": None}.get(wait, token))
 
         pick_specs = (PartitionSpec(),) * len(unit.pick)
-        fn = self.islands.island(body, (act_spec, unit.leaf_specs(), given_specs, pick_specs), out_spec)
-        return fn(act, unit.leaves, arrays, unit.pick), _spec_of(out)
+        specs = (act_spec, unit.leaf_specs(), given_specs, pick_specs, token_spec)
+        fn = self.islands.island(body, specs, out_spec)
+        return fn(act, unit.leaves, arrays, unit.pick, token), _spec_of(out)
+
+    def token(self, unit: UnitValue, act, act_spec):
+        """What the forward gathers of ``unit`` wait for: ``(how, island operand, its spec)``.
+        ``"own"``: the op's own input (``prefetch=0``, or no earlier layer to wait for);
+        ``"none"``: nothing (a layer a loop reads per iteration: a slice of a scan's stacked
+        input or a traced index; XLA may start it any time in the iteration, and XLA:GPU's
+        collective pipeliner one iteration ahead); ``"layer"``: the input of the layer
+        ``prefetch`` layers before (a Python loop over layers, by the first index in the unit's
+        path: ``blocks/3/...``), the operand.
+        A layer's input is its first unit op's activation, and only a layer of the same
+        region (not across a rematerialised region or a loop body) is waited for."""
+        if not self.islands.prefetch:
+            return "own", (), ()
+        if unit.sliced or unit.pick:
+            return "none", (), ()
+        layer = _layer_key(unit.name)
+        if layer is None:
+            return "own", (), ()
+        seen = self.layers.setdefault(self.region, {})
+        if layer not in seen:
+            seen[layer] = (act, act_spec)
+        order = list(seen)
+        k = order.index(layer)
+        if k < self.islands.prefetch:
+            return "own", (), ()
+        earlier, spec = seen[order[k - self.islands.prefetch]]
+        return "layer", earlier, PartitionSpec(*entries_of(spec, earlier.ndim))
+
+    @contextlib.contextmanager
+    def inside(self):
+        """Evaluating a body of its own (a rematerialised region, a loop body, a branch): layers
+        seen there are not waited for outside it, nor the outer ones inside (``token``)."""
+        saved = self.region
+        self.regions += 1
+        self.region = self.regions
+        try:
+            yield
+        finally:
+            self.region = saved
 
     def lookup_island(self, op: UnitOp, others: tuple, other_specs, unit: UnitValue, out_spec: Spec, out_ndim: int):
         """A lookup of the unit: the indices split as the batch split reaches them, the rows
@@ -507,7 +557,9 @@ class _Evaluator:
                     (
                         len(xs_in),
                         len(x.leaves),
-                        lambda leaves, x=x, view=view: dataclasses.replace(x, leaves=tuple(leaves), view=view),
+                        lambda leaves, x=x, view=view: dataclasses.replace(
+                            x, leaves=tuple(leaves), view=view, sliced=True
+                        ),
                     )
                 )
                 xs_in.extend(x.leaves)
@@ -534,9 +586,14 @@ class _Evaluator:
 
         def step(carry, xs_slices):
             sliced = [make(xs_slices[start : start + count]) for start, count, make in rebuild]
-            outs, out_specs = self.eval(
-                parts.jaxpr, parts.consts, body_c_specs, [*consts, *carry, *sliced], [*c_specs, *k_specs, *body_x_specs]
-            )
+            with self.inside():
+                outs, out_specs = self.eval(
+                    parts.jaxpr,
+                    parts.consts,
+                    body_c_specs,
+                    [*consts, *carry, *sliced],
+                    [*c_specs, *k_specs, *body_x_specs],
+                )
             forwarded.clear()
             y_specs[:] = out_specs[ncar:]
             ys = []
@@ -584,7 +641,8 @@ class _Evaluator:
                 self.branches += 1
                 self.substitutes.update((e, args[k]) for e, k in slicers.items())
                 try:
-                    outs, specs = self.eval(inner, consts, [None] * len(consts), args, in_specs[1:])
+                    with self.inside():
+                        outs, specs = self.eval(inner, consts, [None] * len(consts), args, in_specs[1:])
                 finally:
                     self.branches -= 1
                     for e in slicers:
@@ -610,11 +668,13 @@ class _Evaluator:
         (cj, cc), (bj, bc) = parts.cond, parts.body
 
         def cond_fn(carry):
-            outs, _ = self.eval(cj, cc, [None] * len(cc), [*c_consts, *carry], [*c_specs, *none])
+            with self.inside():
+                outs, _ = self.eval(cj, cc, [None] * len(cc), [*c_consts, *carry], [*c_specs, *none])
             return outs[0]
 
         def body_fn(carry):
-            outs, _ = self.eval(bj, bc, [None] * len(bc), [*b_consts, *carry], [*b_specs, *none])
+            with self.inside():
+                outs, _ = self.eval(bj, bc, [None] * len(bc), [*b_consts, *carry], [*b_specs, *none])
             return [self.output(o, "carried through a loop") for o in outs]
 
         return list(lax.while_loop(cond_fn, body_fn, carry)), none
@@ -628,13 +688,22 @@ class _Evaluator:
 
         def region(*flat):
             args = [_rebuild(x, flat[start : start + count]) for start, count, x in rebuild]
-            outs, specs = self.eval(jaxpr, consts, [None] * len(consts), args, in_specs)
+            with self.inside():
+                outs, specs = self.eval(jaxpr, consts, [None] * len(consts), args, in_specs)
             out_specs[:] = specs
             return [self.output(o, "returned by a rematerialised region") for o, p in zip(outs, passed) if p is None]
 
         policy = eqn.params.get("policy")
         if policy is None:
-            computed = rematerialize(region, flat)
+            # under prefetch, a loop's per-iteration layer is recomputed without waiting for the
+            # cotangent, like the backward's own gathers (fsdp_unit's ``early``): in a scan the
+            # forward's gathers are in another loop, nothing to merge with
+            free = [
+                self.islands.prefetch > 0 and isinstance(x, UnitValue) and bool(x.sliced or x.pick)
+                for _, count, x in rebuild
+                for _ in range(count)
+            ]
+            computed = rematerialize(region, flat, free)
         else:
             computed = jax.checkpoint(region, prevent_cse=eqn.params.get("prevent_cse", True), policy=policy)(*flat)
         computed = iter(computed)
@@ -718,6 +787,14 @@ def _spec_of(entries) -> Spec:
     return t if any(e is not None for e in t) else None
 
 
+def _layer_key(name: str) -> str | None:
+    """The layer a parameter belongs to in a Python loop over layers: its path up to the first
+    index (``blocks/3/attn/q/kernel`` -> ``blocks/3``); None outside such a list."""
+    parts = name.split("/")
+    k = next((i for i, p in enumerate(parts) if p.isdigit()), None)
+    return None if k is None else "/".join(parts[: k + 1])
+
+
 def _static_index(branches, k: int) -> list | None:
     """The equations of ``branches`` that read the ``k``-th operand, when each is a ``slice``
     with the same static indices and nothing else reads it (None otherwise)."""
@@ -765,11 +842,11 @@ def _rebuild(x, leaves):
     return leaves[0]
 
 
-def rematerialize(fn, args: list) -> list:
+def rematerialize(fn, args: list, free=()) -> list:
     """``fn(*args)``, its intermediates recomputed in the backward instead of saved: a
     ``custom_vjp`` saving ``args`` whose backward re-runs ``fn`` on them made to depend on the
     cotangent (``after``), so nothing of the recompute runs before it is needed or merges with
-    the forward."""
+    the forward; the args ``free`` marks (True) are left as they are."""
 
     @jax.custom_vjp
     def region(*args):
@@ -780,7 +857,11 @@ def rematerialize(fn, args: list) -> list:
 
     def bwd(args, cts):
         token = next((c for c in cts if jnp.issubdtype(c.dtype, jnp.floating) and c.size), None)
-        numeric = [jnp.issubdtype(a.dtype, jnp.number) or jnp.issubdtype(a.dtype, jnp.bool_) for a in args]
+        numeric = [
+            (jnp.issubdtype(a.dtype, jnp.number) or jnp.issubdtype(a.dtype, jnp.bool_))
+            and not (k < len(free) and free[k])
+            for k, a in enumerate(args)
+        ]
         moved = after([a for a, ok in zip(args, numeric) if ok], token)
         moved = iter(moved)
         args = [next(moved) if ok else a for a, ok in zip(args, numeric)]

@@ -84,6 +84,7 @@ class Steps:
         self.partition = partition
         self.rest_avals, self._gemm_mode = rest_avals, gemm_mode
         self.layout: StateLayout | None = None
+        self.prefetch = 0  # how many layers ahead the forward gathers start (FSDP's prefetch=)
         self.traced = False
         self.example_tree = None
 
@@ -193,7 +194,7 @@ class Steps:
         rank evaluates its part, global over the FSDP axes, and the loss, aux and floating state
         are averaged over tp."""
         traceable = self.traceable(loss_fn)
-        islands = Islands(self.mesh, self.fsdp_axes)
+        islands = Islands(self.mesh, self.fsdp_axes, self.prefetch)
         tp = self.tp_axis
 
         def loss_and_grads(master, planes, frozen, rest, batch):

@@ -245,7 +245,9 @@ class UnitOp:
     the unit's N axes (its forward reads the columnwise planes); ``picked``: the sizes of the
     leading layer axes of the shards it is given, of which it reads one index each (``w[i]``
     of a stack: the op picks the layer from the stacked shards itself, so the backward keeps
-    the stack, not a per-layer copy of its planes).
+    the stack, not a per-layer copy of its planes); ``early``: a layer a loop reads per
+    iteration under ``prefetch``: its backward gathers wait for nothing, so that they too may
+    run beside the iteration's GEMMs or a pipeliner move them an iteration ahead.
     """
 
     geometry: UnitGeometry
@@ -257,6 +259,7 @@ class UnitOp:
     transposed: bool = False
     gemm: Any = None  # an mxfp8_gemm.GemmMode: the GEMMs of an MXFP8 unit run in MXFP8
     picked: tuple[int, ...] = ()  # sizes of the leading layer axes it reads one index of
+    early: bool = False  # a loop's per-iteration layer: its backward gathers wait for nothing
 
     def value(self, w: jax.Array) -> jax.Array:
         """``W [*batch, N, K]`` (gathered) -> the operand as the layer's op sees it."""
@@ -278,29 +281,37 @@ class UnitOp:
         return self.prim.bind(*operands, **self.params)
 
 
-def unit_gemm(op: UnitOp, act: jax.Array, leaves: tuple, given=None, pick: tuple = ()) -> jax.Array:
+OWN = "own"  # a gather waits for the op's own input (``unit_gemm``'s ``token``)
+
+
+def unit_gemm(op: UnitOp, act: jax.Array, leaves: tuple, given=None, pick: tuple = (), token=OWN) -> jax.Array:
     """The ``dot_general`` of ``op`` with the unit as one operand and ``act`` the other, run on
     this device's shards ``leaves`` (``(master, *planes)``): one ``custom_vjp``. ``given``: the
     MXFP8 planes of ``act`` when it is one (``mxfp8_gemm.GivenOperand``), used by MXFP8 GEMMs
     whose activation is the marked value itself, rows by tokens and K last. ``pick``: one
-    int32 index per axis of ``op.picked`` (the layer the op reads of stacked shards)."""
+    int32 index per axis of ``op.picked`` (the layer the op reads of stacked shards).
+    ``token``: what the forward gather waits for: ``OWN`` (the op's input), another array (the
+    input of an earlier layer: the gather runs while the layers between compute), or None
+    (nothing: inside a loop, the gather of the iteration's own slice)."""
     pick = tuple(jnp.asarray(i, jnp.int32) for i in pick)
+    token = act if token is OWN else token
     if op.gemm is not None and op.geometry.precision == "mxfp8":
         canon = _Canonical.of(op, act)
         if given is not None and not canon.takes(given, act):
             given = None
         order = None if given is None else given.order
         arrays = None if given is None else given.arrays
-        return _mx_gemm(op, canon, order, act, leaves[0], tuple(leaves[1:]), arrays, pick)
-    return _gemm(op, act, leaves[0], tuple(leaves[1:]), pick)
+        return _mx_gemm(op, canon, order, act, leaves[0], tuple(leaves[1:]), arrays, pick, token)
+    return _gemm(op, act, leaves[0], tuple(leaves[1:]), pick, token)
 
 
-def unit_lookup(op: UnitOp, others: tuple, leaves: tuple, pick: tuple = ()) -> jax.Array:
+def unit_lookup(op: UnitOp, others: tuple, leaves: tuple, pick: tuple = (), token=OWN) -> jax.Array:
     """A ``gather`` / ``dynamic_slice`` of the unit (``others``: its index operands), on this
     device's shards: the table gathered for the lookup, the gradient reduce-scattered.
-    ``pick``: as for ``unit_gemm``."""
+    ``pick``, ``token``: as for ``unit_gemm`` (``OWN``: the first index operand)."""
     pick = tuple(jnp.asarray(i, jnp.int32) for i in pick)
-    return _lookup(op, tuple(others), leaves[0], tuple(leaves[1:]), pick)
+    token = (others[0] if others else None) if token is OWN else token
+    return _lookup(op, tuple(others), leaves[0], tuple(leaves[1:]), pick, token)
 
 
 def pick_layer(a: jax.Array, pick) -> jax.Array:
@@ -331,20 +342,21 @@ def _local(op: UnitOp, master, planes, *, backward: bool, pick=()):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _gemm(op: UnitOp, act, master, planes, pick):
-    local = after(_local(op, master, planes, backward=False, pick=pick), act)
-    w = gathered(op.geometry, local, columnwise=op.transposed)
+def _gemm(op: UnitOp, act, master, planes, pick, token):
+    local = after(_local(op, master, planes, backward=False, pick=pick), token)
+    w = gathered(op.geometry, local, columnwise=op.transposed, ready=_ready(act, token))
     return _forward_dot(op, act, op.value(w))
 
 
-def _gemm_fwd(op: UnitOp, act, master, planes, pick):
-    y = _gemm(op, act, master, planes, pick)
+def _gemm_fwd(op: UnitOp, act, master, planes, pick, token):
+    y = _gemm(op, act, master, planes, pick, token)
     return y, (act, _local(op, master, planes, backward=True), pick)
 
 
 def _gemm_bwd(op: UnitOp, residuals, dy):
     act, local, pick = residuals
-    local = after(jax.tree.map(lambda p: pick_layer(p, pick), local), dy)  # waits for the gradient that needs it
+    local = jax.tree.map(lambda p: pick_layer(p, pick), local)
+    local = after(local, None if op.early else dy)  # the gather waits for the gradient that needs it
     v = op.value(gathered(op.geometry, local, columnwise=not op.transposed))
     f32 = lambda a: a.astype(jnp.float32)
     params = dict(op.params, preferred_element_type=jnp.float32)
@@ -354,7 +366,7 @@ def _gemm_bwd(op: UnitOp, residuals, dy):
 
     _, vjp = jax.vjp(dot32, f32(act), f32(v))
     d_act, d_v = vjp(f32(dy))
-    return d_act.astype(act.dtype), _unpick(op, _to_local_grad(op, d_v), pick), None, None
+    return d_act.astype(act.dtype), _unpick(op, _to_local_grad(op, d_v), pick), None, None, None
 
 
 _gemm.defvjp(_gemm_fwd, _gemm_bwd)
@@ -365,13 +377,13 @@ _gemm.defvjp(_gemm_fwd, _gemm_bwd)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
-def _mx_gemm(op: UnitOp, canon: _Canonical, order, act, master, planes, given, pick):
-    return _mx_gemm_fwd(op, canon, order, act, master, planes, given, pick)[0]
+def _mx_gemm(op: UnitOp, canon: _Canonical, order, act, master, planes, given, pick, token):
+    return _mx_gemm_fwd(op, canon, order, act, master, planes, given, pick, token)[0]
 
 
-def _mx_gemm_fwd(op: UnitOp, canon: _Canonical, order, act, master, planes, given, pick):
-    local = after(_local(op, master, planes, backward=False, pick=pick), act)
-    w = _weight(op.geometry, local, op.transposed)
+def _mx_gemm_fwd(op: UnitOp, canon: _Canonical, order, act, master, planes, given, pick, token):
+    local = after(_local(op, master, planes, backward=False, pick=pick), token)
+    w = _weight(op.geometry, local, op.transposed, ready=_ready(act, token))
     if given is None:
         y, x_col = mxfp8_gemm.forward(canon.act_to_x(act), w, op.gemm)
     else:  # x is MXFP8 already: its rowwise planes go into the GEMM as they are
@@ -389,19 +401,22 @@ def _mx_gemm_fwd(op: UnitOp, canon: _Canonical, order, act, master, planes, give
 
 def _mx_gemm_bwd(op: UnitOp, canon: _Canonical, order, residuals, dy):
     x_col, local, pick = residuals
-    local = after(jax.tree.map(lambda p: pick_layer(p, pick), local), dy)  # waits for the gradient that needs it
+    local = jax.tree.map(lambda p: pick_layer(p, pick), local)
+    local = after(local, None if op.early else dy)  # the gather waits for the gradient that needs it
     w_t = _weight(op.geometry, local, not op.transposed)
     dx, dv = mxfp8_gemm.backward(canon.out_to_y(dy), x_col, w_t, op.gemm, order=order)
-    return canon.x_to_act(dx), _unpick(op, _scatter_rows(op.geometry, canon.v_to_w(dv)), pick), None, None, None
+    grads = _unpick(op, _scatter_rows(op.geometry, canon.v_to_w(dv)), pick)
+    return canon.x_to_act(dx), grads, None, None, None, None
 
 
 _mx_gemm.defvjp(_mx_gemm_fwd, _mx_gemm_bwd)
 
 
-def _weight(g: UnitGeometry, local, columnwise: bool) -> tuple[jax.Array, jax.Array]:
+def _weight(g: UnitGeometry, local, columnwise: bool, ready=None) -> tuple[jax.Array, jax.Array]:
     """The gathered planes of one direction as the block-scaled GEMM's weight operand: rowwise
-    ``[B, N, K]`` blocked along K, columnwise ``[B, K, N]`` blocked along N (no dequantize)."""
-    codes, scales = (all_gather_rows(p, g.axes) for p in local)
+    ``[B, N, K]`` blocked along K, columnwise ``[B, K, N]`` blocked along N (no dequantize).
+    ``ready``: as for ``gathered``."""
+    codes, scales = after(tuple(all_gather_rows(p, g.axes) for p in local), ready)
     n, b = g.out_features, product(g.stack[g.level :])
     codes = codes[..., :n, :].reshape(b, n, g.in_features)
     scales = scales[..., : n // BLOCK, :] if columnwise else scales[..., :n, :]
@@ -558,20 +573,21 @@ class _Canonical:
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _lookup(op: UnitOp, others, master, planes, pick):
-    local = after(_local(op, master, planes, backward=False, pick=pick), others[0] if others else None)
-    return op.bind(op.value(gathered(op.geometry, local, columnwise=False)), others)
+def _lookup(op: UnitOp, others, master, planes, pick, token):
+    local = after(_local(op, master, planes, backward=False, pick=pick), token)
+    ready = _ready(others[0] if others else None, token)
+    return op.bind(op.value(gathered(op.geometry, local, columnwise=False, ready=ready)), others)
 
 
-def _lookup_fwd(op: UnitOp, others, master, planes, pick):
-    return _lookup(op, others, master, planes, pick), (others, pick)
+def _lookup_fwd(op: UnitOp, others, master, planes, pick, token):
+    return _lookup(op, others, master, planes, pick, token), (others, pick)
 
 
 def _lookup_bwd(op: UnitOp, residuals, dy):
     others, pick = residuals
     shape = jax.ShapeDtypeStruct(_value_shape(op), jnp.float32)
     (d_v,) = jax.linear_transpose(lambda v: op.bind(v, others), shape)(dy.astype(jnp.float32))
-    return None, _unpick(op, _to_local_grad(op, d_v), pick), None, None
+    return None, _unpick(op, _to_local_grad(op, d_v), pick), None, None, None
 
 
 _lookup.defvjp(_lookup_fwd, _lookup_bwd)
@@ -618,12 +634,14 @@ def all_gather_rows(x: jax.Array, axes) -> jax.Array:
     return spmd.all_gather_bits(x, axes, axis=x.ndim - 2)
 
 
-def gathered(g: UnitGeometry, local, *, columnwise: bool) -> jax.Array:
+def gathered(g: UnitGeometry, local, *, columnwise: bool, ready=None) -> jax.Array:
     """``W [*batch, N, K]`` from this device's shards: the MXFP8 planes of one direction
-    dequantized exactly to fp32, or the master rows rounded to bf16."""
+    dequantized exactly to fp32, or the master rows rounded to bf16. ``ready``: what the
+    gathered bytes wait for before they are widened (the op's own input when the gather was
+    started earlier: the early gather holds 8-bit planes, not fp32 weights)."""
     if g.precision != "mxfp8":
-        return all_gather_rows(local.astype(jnp.bfloat16), g.axes)[..., : g.out_features, :]
-    codes, scales = (all_gather_rows(p, g.axes) for p in local)
+        return after(all_gather_rows(local.astype(jnp.bfloat16), g.axes), ready)[..., : g.out_features, :]
+    codes, scales = after(tuple(all_gather_rows(p, g.axes) for p in local), ready)
     batch = codes.shape[:-2]
     n, k = g.out_features, g.in_features
     codes = lax.bitcast_convert_type(codes[..., :n, :], jnp.float8_e4m3fn).reshape(-1, k)
@@ -640,6 +658,12 @@ def gathered(g: UnitGeometry, local, *, columnwise: bool) -> jax.Array:
         shape=shape,
     )
     return dequantize(t, columnwise=columnwise, dtype=jnp.float32)
+
+
+def _ready(own, token):
+    """What an op's gathered weight waits for before it is widened: its own input ``own`` when
+    the gather itself waited for something else (``token``), else nothing more."""
+    return None if token is own else own
 
 
 def after(tree, token):

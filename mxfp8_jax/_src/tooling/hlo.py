@@ -205,3 +205,168 @@ class _Module:
             depth = max(depth, d)
             total = None if total is None or c is None else total + c
         return depth, total
+
+
+# ------------------------------------------------------------------------------------------------
+# What a gather can overlap: the dependency graph of each computation
+
+
+_INSTR = re.compile(r"^\s*(?:ROOT\s+)?%(?P<name>[\w.\-]+)\s*=\s*(?P<type>.*?)\s(?P<op>[a-z][a-z0-9\-]*)\((?P<rest>.*)$")
+_REF = re.compile(r"%(?P<name>[\w.\-]+)")
+_GEMM_TARGET = re.compile(r"gemm|matmul|cublas|hipblas", re.IGNORECASE)
+
+
+@dataclasses.dataclass(frozen=True)
+class GatherOverlap:
+    """One all-gather and the GEMMs of its computation it can run beside.
+
+    ``before``: the GEMMs that must finish before the GEMMs consuming the gathered value (its
+    nearest GEMM users); ``overlap``: those of them that do not have to finish before the gather
+    starts and do not wait for it, so a scheduler may run the gather while they compute.
+    ``dtypes``: the element types it gathers; ``backward``: jax's name for it says it belongs to
+    the backward pass (``transpose(...)``); ``carried``: in a while loop's body, it depends on a
+    value the loop carries from one iteration to the next (an activation, a cotangent; not the
+    stacked inputs the loop passes through unchanged, nor a scalar counter): such a gather can
+    start only once the previous iteration is done.
+    """
+
+    name: str
+    computation: str
+    dtypes: tuple[str, ...]
+    before: int
+    overlap: int
+    backward: bool = False
+    carried: bool = False
+
+
+def gather_overlaps(hlo_text: str) -> list[GatherOverlap]:
+    """For every all-gather of ``hlo_text`` (``compiled.as_text()``), how many GEMMs (``dot``s,
+    fusions or custom calls that compute one) of the same computation it can overlap, read from
+    the data dependencies alone (the program's, whatever the scheduler then does). A gather
+    inside a loop body is judged within the body: one iteration's dependencies."""
+    bodies: dict[str, list[tuple[str, str, str, list[str]]]] = {}
+    backward: set[str] = set()
+    index: dict[tuple[str, str], int] = {}  # (computation, get-tuple-element) -> its index
+    roots: dict[str, str] = {}
+    computation = ""
+    for line in hlo_text.splitlines():
+        head = _HEAD.match(line)
+        if head:
+            computation = head["name"]
+            bodies[computation] = []
+            continue
+        m = _INSTR.match(line)
+        if m is None or not computation:
+            continue
+        refs = [r["name"] for r in _REF.finditer(m["rest"])]
+        bodies[computation].append((m["name"], m["op"], m["type"], refs))
+        if m["op"] == "get-tuple-element":
+            k = re.search(r"\bindex=(\d+)", m["rest"])
+            index[computation, m["name"]] = int(k.group(1)) if k else -1
+        if line.lstrip().startswith("ROOT "):
+            roots[computation] = m["name"]
+        if 'op_name="' in line and "transpose(" in line.split('op_name="', 1)[1].split('"', 1)[0]:
+            backward.add(m["name"])
+    has_dot: dict[str, bool] = {}
+
+    def computes_dot(name: str, seen=frozenset()) -> bool:
+        if name not in has_dot:
+            found = False
+            for _, op, _, refs in bodies.get(name, ()):
+                if op == "dot" or (
+                    op in ("fusion", "call")
+                    and any(r in bodies and r not in seen and computes_dot(r, seen | {name}) for r in refs)
+                ):
+                    found = True
+                    break
+            has_dot[name] = found
+        return has_dot[name]
+
+    loop_bodies = {body for _, body, _ in _Module.parse(hlo_text).loops}
+    out = []
+    for computation, instrs in bodies.items():
+        names = {name for name, _, _, _ in instrs}
+        varying = _varying_carries(computation, instrs, index, roots) if computation in loop_bodies else set()
+        operands = {name: [r for r in refs if r in names] for name, _, _, refs in instrs}
+        gemm = set()
+        for name, op, _, refs in instrs:
+            line_calls = [r for r in refs if r in bodies]
+            if op == "dot" or (op in ("fusion", "call") and any(computes_dot(r) for r in line_calls)):
+                gemm.add(name)
+            elif op == "custom-call" and _GEMM_TARGET.search(" ".join(refs) + op):
+                gemm.add(name)
+        order = [name for name, _, _, _ in instrs]
+        gemm_bits = {name: 1 << k for k, name in enumerate(sorted(gemm))}
+        above: dict[str, int] = {}  # the GEMMs each instruction depends on (itself included)
+        for name in order:
+            bits = gemm_bits.get(name, 0)
+            for o in operands[name]:
+                bits |= above.get(o, 0)
+            above[name] = bits
+        users: dict[str, list[str]] = {}
+        for name in order:
+            for o in operands[name]:
+                users.setdefault(o, []).append(name)
+        carried: dict[str, bool] = {}
+        for name in order:
+            carried[name] = name in varying or any(carried.get(o, False) for o in operands[name])
+        for name, op, type_, _ in instrs:
+            if op not in ("all-gather", "all-gather-start"):
+                continue
+            below, stack, consumers = set(), [name], []
+            while stack:  # everything that depends on the gather; the nearest GEMMs among it
+                x = stack.pop()
+                for u in users.get(x, ()):
+                    if u in below:
+                        continue
+                    below.add(u)
+                    if u in gemm:
+                        consumers.append(u)
+                    else:
+                        stack.append(u)
+            need = 0
+            for c in consumers:
+                need |= above[c] & ~gemm_bits[c]
+            after_gather = sum(gemm_bits[u] for u in below if u in gemm)
+            free = need & ~above[name] & ~after_gather
+            dtypes = tuple(d for d, _ in _SHAPE.findall(type_))
+            out.append(
+                GatherOverlap(
+                    name,
+                    computation,
+                    dtypes,
+                    bin(need).count("1"),
+                    bin(free).count("1"),
+                    name in backward,
+                    carried[name],
+                )
+            )
+    return out
+
+
+def _varying_carries(computation, instrs, index, roots) -> set[str]:
+    """The ``get-tuple-element``s of a while body's parameter that read a value the loop changes
+    from one iteration to the next (the root tuple does not hand it back as it came), other
+    than scalars (the counter)."""
+    params = {name for name, op, _, _ in instrs if op == "parameter"}
+    by_name = {name: (op, refs) for name, op, _, refs in instrs}
+    root = by_name.get(roots.get(computation, ""))
+    if root is None or root[0] != "tuple":
+        return set()
+    handed_back = root[1]
+    varying = set()
+    for name, op, type_, refs in instrs:
+        if op != "get-tuple-element" or not refs or refs[0] not in params:
+            continue
+        k = index.get((computation, name), -1)
+        back = handed_back[k] if 0 <= k < len(handed_back) else None
+        same = (
+            back is not None
+            and by_name[back][0] == "get-tuple-element"
+            and by_name[back][1][:1] == refs[:1]
+            and index.get((computation, back)) == k
+        )
+        scalar = re.fullmatch(r"[a-z][a-z0-9]*\[\]", type_.split("{")[0].strip()) is not None
+        if not same and not scalar:
+            varying.add(name)
+    return varying

@@ -1,0 +1,173 @@
+"""Gathers ahead of compute: with ``prefetch=1`` a layer's weight gathers can run while the layer
+before it computes.
+
+Read from the compiled step's HLO dependency graph (``hlo.gather_overlaps``: for each gather,
+the GEMMs that must finish before the GEMMs it feeds but need not finish before it starts, nor
+wait for it), on CPU: the dependencies are the program's, whatever a GPU's scheduler then makes
+of them. With ``prefetch=0`` every gather waits for the input of the op that reads it, so none
+can overlap a GEMM; with ``prefetch=1`` every forward gather but the first layer's can, in a
+Python loop over ``nnx.Linear`` blocks and in the package's scanned transformer. The two
+programs compute the same loss and gradients bit for bit, and the early gathers cost at most
+one layer's gathered weights of temp memory.
+"""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+from jax.sharding import Mesh
+
+from mxfp8_jax import models
+from mxfp8_jax._src.tooling import hlo
+from mxfp8_jax.flax import FSDP
+
+D = 128
+BLOCKS = 4
+
+
+@pytest.fixture(scope="module")
+def mesh(devices):
+    return Mesh(np.array(devices), ("fsdp",))
+
+
+class Block(nnx.Module):
+    def __init__(self, rngs: nnx.Rngs):
+        self.up = nnx.Linear(D, 2 * D, use_bias=False, rngs=rngs)
+        self.down = nnx.Linear(2 * D, D, use_bias=False, rngs=rngs)
+
+    def __call__(self, h):
+        return h + self.down(jax.nn.gelu(self.up(h)))
+
+
+class Blocks(nnx.Module):
+    """``nnx.Linear`` blocks in a Python loop over an ``nnx.List``, and an output head."""
+
+    def __init__(self, rngs: nnx.Rngs):
+        self.blocks = nnx.List([Block(rngs) for _ in range(BLOCKS)])
+        self.head = nnx.Linear(D, 32, use_bias=False, rngs=rngs)
+
+    def __call__(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+def mse(model, x):
+    return (model(x) ** 2).mean()
+
+
+def compiled(model, mesh, loss_fn, batch, prefetch: int):
+    fsdp = FSDP(model, mesh, loss_fn=loss_fn, example_batch=batch, prefetch=prefetch)
+    tx = optax.sgd(0.1)
+    step = fsdp.lower_train_step(loss_fn, tx, fsdp.abstract_state(tx), batch).compile()
+    grads = fsdp.loss_and_grads(loss_fn)(fsdp.init(model, tx), batch)
+    return fsdp, step, grads
+
+
+def forward_gathers(step) -> list[hlo.GatherOverlap]:
+    """The 8-bit forward gathers whose GEMM has GEMMs before it (in its computation)."""
+    return [g for g in hlo.gather_overlaps(step.as_text()) if "u8" in g.dtypes and g.before and not g.backward]
+
+
+def same_bits(a, b) -> bool:
+    la, lb = jax.tree.leaves(a), jax.tree.leaves(b)
+    return len(la) == len(lb) and all(np.array_equal(np.asarray(x), np.asarray(y)) for x, y in zip(la, lb))
+
+
+def layer_bytes(fsdp, prefix: str) -> int:
+    """One layer's gathered weights as its GEMMs read them (fp32, padded rows)."""
+    return sum(4 * int(np.prod(p.unit.padded_shape())) for p in fsdp.units if p.name.startswith(prefix))
+
+
+def test_a_python_loop_gathers_each_layer_while_the_layer_before_computes(mesh):
+    model = Blocks(nnx.Rngs(0))
+    x = np.random.default_rng(0).normal(size=(8 * mesh.size, D)).astype(np.float32)
+    f0, step0, grads0 = compiled(model, mesh, mse, x, prefetch=0)
+    f1, step1, grads1 = compiled(model, mesh, mse, x, prefetch=1)
+    waiting = forward_gathers(step0)
+    early = forward_gathers(step1)
+    # codes and scales of up and down in every block but the first one's up
+    assert len(waiting) == len(early) == 2 * (2 * BLOCKS - 1), (waiting, early)
+    assert all(g.overlap == 0 for g in waiting), waiting
+    overlapped = [g for g in early if g.overlap >= 1]
+    assert len(overlapped) == len(early) - 2, early  # all but the first block's down: its own input
+    assert same_bits(grads0, grads1)
+    temp0 = step0.memory_analysis().temp_size_in_bytes
+    temp1 = step1.memory_analysis().temp_size_in_bytes
+    assert temp1 <= temp0 + layer_bytes(f1, "blocks/1/"), (temp0, temp1)
+
+
+def test_a_scanned_transformer_gathers_without_waiting_for_the_carried_activation(mesh):
+    """The package's transformer (``nnx.scan`` over ``nnx.remat`` blocks): with ``prefetch=1``
+    every gather in the loop bodies that has GEMMs before its own can overlap one, forward and
+    backward, and none depends on the loop's carried values."""
+    cfg = models.TransformerConfig(layers=2)
+    model = models.init_transformer(cfg)
+    tokens = np.random.default_rng(0).integers(0, cfg.vocab, (2 * mesh.size, 33)).astype(np.int32)
+    f0, step0, grads0 = compiled(model, mesh, models.next_token_loss, tokens, prefetch=0)
+    f1, step1, grads1 = compiled(model, mesh, models.next_token_loss, tokens, prefetch=1)
+    loops = {body for body, _ in hlo.while_loops(step1.as_text())}
+    waiting = [g for g in forward_gathers(step0)]
+    early = [g for g in forward_gathers(step1) if g.computation in loops]
+    assert waiting and all(g.overlap == 0 for g in waiting), waiting
+    assert early and all(g.overlap >= 1 for g in early), early
+    # the backward's gathers in the reverse loop too
+    backward = [
+        g
+        for g in hlo.gather_overlaps(step1.as_text())
+        if g.backward and g.before and g.computation in loops and "u8" in g.dtypes
+    ]
+    assert backward and all(g.overlap >= 1 for g in backward), backward
+    # no 8-bit gather in a loop waits for what the loop carries (the activation forward, the
+    # cotangent backward, the recomputed forward's too): XLA:GPU's collective pipeliner may move
+    # each one into the iteration before; with prefetch=0 every one of them does wait
+    carried = lambda step: [
+        g.carried for g in hlo.gather_overlaps(step.as_text()) if g.computation in loops and "u8" in g.dtypes
+    ]
+    assert carried(step1) and not any(carried(step1)), carried(step1)
+    assert all(carried(step0)), carried(step0)
+    assert same_bits(grads0, grads1)
+    temp0 = step0.memory_analysis().temp_size_in_bytes
+    temp1 = step1.memory_analysis().temp_size_in_bytes
+    layer = sum(4 * int(np.prod(p.unit.padded_shape())) // cfg.layers for p in f1.units if p.unit.level)
+    assert temp1 <= temp0 + layer, (temp0, temp1, layer)
+
+
+def test_prefetch_must_be_a_count_of_layers(mesh):
+    x = np.zeros((8 * mesh.size, D), np.float32)
+    for bad in (-1, 1.5, True):
+        with pytest.raises(ValueError, match="prefetch="):
+            FSDP(Blocks(nnx.Rngs(0)), mesh, loss_fn=mse, example_batch=x, prefetch=bad)
+
+
+def test_gather_overlaps_reads_the_dependency_graph():
+    """A gather that depends only on a parameter can overlap the GEMM that feeds its own GEMM's
+    other operand; one made to wait for that GEMM's output cannot; a GEMM inside a fusion
+    counts; a gather with no GEMM before its consumer has nothing to overlap."""
+    text = """HloModule m
+
+%fused_dot (a: f32[4,4], b: f32[4,4]) -> f32[4,4] {
+  %a = f32[4,4]{1,0} parameter(0)
+  %b = f32[4,4]{1,0} parameter(1)
+  ROOT %dot.9 = f32[4,4]{1,0} dot(%a, %b), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+}
+
+ENTRY %main (p0: f32[4,4], p1: u8[1,4], p2: f32[4,4]) -> f32[4,4] {
+  %p0 = f32[4,4]{1,0} parameter(0)
+  %p1 = u8[1,4]{1,0} parameter(1)
+  %p2 = f32[4,4]{1,0} parameter(2)
+  %free = u8[4,4]{1,0} all-gather(%p1), dimensions={0}
+  %first = f32[4,4]{1,0} fusion(%p0, %p2), kind=kCustom, calls=%fused_dot
+  %w = f32[4,4]{1,0} convert(%free)
+  %second = f32[4,4]{1,0} dot(%first, %w), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+  %token = u8[1,4]{1,0} convert(%second)
+  %waiting = u8[4,4]{1,0} all-gather(%token), dimensions={0}, metadata={op_name="jit(step)/transpose(jvp())/all_gather"}
+  %w2 = f32[4,4]{1,0} convert(%waiting)
+  ROOT %third = f32[4,4]{1,0} dot(%second, %w2), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+}
+"""
+    got = {g.name: (g.before, g.overlap, g.backward, g.dtypes) for g in hlo.gather_overlaps(text)}
+    assert got == {"free": (1, 1, False, ("u8",)), "waiting": (2, 0, True, ("u8",))}, got
