@@ -265,8 +265,8 @@ MUTANTS = (
             ),
             (
                 "mxfp8_jax/_src/fsdp/fsdp_unit.py",
-                "v = op.value(gathered(op.geometry, local, columnwise=not op.transposed))",
-                "v = op.value(gathered(op.geometry, local, columnwise=op.transposed))",
+                "v = op.value(gathered(op.geometry, local, columnwise=not op.transposed, ready=",
+                "v = op.value(gathered(op.geometry, local, columnwise=op.transposed, ready=",
             ),
         ),
         ("tests/test_fsdp_scale.py::test_gradients_match_single_device_reference",),

@@ -357,7 +357,7 @@ def _gemm_bwd(op: UnitOp, residuals, dy):
     act, local, pick = residuals
     local = jax.tree.map(lambda p: pick_layer(p, pick), local)
     local = after(local, None if op.early else dy)  # the gather waits for the gradient that needs it
-    v = op.value(gathered(op.geometry, local, columnwise=not op.transposed))
+    v = op.value(gathered(op.geometry, local, columnwise=not op.transposed, ready=dy if op.early else None))
     f32 = lambda a: a.astype(jnp.float32)
     params = dict(op.params, preferred_element_type=jnp.float32)
 
@@ -403,7 +403,7 @@ def _mx_gemm_bwd(op: UnitOp, canon: _Canonical, order, residuals, dy):
     x_col, local, pick = residuals
     local = jax.tree.map(lambda p: pick_layer(p, pick), local)
     local = after(local, None if op.early else dy)  # the gather waits for the gradient that needs it
-    w_t = _weight(op.geometry, local, not op.transposed)
+    w_t = _weight(op.geometry, local, not op.transposed, ready=dy if op.early else None)
     dx, dv = mxfp8_gemm.backward(canon.out_to_y(dy), x_col, w_t, op.gemm, order=order)
     grads = _unpick(op, _scatter_rows(op.geometry, canon.v_to_w(dv)), pick)
     return canon.x_to_act(dx), grads, None, None, None, None
