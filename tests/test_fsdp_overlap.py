@@ -24,6 +24,8 @@ from mxfp8_jax import models
 from mxfp8_jax._src.tooling import hlo
 from mxfp8_jax.flax import FSDP
 
+from conftest import need_devices
+
 D = 128
 BLOCKS = 4
 
@@ -171,3 +173,28 @@ ENTRY %main (p0: f32[4,4], p1: u8[1,4], p2: f32[4,4]) -> f32[4,4] {
 """
     got = {g.name: (g.before, g.overlap, g.backward, g.dtypes) for g in hlo.gather_overlaps(text)}
     assert got == {"free": (1, 1, False, ("u8",)), "waiting": (2, 0, True, ("u8",))}, got
+
+
+def test_under_tensor_parallelism_the_loop_gathers_do_not_wait_for_the_carry(devices):
+    """The transformer on an (n/2 fsdp, 2 tp) mesh, its norms fused all-gather + RMSNorm + MXFP8
+    ops over tp: with ``prefetch=1`` no 8-bit gather in the loops depends on what they carry,
+    and the loss and gradients are those of ``prefetch=0`` bit for bit."""
+    devs = need_devices(4)
+    cfg = models.TransformerConfig(vocab=64, hidden=64, heads=2, head_dim=32, mlp=128, layers=2, norm="mxfp8")
+    model = models.init_transformer(cfg, seed=0)
+    mesh = Mesh(np.array(devs).reshape(len(devs) // 2, 2), ("fsdp", "tp"))
+    task = models.SequenceTask(cfg.vocab, 17, seed=1)
+    batch = models.next_token_pairs(next(iter(task.batches(1, 2 * len(devs)))))
+    tx = optax.adam(1e-3)
+    carried, grads = {}, {}
+    for prefetch in (0, 1):
+        fsdp = FSDP(model, mesh, tp_axis="tp", loss_fn=models.next_token_loss, example_batch=batch, prefetch=prefetch)
+        text = fsdp.lower_train_step(models.next_token_loss, tx, fsdp.abstract_state(tx), batch).compile().as_text()
+        loops = {body for body, _ in hlo.while_loops(text)}
+        carried[prefetch] = [
+            g.carried for g in hlo.gather_overlaps(text) if g.computation in loops and "u8" in g.dtypes
+        ]
+        grads[prefetch] = fsdp.loss_and_grads(models.next_token_loss)(fsdp.init(model, tx), batch)
+    assert carried[0] and all(carried[0]), carried[0]
+    assert carried[1] and not any(carried[1]), carried[1]
+    assert same_bits(grads[0], grads[1])
