@@ -247,8 +247,8 @@ MUTANTS = (
         (
             (
                 "mxfp8_jax/_src/fsdp/fsdp_unit.py",
-                "    v = op.value(gathered(op.geometry, local, columnwise=not op.transposed))\n",
-                "    v = op.value(gathered(op.geometry, local, columnwise=not op.transposed))\n"
+                "columnwise=not op.transposed, ready=dy if op.early else None))\n",
+                "columnwise=not op.transposed, ready=dy if op.early else None))\n"
                 '    v = v if op.geometry.precision == "mxfp8" else -v\n',
             ),
         ),
