@@ -400,7 +400,7 @@ def run(
     from jax.sharding import Mesh
 
     import mxfp8_jax as mx
-    from mxfp8_jax._src.core import checks
+    from mxfp8_jax._src.core import checks, platforms
     from mxfp8_jax._src.kernels import _ffi
 
     steps = checks.positive_int(steps, "steps")
@@ -417,7 +417,7 @@ def run(
         mesh = Mesh(np.array(devs).reshape(len(devs) // tp, tp), ("fsdp", "tp"))
     else:
         mesh = Mesh(np.array(devs), ("data",))
-    platform = devs[0].platform
+    platform = platforms.of_device(devs[0])  # 'cuda'/'rocm', not jax's 'gpu'
     if gemm not in ("dequantized", "mxfp8"):
         raise ValueError(f"gemm={gemm!r} must be 'dequantized' or 'mxfp8'")
     work = Workload(model, hidden=hidden, layers=layers, seed=seed, steps=steps, tp=tp, norm_path=norm_path, data=data)

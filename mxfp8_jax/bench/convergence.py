@@ -47,11 +47,12 @@ def run(
     from jax.sharding import Mesh
 
     from mxfp8_jax import demo
+    from mxfp8_jax._src.core import platforms
     from mxfp8_jax._src.kernels import _ffi
     from mxfp8_jax._src.ops import mxfp8_gemm
 
     devs = demo.select_devices(devices)
-    platform = devs[0].platform
+    platform = platforms.of_device(devs[0])  # 'cuda'/'rocm', not jax's 'gpu'
     if not _ffi.has_target("mxfp8_quantize", platform) and not allow_reference:
         raise RuntimeError(
             f"the compiled quantize kernel is missing for {platform}; the runs would use the pure-JAX "
@@ -96,7 +97,7 @@ def run(
         "eval_every": eval_every,
         "devices": len(devs),
         "platform": platform,
-        "gemm_path": mxfp8_gemm.gemm_paths().get(platform, "exact"),
+        "gemm_path": mxfp8_gemm.resolve_path("auto", platform, platforms.capability(devs[0])),
         "jax": jax.__version__,
         "runs": runs,
     }

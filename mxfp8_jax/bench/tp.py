@@ -34,13 +34,14 @@ def run(hidden: int, layers: int, seq: int, batch: int, devices: int, tp: int, i
     from jax.sharding import Mesh
 
     from mxfp8_jax import models
+    from mxfp8_jax._src.core import platforms
     from mxfp8_jax._src.kernels import _ffi
     from mxfp8_jax._src.tooling import hlo
     from mxfp8_jax.bench._timing import environment, print_table, time_fn, write_json
     from mxfp8_jax.flax import FSDP
 
     devs = jax.devices()[:devices]
-    platform = devs[0].platform
+    platform = platforms.of_device(devs[0])  # 'cuda'/'rocm', not jax's 'gpu'
     if not _ffi.has_target("mxfp8_allgather_rmsnorm_quantize", platform):
         raise SystemExit(f"the fused op's kernel is not installed for {platform}: nothing to measure")
     cfg = models.TransformerConfig(

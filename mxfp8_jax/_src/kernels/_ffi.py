@@ -22,7 +22,7 @@ import warnings
 
 import jax
 
-from mxfp8_jax._src.core import vma
+from mxfp8_jax._src.core import platforms, vma
 
 # platform name as jax spells it for register_ffi_target -> extension module
 _MODULES = {"cpu": "_mxfp8_cpu", "cuda": "_mxfp8_cuda", "rocm": "_mxfp8_rocm"}
@@ -135,6 +135,13 @@ def available_backends() -> tuple[str, ...]:
     return tuple(_load()[0])
 
 
+def architectures(platform: str) -> str | None:
+    """The GPU architectures the installed module of ``platform`` was built for (CMake's list,
+    e.g. ``"90-real"`` or ``"gfx942"``), or None where it is not installed."""
+    _load()
+    return _ARCHS.get(platform)
+
+
 def has_target(name: str, platform: str = "cpu") -> bool:
     return name in _load()[0].get(platform, {})
 
@@ -154,12 +161,14 @@ def require(name: str, platform: str) -> None:
 
 
 def default_platform() -> str:
-    return jax.default_backend()
+    """The lowering platform of this process's default device (``"cpu"``, ``"cuda"``,
+    ``"rocm"``): what an eagerly run op executes on. Programs over a mesh take the mesh's."""
+    return platforms.default()
 
 
 def extension_platform(platform: str) -> str:
     """The extension's platform name (``'cpu'``, ``'cuda'``, ``'rocm'``) for a jax platform name:
-    jax calls CUDA and ROCm devices alike ``'gpu'``."""
+    jax calls CUDA and ROCm devices alike ``'gpu'``, resolved here by the default device."""
     if platform == "gpu":
         return gpu_platform() or "cuda"
     return platform
@@ -168,13 +177,10 @@ def extension_platform(platform: str) -> str:
 def gpu_platform() -> str | None:
     """'cuda' or 'rocm' when jax's default device is a GPU, else None."""
     try:
-        dev = jax.devices()[0]
+        platform = platforms.default()
     except RuntimeError:
         return None
-    if dev.platform not in ("gpu", "cuda", "rocm"):
-        return None
-    version = str(getattr(dev.client, "platform_version", "")).lower()
-    return "rocm" if ("rocm" in version or "hip" in version) else "cuda"
+    return platform if platform in platforms.GPU_PLATFORMS else None
 
 
 _CUDA_ARCH = re.compile(r"^(\d+)([af]?)(?:-(real|virtual))?$")

@@ -17,7 +17,9 @@ Strategies:
   the clock can hold is no deadline either, never an overflow).
 - ``"auto"``: ``"p2p"`` on CPU when every device of the axis is in this process (and the
   extension is installed), ``"xla"`` otherwise -- in particular on GPUs, whose p2p path is
-  opt-in until it has run on multi-GPU hardware.
+  opt-in until it has run on multi-GPU hardware. The platform is the program's: the mesh's
+  devices for the global op; for the per-device op, the platform it is lowered for
+  (``lax.platform_dependent``), so a step compiled for GPUs from a CPU host gathers with XLA.
 
 ``"p2p"`` on GPUs (CUDA or ROCm; experimental, asked for explicitly, with a one-time
 :class:`ExperimentalGpuP2PWarning`): each GPU of the group runs the kernel for the whole group,
@@ -57,16 +59,18 @@ from collections.abc import Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from mxfp8_jax._src.core import spmd, vma
+from mxfp8_jax._src.core import platforms, spmd, vma
 from mxfp8_jax._src.core.tracing import is_traced
 from mxfp8_jax._src.kernels import _ffi, ffi_calls
 from mxfp8_jax._src.numerics import format as fmt
 from mxfp8_jax._src.ops import rmsnorm
 
 STRATEGIES = ("auto", "xla", "p2p")
+CPU_P2P = "p2p-on-cpu"  # "auto" resolved by the lowering platform: "p2p" on CPU, "xla" elsewhere
 _P2P_TARGET = "mxfp8_allgather_rmsnorm_quantize"
 DEFAULT_P2P_TIMEOUT_S = 120.0
 
@@ -90,7 +94,7 @@ class _GatherConfig:
     hidden: int
     row_counts: tuple[int, ...]  # valid rows of every device of the axis
     norm: rmsnorm.NormConfig
-    strategy: str  # "xla" or "p2p" (resolved)
+    strategy: str  # "xla", "p2p", or CPU_P2P ("p2p" where lowered for CPU, else "xla")
     op_id: int
     timeout_ms: int
 
@@ -250,16 +254,20 @@ def _warn_gpu_p2p(platform: str) -> None:
     )
 
 
-def _resolve_strategy(strategy: str, platform: str, devices_here: bool, axis) -> str:
+def _resolve_strategy(strategy: str, platform: str | None, devices_here: bool, axis) -> str:
     """``"auto"`` -> ``"p2p"`` on CPU with every device of the axis in this process, else "xla".
 
-    ``platform`` is jax's name of the devices' platform (``"gpu"`` for CUDA and ROCm alike).
+    ``platform`` is the program's platform (``platforms.of_device``; jax's ``"gpu"`` is taken
+    too), or None where only the lowering knows it (the per-device op): ``"auto"`` is then
+    ``CPU_P2P``, resolved when the program is lowered.
     """
     if strategy not in STRATEGIES:
         raise ValueError(f"strategy={strategy!r} is not one of {STRATEGIES}")
     if strategy == "auto":
-        ok = platform == "cpu" and devices_here and _ffi.has_target(_P2P_TARGET, "cpu")
-        return "p2p" if ok else "xla"
+        ok = platform in ("cpu", None) and devices_here and _ffi.has_target(_P2P_TARGET, "cpu")
+        return ("p2p" if platform == "cpu" else CPU_P2P) if ok else "xla"
+    if platform is None:
+        platform = _ffi.default_platform()
     if strategy == "p2p":
         if not devices_here:
             raise ValueError(
@@ -318,6 +326,11 @@ def _where(cfg: _GatherConfig):
 
 
 def _fused_forward(x, gamma, cfg: _GatherConfig):
+    if cfg.strategy == CPU_P2P:  # the lowering platform decides
+        p2p, xla = (dataclasses.replace(cfg, strategy=s) for s in ("p2p", "xla"))
+        axes = vma.union(x, gamma) | ({cfg.axis_name} if vma.tracked(cfg.axis_name) else set())
+        typed = lambda c: lambda x, g: vma.vary_tree(_fused_forward(x, g, c), axes)
+        return lax.platform_dependent(x, gamma, cpu=typed(p2p), default=typed(xla))
     n = cfg.norm
     if cfg.strategy == "p2p":
         normed, rq, rs, cq, cs, residual = ffi_calls.allgather_rmsnorm_quantize(
@@ -495,7 +508,7 @@ def _local(x, gamma, axis_name: str, opts: _Options, *, grouped: bool = False) -
             f"(shard_map axis_names) or use strategy='xla'"
         )
     here = jax.process_count() == 1 and not unmapped
-    strategy = _resolve_strategy(opts.strategy, _ffi.default_platform(), here, axis_name)
+    strategy = _resolve_strategy(opts.strategy, None, here, axis_name)
     norm = opts.norm
     cfg = _GatherConfig(
         axis_name=axis_name,
@@ -506,7 +519,7 @@ def _local(x, gamma, axis_name: str, opts: _Options, *, grouped: bool = False) -
         row_counts=opts.row_counts,
         norm=norm,
         strategy=strategy,
-        op_id=next(_op_ids) if strategy == "p2p" else 0,
+        op_id=next(_op_ids) if strategy in ("p2p", CPU_P2P) else 0,
         timeout_ms=opts.timeout_ms,
     )
     if cfg.rows == 0:  # nothing to gather: no collective at all
@@ -627,7 +640,8 @@ def allgather_rmsnorm_quant(
     )
     devices = mesh.devices.reshape(-1)
     here = all(d.process_index == jax.process_index() for d in devices)
-    opts = dataclasses.replace(opts, strategy=_resolve_strategy(opts.strategy, devices[0].platform, here, axis))
+    platform = platforms.of_device(devices[0])
+    opts = dataclasses.replace(opts, strategy=_resolve_strategy(opts.strategy, platform, here, axis))
     spec = _GlobalSpec(mesh=mesh, axis=axis, hidden=h, per_device_gamma=gamma.ndim == 2, options=opts)
     if is_traced(x, gamma):
         # Inside the caller's trace: a fresh function, so this call site gets its own op id
