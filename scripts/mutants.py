@@ -28,6 +28,9 @@ Run on demand, not in CI (one mutant takes from seconds to a minute or two, most
     python scripts/mutants.py --check      # only verify that every pattern still applies
     python scripts/mutants.py --tests tests/test_quantize.py rceil-tiny-boundary   # other tests
 
+The gpu-*-by-default-backend mutants name tests of ``tests/test_gpu_compile.py`` too: run them
+in an environment with the gpu-compile extra (jax's CUDA plugin), where that file is collected.
+
 The exit status is 1 when any mutant is missed or unbuilt (or a pattern no longer applies), else 0.
 """
 
@@ -355,6 +358,36 @@ MUTANTS = (
         (
             "tests/test_fsdp_stacks.py::"
             "test_a_stack_read_by_index_is_a_unit_read_a_layer_at_a_time_and_the_step_is_exact[python]",
+        ),
+    ),
+    Mutant(
+        "gpu-backward-by-default-backend",
+        "a unit's dgrad and wgrad choose fp32 by this process's default backend, not the lowering platform",
+        (
+            (
+                "mxfp8_jax/_src/fsdp/fsdp_unit.py",
+                "    return lax.platform_dependent(act, v, dy, cpu=cpu, default=grads(layer))",
+                '    return (cpu if jax.default_backend() == "cpu" else grads(layer))(act, v, dy)',
+            ),
+        ),
+        (
+            "tests/test_gpu_step.py::test_backward_gemms_follow_the_lowering_platform",
+            "tests/test_gpu_compile.py::test_the_gpu_step_multiplies_every_unit_in_bf16",
+        ),
+    ),
+    Mutant(
+        "gpu-forward-by-default-backend",
+        "a unit's forward GEMM widens to fp32 by this process's default backend, not the lowering platform",
+        (
+            (
+                "mxfp8_jax/_src/fsdp/fsdp_unit.py",
+                "    return lax.platform_dependent(act, v, cpu=widened, default=as_written)",
+                '    return (widened if jax.default_backend() == "cpu" else as_written)(act, v)',
+            ),
+        ),
+        (
+            "tests/test_gpu_step.py::test_backward_gemms_follow_the_lowering_platform",
+            "tests/test_gpu_compile.py::test_the_gpu_step_multiplies_every_unit_in_bf16",
         ),
     ),
     Mutant(

@@ -153,14 +153,17 @@ SHAPES = [  # (B, M, N, C): M and N not multiples of 32, C a multiple
 
 @pytest.mark.parametrize(("b", "m", "n", "c"), SHAPES)
 @pytest.mark.parametrize("rule", RULES)
-def test_exact_path_is_the_exact_product_within_fp32_accumulation(b, m, n, c, rule):
+@pytest.mark.parametrize("path", ["exact", "bf16"])
+def test_exact_and_bf16_paths_are_the_exact_product_within_fp32_accumulation(b, m, n, c, rule, path):
+    """Both dequantize exactly (fp32, or bf16: a 4-bit significand times a power of two is a
+    bf16 value) and accumulate in fp32: the exact product within gamma(C)."""
     rng = np.random.default_rng(b * 1000 + m)
     (a, sa), (w, sw) = oracle_operands(rng, b, m, n, c, rule)
-    y = np.asarray(jitted_matmul("exact")(a, sa, w, sw))
+    y = np.asarray(jitted_matmul(path)(a, sa, w, sw))
     assert y.shape == (b, m, n) and y.dtype == np.float32
     exact, scale = product(values(a, sa), values(w, sw))
     assert np.abs(exact).max() > 0 and (exact != 0).mean() > 0.99
-    assert_within(y, exact, scale, c - 1, f"scaled_matmul {rule}")
+    assert_within(y, exact, scale, c - 1, f"scaled_matmul {path} {rule}")
     # the bound is tight enough to see one quantization step of one element of one operand
     a2 = a.copy()
     a2[0, 0, 0] ^= 1  # the code's last significand bit: one E4M3 ulp (2^-3 relative)
@@ -191,6 +194,7 @@ def test_operands_as_bytes_or_as_fp8_dtypes_give_the_same_product(path):
 
 
 # A few shapes (each is a compilation); the random part is the codes and the scales.
+@pytest.mark.parametrize("path", ["exact", "bf16"])
 @settings(max_examples=20)
 @given(
     shape=st.sampled_from([(1, 1, 1, 32), (1, 7, 33, 64), (2, 31, 5, 128), (3, 40, 9, 32)]),
@@ -198,7 +202,7 @@ def test_operands_as_bytes_or_as_fp8_dtypes_give_the_same_product(path):
     span=st.integers(0, 20),
     seed=st.integers(0, 2**31 - 1),
 )
-def test_property_arbitrary_codes_and_scales(shape, lo, span, seed):
+def test_property_arbitrary_codes_and_scales(path, shape, lo, span, seed):
     """Any finite E4M3 codes (subnormals, +-0, +-448) under scale bytes whose products stay
     normal fp32 (bytes 74..170: values 2^-62 .. 2^52): within gamma(C) of the exact product."""
     b, m, n, c = shape
@@ -210,9 +214,9 @@ def test_property_arbitrary_codes_and_scales(shape, lo, span, seed):
 
     scales = lambda rows: rng.integers(lo, lo + span + 1, size=(b, rows, c // 32)).astype(np.uint8)
     a, sa, w, sw = codes(m), scales(m), codes(n), scales(n)
-    y = np.asarray(jitted_matmul("exact")(a, sa, w, sw))
+    y = np.asarray(jitted_matmul(path)(a, sa, w, sw))
     exact, scale = product(values(a, sa), values(w, sw))
-    assert_within(y, exact, scale, c - 1, "arbitrary codes")
+    assert_within(y, exact, scale, c - 1, f"arbitrary codes ({path})")
 
 
 @settings(max_examples=12)
@@ -258,7 +262,7 @@ def test_errors_name_the_problem():
     a, sa = np.zeros((1, 4, 64), np.uint8), np.zeros((1, 4, 2), np.uint8)
     w, sw = np.zeros((1, 8, 64), np.uint8), np.zeros((1, 8, 2), np.uint8)
     sm = mg.scaled_matmul
-    with pytest.raises(ValueError, match=r"path='fast' must be one of \('auto', 'native', 'exact'\)"):
+    with pytest.raises(ValueError, match=r"path='fast' must be one of \('auto', 'native', 'bf16', 'exact'\)"):
         sm(a, sa, w, sw, path="fast")
     with pytest.raises(ValueError, match=r"gemm_path='native': platform 'cpu' has no native block-scaled GEMM"):
         sm(a, sa, w, sw, path="native")

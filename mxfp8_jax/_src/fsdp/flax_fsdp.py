@@ -66,7 +66,7 @@ from flax import nnx
 from flax.nnx import filterlib
 from jax.sharding import Mesh, NamedSharding
 
-from mxfp8_jax._src.core import jaxprs, spmd
+from mxfp8_jax._src.core import jaxprs, platforms, spmd
 from mxfp8_jax._src.fsdp import fsdp_checkpoint
 from mxfp8_jax._src.fsdp.flax_layers import unit_kernel_shape
 from mxfp8_jax._src.fsdp.fsdp_plan import (
@@ -81,7 +81,7 @@ from mxfp8_jax._src.fsdp.fsdp_plan import (
 from mxfp8_jax._src.fsdp.fsdp_state import StateLayout, TrainState
 from mxfp8_jax._src.fsdp.fsdp_step import Partition, Steps, check_loss_shape, dtype_of
 from mxfp8_jax._src.fsdp.fsdp_trace import analyse, trace
-from mxfp8_jax._src.fsdp.fsdp_unit import PRECISIONS
+from mxfp8_jax._src.fsdp.fsdp_unit import PRECISIONS, Gemms
 from mxfp8_jax._src.numerics.format import BLOCK, ScaleRule
 from mxfp8_jax._src.ops import mxfp8_gemm
 
@@ -143,10 +143,22 @@ class FSDP:
         (Transformer Engine's MXFP8BlockScaling recipe: the forward, dgrad and wgrad GEMMs take
         E4M3 operands blocked along their own contraction, the weight's the gathered planes;
         bf16 units keep their bf16 GEMMs).
-      gemm_path: with ``gemm="mxfp8"``: ``"auto"`` (the native block-scaled GEMM on CUDA and
-        ROCm, the exact path elsewhere), ``"native"`` (an error where the platform has none) or
-        ``"exact"`` (operands dequantized exactly, fp32 accumulation). ``gemm_paths()`` lists
-        what ``"auto"`` takes.
+      gemm_path: with ``gemm="mxfp8"``: ``"auto"`` (the native block-scaled GEMM on GPUs that
+        multiply MXFP8 blocks, CUDA 10.0+ and gfx950; ``"bf16"`` on other GPUs; ``"exact"`` on
+        CPUs), ``"native"`` (an error where the platform has none), ``"bf16"`` (operands
+        dequantized exactly to bf16, fp32 accumulation) or ``"exact"`` (the same in fp32).
+        ``gemm_paths()`` lists what ``"auto"`` takes where the devices are not known.
+      backward_gemm: how the dgrad and wgrad GEMMs of units multiply (but MXFP8 GEMMs):
+        ``"layer"``: operands in the forward's dtype (a bf16 layer's: bf16, the cotangent
+        rounded to it), fp32 accumulation, as XLA's own backward; ``"fp32"``: fp32 operands
+        (exact products of bf16 and dequantized MXFP8 values); ``"auto"`` (default): fp32
+        where the step is lowered for CPUs, ``"layer"`` for GPUs.
+
+    Platform-dependent choices follow the program, never this process's default backend: they
+    are made where the step is lowered for its platform (``lax.platform_dependent``), or from
+    the mesh's devices (the MXFP8 GEMM path on GPUs, by their compute capability). A mesh of
+    CUDA devices, real or the compile-only devices of ``jax.experimental.topologies``, gets the
+    GPU step from a CPU host too (``mxfp8-jax gpu-compile``).
 
     ``loss_fn(model, batch) -> scalar`` (with ``has_aux=True``: ``-> (scalar, aux)``, any
     pytree) is evaluated on the whole batch: the step's loss, gradients and ``aux`` are the
@@ -171,6 +183,7 @@ class FSDP:
         gemm_path: str = "auto",
         trainable: Any = nnx.Param,
         prefetch: int = 1,
+        backward_gemm: str = "auto",
     ) -> None:
         if not isinstance(model, nnx.Module):
             raise TypeError(f"model must be a flax.nnx.Module, got {type(model).__name__}")
@@ -190,10 +203,14 @@ class FSDP:
             )
         jaxprs.warn_if_untested()
         self.mesh = Mesh(mesh.devices, mesh.axis_names)  # Auto axes: shard_map does the placing
+        self.platform = platforms.of_mesh(self.mesh)
         self.precision = precision
         self.scale_rule = ScaleRule.parse(scale_rule).value
         self.gemm, self.gemm_path = gemm, gemm_path
-        self._gemm_mode = mxfp8_gemm.check_mode(gemm, gemm_path, scale_rule)
+        capability = platforms.of_mesh_capability(self.mesh)
+        mode = mxfp8_gemm.check_mode(gemm, gemm_path, scale_rule, self.platform, capability)
+        gemms = Gemms(backward_gemm, mode)
+        self.backward_gemm, self._gemms, self._capability = backward_gemm, gemms, capability
         self.precision_by_path = precision_by_path
         self.trainable = trainable
         trained_paths, params_paths, candidates, loose = _select(model, trainable, traced=loss_fn is not None)
@@ -220,7 +237,7 @@ class FSDP:
             tp_size=self.tp_size,
             partition=partition,
             rest_avals=rest_avals,
-            gemm_mode=self._gemm_mode,
+            gemms=gemms,
         )
         self.traced = loss_fn is not None
         self._jitted: dict[tuple, Callable] = {}
@@ -300,7 +317,24 @@ class FSDP:
         Returns:
           The table as a multi-line ``str`` (what ``print(fsdp)`` prints).
         """
-        return describe(self.params, self.mesh.size // self.tp_size, traced=self.traced, trainable=self.trainable)
+        table = describe(self.params, self.mesh.size // self.tp_size, traced=self.traced, trainable=self.trainable)
+        return f"{table}\n{self._gemm_line()}"
+
+    def _gemm_line(self) -> str:
+        """How the units multiply on this mesh's platform (the last line of ``print(fsdp)``)."""
+        where = f"{self.platform} mesh" + (f", compute capability {self._capability}" if self._capability else "")
+        backward = {
+            "auto": "fp32 where lowered for CPUs, the layer's dtype (fp32 accumulation) for GPUs",
+            "fp32": "fp32 operands",
+            "layer": "the layer's dtype, fp32 accumulation",
+        }[self.backward_gemm]
+        line = f"GEMMs ({where}): forward in the layer's dtype; dgrad and wgrad: {backward}"
+        if self._gemms.mxfp8 is not None:
+            path = self._gemms.mxfp8.path
+            line += f"; MXFP8 units' GEMMs in MXFP8, path {path}" + (
+                " (by lowering platform)" if path == "auto" else ""
+            )
+        return line
 
     @property
     def units(self) -> tuple[ParamInfo, ...]:

@@ -57,7 +57,7 @@ from mxfp8_jax._src.fsdp.fsdp_trace import (
     index_view,
     view_through,
 )
-from mxfp8_jax._src.fsdp.fsdp_unit import OWN, UnitGeometry, UnitOp, after, pick_layer, unit_gemm, unit_lookup
+from mxfp8_jax._src.fsdp.fsdp_unit import OWN, Gemms, UnitGeometry, UnitOp, after, pick_layer, unit_gemm, unit_lookup
 from mxfp8_jax._src.ops import mxfp8_gemm
 
 
@@ -75,7 +75,7 @@ class UnitValue:
     leaves: tuple
     view: View
     ops: tuple = ()
-    gemm: Any = None  # an mxfp8_gemm.GemmMode: its GEMMs run in MXFP8
+    gemm: Gemms = dataclasses.field(default_factory=Gemms)  # how its GEMMs multiply (``gemm.mxfp8``: in MXFP8)
     pick: tuple = ()  # indices of the leaves' leading layer axes the value reads (``w[i]``)
     sliced: bool = False  # a scan's slice of it (one layer per iteration)
 

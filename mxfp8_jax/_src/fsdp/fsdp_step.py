@@ -10,6 +10,7 @@ the tp axis only.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable
 from typing import Any
@@ -22,11 +23,13 @@ from flax import nnx
 from jax import lax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from mxfp8_jax._src.core import platforms
 from mxfp8_jax._src.fsdp import fsdp_specs
 from mxfp8_jax._src.fsdp.fsdp_eval import Islands, PlainValue, UnitValue, evaluate
 from mxfp8_jax._src.fsdp.fsdp_plan import check_uses
 from mxfp8_jax._src.fsdp.fsdp_state import StateLayout, TrainState, UnitPlanes
 from mxfp8_jax._src.fsdp.fsdp_trace import View, analyse, trace
+from mxfp8_jax._src.fsdp.fsdp_unit import Gemms
 
 
 class Partition:
@@ -63,7 +66,8 @@ class Steps:
     """The step functions of one plan over ``mesh`` (``axes``: every mesh axis, innermost first;
     ``fsdp_axes``: those the batch is split over, all but ``tp_axis``). ``partition``,
     ``rest_avals``: the model's structure (the variables the plan holds as parameters and its
-    other state); ``gemm_mode``: how MXFP8 units multiply (``mxfp8_gemm.GemmMode`` or None).
+    other state); ``gemms``: how the units' GEMMs multiply (``fsdp_unit.Gemms``, its ``mxfp8``
+    the mode of MXFP8 GEMMs or None), for the platform of ``mesh``.
     ``traced`` (the plan traced the loss) and ``layout`` (the plan's ``StateLayout``), and
     ``example_tree`` (the structure of the example batch traced), are set once the plan exists."""
 
@@ -77,12 +81,13 @@ class Steps:
         tp_size: int,
         partition: Partition,
         rest_avals: tuple,
-        gemm_mode,
+        gemms: Gemms,
     ) -> None:
         self.mesh, self.axes, self.fsdp_axes = mesh, axes, fsdp_axes
         self.tp_axis, self.tp_size = tp_axis, tp_size
         self.partition = partition
-        self.rest_avals, self._gemm_mode = rest_avals, gemm_mode
+        self.rest_avals, self.gemms = rest_avals, gemms
+        self.platform = platforms.of_mesh(mesh)
         self.layout: StateLayout | None = None
         self.prefetch = 0  # how many layers ahead the forward gathers start (FSDP's prefetch=)
         self.traced = False
@@ -131,7 +136,7 @@ class Steps:
         """Under tensor parallelism the step is manual over tp only, and XLA:CPU's all-reduce
         promotion pass aborts the compilation on the bf16 all-reduces its partitioner makes there
         (a bf16 psum or reduce-scatter over tp, or the transpose of a bf16 all-gather): skip it."""
-        if self.tp_axis is None or jax.default_backend() != "cpu":
+        if self.tp_axis is None or self.platform != "cpu":
             return None
         return {"xla_disable_hlo_passes": "all-reduce-promotion"}
 
@@ -272,7 +277,7 @@ class Steps:
                     q = planes[p.name]
                     leaves += (q.rowwise_data, q.rowwise_scale, q.columnwise_data, q.columnwise_scale)
                 view = View(j, tuple((a,) for a in range(len(p.step_shape))))
-                gemm = self._gemm_mode if p.kind == "mxfp8" else None
+                gemm = self.gemms if p.kind == "mxfp8" else dataclasses.replace(self.gemms, mxfp8=None)
                 values.append(UnitValue(p.name, p.unit, p.dtype, leaves, view, gemm=gemm))
             else:
                 values.append(PlainValue(p.name, master[p.name], p.shard_axis, p.dtype))

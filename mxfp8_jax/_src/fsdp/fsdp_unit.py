@@ -32,8 +32,12 @@ the start of the step. ``precision="bf16"`` units are the same with the master r
 bf16 and gathered as 16-bit words, once for the forward and once for the backward.
 
 By default (``gemm="dequantized"``) the gathered planes are dequantized (exact) and the GEMMs
-run on the values as the layer wrote them; the backward GEMMs take fp32 operands (products of
-bf16 and dequantized MXFP8 values are exact in fp32) and accumulate in fp32. With
+run on the values as the layer wrote them: the forward is the layer's own ``dot_general``
+(its 16-bit operands multiplied as fp32 where lowered for CPUs: the same numbers); the
+dgrad and wgrad (``Gemms.backward``) take the forward's operand dtype (bf16) with fp32
+accumulation where the step is lowered for GPUs, as XLA's own backward does, and fp32
+operands where it is lowered for CPUs (products of bf16 and dequantized MXFP8 values are
+exact in fp32: the exact path the tests compare with). With
 ``gemm="mxfp8"`` an MXFP8 unit's GEMM is ``_mx_gemm``: the layer's ``dot_general`` rewritten as
 the canonical block-scaled product (``_Canonical``), forward, dgrad and wgrad on E4M3 operands
 (``mxfp8_gemm``), the gathered planes as the weight operands. Quantization is the identity for
@@ -59,6 +63,26 @@ from mxfp8_jax._src.ops import mxfp8_gemm
 from mxfp8_jax._src.ops.quantize import dequantize
 
 PRECISIONS = ("mxfp8", "bf16")
+BACKWARD_GEMMS = ("auto", "fp32", "layer")
+
+
+@dataclasses.dataclass(frozen=True)
+class Gemms:
+    """How the GEMMs of a unit multiply (static).
+
+    ``backward``: the dgrad and wgrad of a dequantized unit: ``"layer"`` on operands in the
+    forward's dtype (bf16), accumulated in fp32; ``"fp32"`` on fp32 operands (exact products);
+    ``"auto"``: chosen by the platform the step is lowered for, ``"fp32"`` on CPUs (exact, and
+    as fast there) and ``"layer"`` elsewhere (``lax.platform_dependent``).
+    ``mxfp8``: an ``mxfp8_gemm.GemmMode`` when an MXFP8 unit's GEMMs run in MXFP8, else None.
+    """
+
+    backward: str = "auto"
+    mxfp8: Any = None
+
+    def __post_init__(self):
+        if self.backward not in BACKWARD_GEMMS:
+            raise ValueError(f"backward_gemm={self.backward!r} must be one of {BACKWARD_GEMMS}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -257,7 +281,7 @@ class UnitOp:
     params: dict
     position: int
     transposed: bool = False
-    gemm: Any = None  # an mxfp8_gemm.GemmMode: the GEMMs of an MXFP8 unit run in MXFP8
+    gemm: Gemms = Gemms()  # how its GEMMs multiply
     picked: tuple[int, ...] = ()  # sizes of the leading layer axes it reads one index of
     early: bool = False  # a loop's per-iteration layer: its backward gathers wait for nothing
 
@@ -295,7 +319,7 @@ def unit_gemm(op: UnitOp, act: jax.Array, leaves: tuple, given=None, pick: tuple
     (nothing: inside a loop, the gather of the iteration's own slice)."""
     pick = tuple(jnp.asarray(i, jnp.int32) for i in pick)
     token = act if token is OWN else token
-    if op.gemm is not None and op.geometry.precision == "mxfp8":
+    if op.gemm.mxfp8 is not None and op.geometry.precision == "mxfp8":
         canon = _Canonical.of(op, act)
         if given is not None and not canon.takes(given, act):
             given = None
@@ -358,14 +382,7 @@ def _gemm_bwd(op: UnitOp, residuals, dy):
     local = jax.tree.map(lambda p: pick_layer(p, pick), local)
     local = after(local, None if op.early else dy)  # the gather waits for the gradient that needs it
     v = op.value(gathered(op.geometry, local, columnwise=not op.transposed, ready=dy if op.early else None))
-    f32 = lambda a: a.astype(jnp.float32)
-    params = dict(op.params, preferred_element_type=jnp.float32)
-
-    def dot32(a, b):
-        return P.dot_general_p.bind(*((a, b) if op.position == 1 else (b, a)), **params)
-
-    _, vjp = jax.vjp(dot32, f32(act), f32(v))
-    d_act, d_v = vjp(f32(dy))
+    d_act, d_v = _backward_dots(op, act, v, dy)
     return d_act.astype(act.dtype), _unpick(op, _to_local_grad(op, d_v), pick), None, None, None
 
 
@@ -385,15 +402,17 @@ def _mx_gemm_fwd(op: UnitOp, canon: _Canonical, order, act, master, planes, give
     local = after(_local(op, master, planes, backward=False, pick=pick), token)
     w = _weight(op.geometry, local, op.transposed, ready=_ready(act, token))
     if given is None:
-        y, x_col = mxfp8_gemm.forward(canon.act_to_x(act), w, op.gemm)
+        y, x_col = mxfp8_gemm.forward(canon.act_to_x(act), w, op.gemm.mxfp8)
     else:  # x is MXFP8 already: its rowwise planes go into the GEMM as they are
         normed, codes, scales, cq, cs = given
         rows = lambda a: a.reshape(1, -1, a.shape[-1])
-        y = mxfp8_gemm.scaled_matmul(rows(codes), rows(scales), *w, path=op.gemm.path)
+        y = mxfp8_gemm.scaled_matmul(
+            rows(codes), rows(scales), *w, path=op.gemm.mxfp8.path, platform=op.gemm.mxfp8.platform
+        )
         if cq is not None:  # and its columnwise planes are the wgrad's x
             x_col = mxfp8_gemm.Quantized(None, (rows(mxfp8_gemm.as_bytes(cq)), rows(cs)), canon.m)
         else:
-            x_col = mxfp8_gemm.quantize_tokens(canon.act_to_x(normed), op.gemm.scale_rule, rowwise=False)
+            x_col = mxfp8_gemm.quantize_tokens(canon.act_to_x(normed), op.gemm.mxfp8.scale_rule, rowwise=False)
     # saved: x's columnwise planes (8.25 bits a value) and the LOCAL planes of the dgrad
     # (stacked when the op picks a layer: the stack itself, not a copy of the layer)
     return canon.y_to_out(y), (x_col, _local(op, master, planes, backward=True), pick)
@@ -404,7 +423,7 @@ def _mx_gemm_bwd(op: UnitOp, canon: _Canonical, order, residuals, dy):
     local = jax.tree.map(lambda p: pick_layer(p, pick), local)
     local = after(local, None if op.early else dy)  # the gather waits for the gradient that needs it
     w_t = _weight(op.geometry, local, not op.transposed, ready=dy if op.early else None)
-    dx, dv = mxfp8_gemm.backward(canon.out_to_y(dy), x_col, w_t, op.gemm, order=order)
+    dx, dv = mxfp8_gemm.backward(canon.out_to_y(dy), x_col, w_t, op.gemm.mxfp8, order=order)
     grads = _unpick(op, _scatter_rows(op.geometry, canon.v_to_w(dv)), pick)
     return canon.x_to_act(dx), grads, None, None, None, None
 
@@ -609,16 +628,76 @@ def _to_local_grad(op: UnitOp, d_v: jax.Array) -> jax.Array:
     return lax.psum_scatter(dw, g.axes, scatter_dimension=dw.ndim - 2, tiled=True)
 
 
+def _backward_dots(op: UnitOp, act, v, dy) -> tuple[jax.Array, jax.Array]:
+    """The dgrad and wgrad of the layer's ``dot_general`` at ``act`` and the unit's operand ``v``:
+    ``(d_act, d_v)``, both fp32 (accumulated in fp32), on operands as ``op.gemm.backward`` says:
+    fp32 (exact products), or the forward's dtype with ``dy`` rounded to it (a bf16 layer's
+    backward GEMMs are bf16 GEMMs, as in XLA's own backward); ``"auto"``: fp32 where the step is
+    lowered for CPUs, the layer's dtype elsewhere. XLA:CPU multiplies the layer's rounded values
+    as fp32 (the same numbers: its GEMMs of 16-bit operands into fp32 are not all implemented)."""
+    layer = jnp.promote_types(act.dtype, v.dtype)
+    dims, precision = op.params["dimension_numbers"], op.params.get("precision")
+
+    def grads(dtype, widen: bool = False):
+        def run(act, v, dy):
+            act, v, dy = (x.astype(dtype) for x in (act, v, dy))
+            if widen:
+                act, v, dy = (x.astype(jnp.float32) for x in (act, v, dy))
+            lhs, rhs = _in_order(op, act, v)
+            d_lhs, d_rhs = dot_general_grads(lhs, rhs, dy, dims, precision)
+            return (d_rhs, d_lhs) if op.position == 0 else (d_lhs, d_rhs)
+
+        return run
+
+    if op.gemm.backward == "fp32":
+        return grads(jnp.float32)(act, v, dy)
+    cpu = grads(jnp.float32) if op.gemm.backward == "auto" else grads(layer, widen=True)
+    return lax.platform_dependent(act, v, dy, cpu=cpu, default=grads(layer))
+
+
+def dot_general_grads(lhs, rhs, dy, dimension_numbers, precision=None) -> tuple[jax.Array, jax.Array]:
+    """``(d lhs, d rhs)`` of ``y = dot_general(lhs, rhs, dimension_numbers)`` at cotangent ``dy``:
+    each one ``dot_general`` of ``dy`` with the other operand, in the operands' dtype, accumulated
+    and returned in fp32 (jax's own transpose multiplies an fp32 cotangent by a bf16 operand,
+    which XLA widens to an fp32 GEMM)."""
+    (lc, rc), (lb, rb) = dimension_numbers
+
+    def grad(mine, other, my_c, other_c, my_b, other_b, mine_first: bool):
+        my_free = [a for a in range(mine.ndim) if a not in my_c and a not in my_b]
+        other_free = [a for a in range(other.ndim) if a not in other_c and a not in other_b]
+        nb = len(my_b)
+        start = nb + (len(my_free) if mine_first else 0)  # where other's free axes sit in dy
+        dy_other = tuple(range(start, start + len(other_free)))
+        out = lax.dot_general(
+            dy,
+            other,
+            ((dy_other, tuple(other_free)), (tuple(range(nb)), tuple(other_b))),
+            precision=precision,
+            preferred_element_type=jnp.float32,
+        )  # [batch, my free, other's contracting axes in their order]
+        order = list(my_b) + my_free + [my_c[k] for k in np.argsort(other_c)]
+        return jnp.transpose(out, np.argsort(order))
+
+    d_lhs = grad(lhs, rhs, list(lc), list(rc), list(lb), list(rb), True)
+    d_rhs = grad(rhs, lhs, list(rc), list(lc), list(rb), list(lb), False)
+    return d_lhs, d_rhs
+
+
 def _forward_dot(op: UnitOp, act, v):
-    """The layer's own ``dot_general``. XLA:CPU has no fast 16-bit GEMM: there 16-bit operands
-    are multiplied as fp32 (exact products, fp32 accumulation) and the result cast back."""
+    """The layer's own ``dot_general``; where the step is lowered for CPUs its 16-bit operands
+    are multiplied as fp32 (exact products, fp32 accumulation, the result cast back: XLA:CPU
+    does not implement every GEMM of 16-bit operands into fp32)."""
     narrow = lambda a: jnp.issubdtype(a.dtype, jnp.floating) and jnp.dtype(a.dtype).itemsize < 4
-    if jax.default_backend() == "cpu" and narrow(act) and narrow(v):
+    as_written = lambda act, v: op.prim.bind(*_in_order(op, act, v), **op.params)
+    if not (narrow(act) and narrow(v)):
+        return as_written(act, v)
+
+    def widened(act, v):
         out = op.params.get("preferred_element_type") or jnp.result_type(act, v)
         params = dict(op.params, preferred_element_type=jnp.float32)
-        y = op.prim.bind(*_in_order(op, act.astype(jnp.float32), v.astype(jnp.float32)), **params)
-        return y.astype(out)
-    return op.prim.bind(*_in_order(op, act, v), **op.params)
+        return op.prim.bind(*_in_order(op, act.astype(jnp.float32), v.astype(jnp.float32)), **params).astype(out)
+
+    return lax.platform_dependent(act, v, cpu=widened, default=as_written)
 
 
 def _in_order(op: UnitOp, act, v):

@@ -6,19 +6,26 @@ contraction ``C``, the last axis (``jax.nn.scaled_matmul``'s form). The product 
 
     y[b, m, n] = sum_c  a[b, m, c] 2^(sa[b, m, c/32] - 127)  *  w[b, n, c] 2^(sw[b, n, c/32] - 127)
 
-accumulated in fp32. Two paths compute it (``GEMM_PATHS``):
+accumulated in fp32. Three paths compute it (``GEMM_PATHS``):
 
     native   ``jax.nn.scaled_matmul``: on CUDA one ``__op$block_scaled_dot`` custom call (cuDNN's
-             MXFP8 GEMM on Blackwell, XLA's expansion on Hopper), on ROCm the ``xla.scaled_dot``
-             composite; the operands reach it as E4M3 and E8M0, never dequantized first
+             MXFP8 GEMM on Blackwell, XLA's fp32 expansion before it), on ROCm the
+             ``xla.scaled_dot`` composite; the operands reach it as E4M3 and E8M0, never
+             dequantized first
+    bf16     both operands dequantized exactly to bf16 (a 4-bit significand times a power of
+             two is a bf16 value; rows shifted as for exact) and one bf16 ``dot_general`` with
+             fp32 accumulation: the GPUs without block-scaled MMA (Hopper) multiply at their
+             bf16 rate, the same numbers as exact
     exact    both operands dequantized exactly to fp32 (a product of two 4-bit significands is
              exact in fp32; each row shifted by a power of two so that no value of a row with
              normal values is an fp32 subnormal, which XLA:CPU's dot reads as zero) and one
              fp32 ``dot_general``: fp32 accumulation, as native
 
-``"auto"`` takes native on every lowering platform that has it (``NATIVE_PLATFORMS``) and exact
-elsewhere (``lax.platform_dependent``: one jitted step serves CPU and GPU); ``"native"`` where
-the platform has none is an error, never a silent bf16 GEMM.
+``"auto"`` takes the path of the platform the program is for: given GPU devices
+(``resolve_path``, from an FSDP step's mesh), native where they multiply MXFP8 blocks (CUDA
+10.0+, gfx950) and bf16 on other GPUs; otherwise native on every lowering platform in
+``NATIVE_PLATFORMS`` and exact elsewhere (``lax.platform_dependent``). ``"native"`` where the
+platform has none is an error, never a silent bf16 GEMM.
 
 The training recipe (Transformer Engine's MXFP8BlockScaling; ``y = x W^T``, ``x [B, M, K]``,
 ``W [B, N, K]``), every operand blocked along its GEMM's own contraction:
@@ -47,11 +54,12 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from mxfp8_jax._src.core import platforms
 from mxfp8_jax._src.numerics import format as fmt
 from mxfp8_jax._src.numerics.format import BLOCK
 from mxfp8_jax._src.ops.quantize import quantize
 
-GEMM_PATHS = ("auto", "native", "exact")
+GEMM_PATHS = ("auto", "native", "bf16", "exact")
 NATIVE_PLATFORMS = ("cuda", "rocm")
 GEMMS = ("dequantized", "mxfp8")
 
@@ -69,10 +77,13 @@ def gemm_paths() -> dict[str, str]:
 @dataclasses.dataclass(frozen=True)
 class GemmMode:
     """How an MXFP8 unit's GEMMs run (static). ``path``: one of ``GEMM_PATHS``; ``scale_rule``: the
-    rule activations and gradients are quantized with (the weights' own)."""
+    rule activations and gradients are quantized with (the weights' own); ``platform``: the
+    platform the step is built for, where known (its mesh's), which ``path="native"`` is checked
+    against (None: this process's default device)."""
 
     path: str = "auto"
     scale_rule: fmt.ScaleRule = fmt.ScaleRule.RCEIL
+    platform: str | None = None
 
     def __post_init__(self):
         if self.path not in GEMM_PATHS:
@@ -80,13 +91,29 @@ class GemmMode:
         object.__setattr__(self, "scale_rule", fmt.ScaleRule.parse(self.scale_rule))
 
 
-def check_mode(gemm: str, path: str, scale_rule) -> GemmMode | None:
-    """``FSDP(gemm=, gemm_path=)`` validated: a ``GemmMode`` for ``gemm="mxfp8"``, else None."""
+def resolve_path(path: str, platform: str | None, capability: str | None = None) -> str:
+    """``path`` for a program on ``platform`` with devices of ``capability``
+    (``core.platforms.capability``): ``"auto"`` becomes native where the GPU multiplies MXFP8
+    blocks and bf16 on other GPUs; elsewhere (CPUs, GPUs of unknown capability) it stays
+    ``"auto"``, chosen by the lowering platform (exact on CPUs)."""
+    if path != "auto" or platform is None or not platforms.is_gpu(platform):
+        return path
+    native = platforms.has_block_scaled_mma(platform, capability)
+    return "auto" if native is None else "native" if native else "bf16"
+
+
+def check_mode(
+    gemm: str, path: str, scale_rule, platform: str | None = None, capability: str | None = None
+) -> GemmMode | None:
+    """``FSDP(gemm=, gemm_path=)`` validated for a step on ``platform`` (the mesh's, its devices
+    of ``capability``): a ``GemmMode`` for ``gemm="mxfp8"`` (``"auto"`` resolved where the
+    devices say), else None."""
     if gemm not in GEMMS:
         raise ValueError(f"gemm={gemm!r} must be one of {GEMMS}")
-    mode = GemmMode(path, scale_rule)
+    mode = GemmMode(path, scale_rule, platform)
+    mode = dataclasses.replace(mode, path=resolve_path(path, platform, capability))
     if path == "native" and gemm == "mxfp8":
-        require_native(jax.default_backend())
+        require_native(platform or platforms.default())
     return mode if gemm == "mxfp8" else None
 
 
@@ -103,9 +130,11 @@ def require_native(platform: str) -> None:
 # The block-scaled product
 
 
-def scaled_matmul(a, a_scales, w, w_scales, *, path: str = "auto") -> jax.Array:
+def scaled_matmul(a, a_scales, w, w_scales, *, path: str = "auto", platform: str | None = None) -> jax.Array:
     """``a [B, M, C] x w [B, N, C] -> [B, M, N]`` fp32, both blocked along ``C`` (codes E4M3 or
-    their uint8 bytes, scales uint8 or ``float8_e8m0fnu`` ``[B, *, C/32]``), by ``path``."""
+    their uint8 bytes, scales uint8 or ``float8_e8m0fnu`` ``[B, *, C/32]``), by ``path``.
+    ``platform``: the program's, which ``path="native"`` needs a native GEMM on (None: this
+    process's default device); ``"auto"`` is chosen by the lowering platform."""
     if path not in GEMM_PATHS:
         raise ValueError(f"path={path!r} must be one of {GEMM_PATHS}")
     a, w = _codes(a), _codes(w)
@@ -113,8 +142,10 @@ def scaled_matmul(a, a_scales, w, w_scales, *, path: str = "auto") -> jax.Array:
     _check_operands(a, a_scales, w, w_scales)
     if path == "exact":
         return _exact(a, a_scales, w, w_scales)
+    if path == "bf16":
+        return _exact(a, a_scales, w, w_scales, jnp.bfloat16)
     if path == "native":
-        require_native(jax.default_backend())
+        require_native(platform or platforms.default())
         return _native(a, a_scales, w, w_scales)
     branches = {p: (_native if p in NATIVE_PLATFORMS else _exact) for p in gemm_paths()}
     return lax.platform_dependent(a, a_scales, w, w_scales, default=_exact, **branches)
@@ -124,16 +155,19 @@ def _native(a, sa, w, sw):
     return jax.nn.scaled_matmul(a, w, fmt.e8m0_view(sa), fmt.e8m0_view(sw), preferred_element_type=jnp.float32)
 
 
-def _exact(a, sa, w, sw):
-    """The fp32 dot of the exactly dequantized operands, each row shifted by a power of two
-    first (its largest finite block scale to 2^0) and the result shifted back: the same fp32
-    numbers wherever nothing under- or overflows, and no operand value below 2^-126 (an fp32
-    subnormal, read as zero by XLA:CPU's dot) or above fp32's range where its row has normal
-    values, so a product that fits in fp32 is kept as the native GEMM keeps it."""
+def _exact(a, sa, w, sw, dtype=jnp.float32):
+    """The dot of the exactly dequantized operands, each row shifted by a power of two first
+    (its largest finite block scale to 2^0) and the result shifted back: the same fp32 numbers
+    wherever nothing under- or overflows, and no operand value below 2^-126 (an fp32 subnormal,
+    read as zero by XLA:CPU's dot) or above fp32's range where its row has normal values, so a
+    product that fits in fp32 is kept as the native GEMM keeps it. ``dtype``: the operands'
+    type in the dot, fp32 or bf16 (a shifted value, 4 significant bits, is exact in both), fp32
+    accumulation either way."""
     ea, ew = _row_exponent(sa), _row_exponent(sw)  # [B, M, 1], [B, N, 1]
-    fa, fw = _shifted(a, sa, ea), _shifted(w, sw, ew)
+    fa, fw = _shifted(a, sa, ea).astype(dtype), _shifted(w, sw, ew).astype(dtype)
     dims = (((2,), (2,)), ((0,), (0,)))
-    y = lax.dot_general(fa, fw, dims, precision=lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
+    precision = lax.Precision.HIGHEST if dtype == jnp.float32 else None
+    y = lax.dot_general(fa, fw, dims, precision=precision, preferred_element_type=jnp.float32)
     shift = ea + jnp.swapaxes(ew, 1, 2) - 254  # [B, M, N]: 2^(ea - 127) * 2^(ew - 127)
     first = jnp.clip(shift, -126, 127)
     return y * _pow2(first) * _pow2(jnp.clip(shift - first, -126, 127))
@@ -255,7 +289,7 @@ def forward(x: jax.Array, w_row, mode: GemmMode) -> tuple[jax.Array, Quantized]:
     """``y = x W^T`` (``x [B, M, K]``, ``w_row`` W's rowwise operand ``[B, N, K]``) in fp32,
     and x's columnwise planes for the wgrad."""
     q = quantize_tokens(x, mode.scale_rule)
-    y = scaled_matmul(*q.rowwise(), *w_row, path=mode.path)
+    y = scaled_matmul(*q.rowwise(), *w_row, path=mode.path, platform=mode.platform)
     return y, dataclasses.replace(q, row=None)
 
 
@@ -273,8 +307,8 @@ def backward(dy: jax.Array, x_col: Quantized, w_col_t, mode: GemmMode, *, order=
         bt, m, n = dy.shape
         reordered = dy.reshape(b, p, s, n).transpose(1, 0, 2, 3).reshape(1, m, n)
         col = quantize_tokens(reordered, mode.scale_rule, rowwise=False)
-    dx = scaled_matmul(*q.rowwise(), *w_col_t, path=mode.path)
-    dw = scaled_matmul(*col.columnwise_t(), *x_col.columnwise_t(), path=mode.path)
+    dx = scaled_matmul(*q.rowwise(), *w_col_t, path=mode.path, platform=mode.platform)
+    dw = scaled_matmul(*col.columnwise_t(), *x_col.columnwise_t(), path=mode.path, platform=mode.platform)
     return dx, dw
 
 
