@@ -6,6 +6,8 @@ mxfp8-jax info
 mxfp8-jax layout --shapes 128x64,32x128 --devices 4 [--shard-layout unpadded] [--png out.png]
 mxfp8-jax bench [--quick] [--json PATH] [--only CASE ...]   every benchmark, one table per case
 mxfp8-jax bench NAME [ARGS...]     runs mxfp8_jax.bench.NAME's main(ARGS) (its own flags)
+mxfp8-jax gpu-compile [--gpu h100,b200 --devices 8 --model transformer --variants ...]
+                                   a training step compiled for a GPU cluster on this host
 """
 
 from __future__ import annotations
@@ -100,6 +102,11 @@ def main(argv=None) -> int:
     sub = p.add_subparsers(dest="command", required=True)
     sub.add_parser("demo", help="train a small Flax model with MXFP8 FSDP vs a bf16 baseline", add_help=False)
     sub.add_parser("info", help="versions, devices and the available kernel backends")
+    sub.add_parser(
+        "gpu-compile",
+        help="compile a training step for a GPU cluster without one: memory, collectives, schedule",
+        add_help=False,
+    )
     sub.add_parser("layout", help="print or draw which device owns which rows of an MXFP8 buffer", add_help=False)
     sub.add_parser(
         "bench",
@@ -113,6 +120,10 @@ def main(argv=None) -> int:
         if any(a == "--processes" or a.startswith("--processes=") for a in rest):
             return demo.run_in_processes(rest)  # N local processes of one jax.distributed job
         return demo.main(rest)
+    if args.command == "gpu-compile":
+        from mxfp8_jax import gpu_compile  # sets up compile-only GPUs before jax starts
+
+        return gpu_compile.main(rest)
     if args.command == "info":
         if rest:
             p.error(f"info takes no arguments, got {rest}")

@@ -84,6 +84,11 @@ os.environ["JAX_PLATFORMS"] = f"{PLATFORM},cpu" if GPU_MODE else "cpu"
 # The GPU kernel tests (test_gpu.py, also run by bench/gpu_check.sh) are collected in GPU mode
 # only, rather than reported as skips on every CPU host.
 collect_ignore = [] if GPU_MODE else ["test_gpu.py"]
+# The steps compiled for compile-only GPU meshes (test_gpu_compile.py, -m gpu_compile) need jax's
+# CUDA plugin, which CI installs in a virtual environment of its own; collected where it is.
+HAS_CUDA_PLUGIN = "cuda" in _installed_gpu_plugins()
+if not HAS_CUDA_PLUGIN:
+    collect_ignore.append("test_gpu_compile.py")
 
 import jax  # noqa: E402
 
@@ -275,6 +280,11 @@ def not_run_here() -> list[str]:
     lines = []
     if not GPU_MODE:
         lines.append("GPU tests: tests/test_gpu.py not collected (MXFP8_TEST_PLATFORM is cpu; bench/gpu_check.sh)")
+    if not HAS_CUDA_PLUGIN:
+        lines.append(
+            "steps compiled for GPU meshes: tests/test_gpu_compile.py not collected (no jax CUDA plugin in this "
+            "environment; the README's gpu-compile command installs it)"
+        )
     if "cpu" not in mx.available_backends():
         lines.append("CPU kernels: the compiled extension is not installed; only the pure-JAX paths ran")
     else:

@@ -34,8 +34,7 @@ from mxfp8_jax._src.core import platforms
 from mxfp8_jax._src.fsdp import fsdp_unit
 from mxfp8_jax._src.ops import mxfp8_gemm
 
-WIDTH = 128
-
+from test_fsdp_gemm import WIDTH, Stack, loss_fn  # two bf16 projections a block, scanned
 
 # ------------------------------------------------------------------------------------------------
 # platforms
@@ -103,32 +102,6 @@ def test_the_mxfp8_gemm_path_of_a_gpu_mesh():
 # the backward GEMMs by lowering platform
 
 
-class Block(nnx.Module):
-    def __init__(self, d: int, rngs: nnx.Rngs) -> None:
-        self.a = nnx.Linear(d, 2 * d, use_bias=False, dtype=jnp.bfloat16, rngs=rngs)
-        self.b = nnx.Linear(2 * d, d, use_bias=False, dtype=jnp.bfloat16, rngs=rngs)
-
-    def __call__(self, x):
-        return x + self.b(self.a(x))
-
-
-class Stack(nnx.Module):
-    def __init__(self, depth: int, d: int, rngs: nnx.Rngs) -> None:
-        @nnx.split_rngs(splits=depth)
-        @nnx.vmap(in_axes=(0,), out_axes=0)
-        def make(rngs):
-            return Block(d, rngs)
-
-        self.blocks = make(rngs)
-
-    def __call__(self, x):
-        return nnx.scan(lambda x, b: b(x), in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)(x, self.blocks)
-
-
-def loss_fn(model, x):
-    return jnp.mean(model(x.astype(jnp.bfloat16)).astype(jnp.float32) ** 2)
-
-
 def _dot_operand_types(text: str) -> list[tuple[str, str]]:
     """The element types of both operands of every ``stablehlo.dot_general`` in ``text``."""
     out = []
@@ -159,7 +132,7 @@ def test_backward_gemms_follow_the_lowering_platform(devices, precision):
     ``backward_gemm="fp32"`` makes the GPU backward fp32; ``"layer"`` on the CPU rounds the
     cotangent to bf16 and multiplies the rounded values as fp32."""
     mesh = Mesh(np.array(devices), ("fsdp",))
-    model = nnx.eval_shape(lambda: Stack(2, WIDTH, nnx.Rngs(0)))
+    model = nnx.eval_shape(lambda: Stack(2, WIDTH, False, nnx.Rngs(0)))
     batch = jax.ShapeDtypeStruct((mesh.size * 8, WIDTH), jnp.float32)
 
     def dots(platform, **kw):
@@ -185,7 +158,7 @@ def test_layer_backward_trains_like_the_exact_one(devices):
     multiply the same values exactly and accumulate in fp32 as the fp32 ones do; the same loss
     and the same update up to fp32 summation order (K = 256 terms)."""
     mesh = Mesh(np.array(devices), ("fsdp",))
-    model = Stack(2, WIDTH, nnx.Rngs(0))
+    model = Stack(2, WIDTH, False, nnx.Rngs(0))
     x = np.random.default_rng(0).standard_normal((mesh.size * 8, WIDTH)).astype(np.float32)
     tx = optax.sgd(1.0)
     out = {}

@@ -56,10 +56,11 @@ def run(
     from jax.sharding import PartitionSpec as P
 
     import mxfp8_jax as mx
+    from mxfp8_jax._src.core import platforms
     from mxfp8_jax._src.kernels import _ffi, cpu_isa
     from mxfp8_jax.bench._timing import Memcpy, environment, interleaved_ratios, print_table, time_fn, write_json
 
-    platform = jax.default_backend()
+    platform = platforms.default()  # "cuda" / "rocm", as the extension names them
     _ffi.require("mxfp8_quantize_segments", platform)  # never silently benchmark a fallback
     if isa is not None:
         if platform != "cpu":

@@ -145,9 +145,18 @@ def _fsdp(model, loss_fn, mesh, precision, tx, batch, abstract, prefetch=1):
     return compiled, run
 
 
-def _jit(model, loss_fn, mesh, sharded: bool, tx, batch, abstract):
-    """A plain jitted nnx train step; parameters (and moments) sharded over the mesh or replicated.
-    The model's other state (RNG streams) is replicated and carried from step to step."""
+def gspmd_step(model, loss_fn, mesh, tx, batch, sharded: bool = True):
+    """What a JAX user writes instead of FSDP (as MaxText does): a jitted nnx train step with
+    parameters and optimizer state sharded by ``NamedSharding`` over the mesh's first axis
+    (each weight's largest axis the devices divide, after a leading stack axis; replicated with
+    ``sharded=False``), the batch split over it, XLA inserting the collectives. The model's
+    other state (RNG streams) is replicated and carried from step to step.
+
+    Returns:
+      ``(jitted, abstract_args)``: the step ``(params, rest, opt_state, batch) -> (params,
+      rest, opt_state, loss)`` and its arguments as ``jax.ShapeDtypeStruct``s on ``mesh``
+      (``model`` and ``batch`` may be abstract).
+    """
     import jax
     import optax
     from flax import nnx
@@ -192,18 +201,29 @@ def _jit(model, loss_fn, mesh, sharded: bool, tx, batch, abstract):
         donate_argnums=(0, 1, 2),
     )
     sds = lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s)
+    args = (
+        jax.tree.map(sds, params, param_shardings),
+        jax.tree.map(sds, rest, rest_shardings),
+        jax.tree.map(sds, opt_shapes, opt_shardings),
+        jax.tree.map(lambda a: sds(a, batch_sharding), batch),
+    )
+    return jitted, args
+
+
+def _jit(model, loss_fn, mesh, sharded: bool, tx, batch, abstract):
+    """``gspmd_step`` compiled, and with arrays (not ``abstract``) a function running one step."""
+    import jax
+    from flax import nnx
+
+    jitted, args = gspmd_step(model, loss_fn, mesh, tx, batch, sharded)
     if abstract:
-        args = (
-            jax.tree.map(sds, params, param_shardings),
-            jax.tree.map(sds, rest, rest_shardings),
-            jax.tree.map(sds, opt_shapes, opt_shardings),
-            jax.tree.map(lambda a: sds(a, batch_sharding), batch),
-        )
         return jitted.lower(*args).compile(), None
-    params = jax.device_put(params, param_shardings)
-    rest = jax.device_put(rest, rest_shardings)
-    opt_state = jax.jit(tx.init, out_shardings=opt_shardings)(params)
-    placed = jax.device_put(batch, batch_sharding)
+    shardings = [jax.tree.map(lambda a: a.sharding, x) for x in args]
+    _, params, rest = nnx.split(model, nnx.Param, ...)
+    params = jax.device_put(params, shardings[0])
+    rest = jax.device_put(rest, shardings[1])
+    opt_state = jax.jit(tx.init, out_shardings=shardings[2])(params)
+    placed = jax.device_put(batch, shardings[3])
     compiled = jitted.lower(params, rest, opt_state, placed).compile()
     box = [params, rest, opt_state]
 
@@ -287,10 +307,11 @@ def run(
     import numpy as np
     from jax.sharding import Mesh
 
+    from mxfp8_jax._src.core import platforms
     from mxfp8_jax._src.kernels import _ffi
     from mxfp8_jax.bench._timing import environment, print_table, write_json
 
-    platform = jax.default_backend()
+    platform = platforms.default()  # "cuda" / "rocm", as the extension names them
     if any(v.startswith("mxfp8") for v in variants):
         _ffi.require("mxfp8_quantize", platform)  # never silently benchmark the reference quantize
     devs = jax.devices()

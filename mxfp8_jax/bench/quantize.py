@@ -45,7 +45,9 @@ def run(
     repeats: int = 3,
     reference: bool = True,
 ) -> dict:
-    platform = jax.default_backend()
+    from mxfp8_jax._src.core import platforms
+
+    platform = platforms.default()  # "cuda" / "rocm", as the extension names them
     _ffi.require("mxfp8_quantize", platform)  # never silently benchmark the fallback
     if platform != "cpu" and isa is not None:
         raise ValueError(f"isa={isa!r} selects a CPU instruction set; the default backend is {platform!r}")

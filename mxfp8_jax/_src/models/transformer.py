@@ -4,7 +4,8 @@ The model is written the way Flax users write one, with nothing specific to this
 ``nnx.Embed`` tokens, blocks of ``nnx.RMSNorm`` -> causal multi-head attention with rotary
 position embeddings -> ``nnx.RMSNorm`` -> SwiGLU MLP (all projections ``nnx.Linear`` without
 bias), the blocks created stacked with ``nnx.vmap`` and run with ``nnx.scan`` (each iteration
-under ``nnx.remat``), a final RMSNorm and an ``nnx.Linear`` LM head. ``FSDP`` keeps every
+under ``nnx.remat``; ``layer_loop="python"``: an ``nnx.List`` of blocks run by a Python loop,
+each block under ``nnx.remat``), a final RMSNorm and an ``nnx.Linear`` LM head. ``FSDP`` keeps every
 projection (and the head, when the vocabulary is a multiple of 32) as MXFP8 units.
 
 With ``norm="mxfp8"`` each block's two norms are MXFP8 RMSNorm + quantize ops whose output
@@ -46,6 +47,7 @@ from mxfp8_jax._src.ops.rmsnorm import rmsnorm_quant
 
 NORMS = ("nnx", "mxfp8")
 NORM_PATHS = ("fused", "unfused")
+LAYER_LOOPS = ("scan", "python")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,6 +70,7 @@ class TransformerConfig:
     strategy: str = "auto"  # the fused op's strategy
     gemm: str = "dequantized"  # "mxfp8": the norms' columnwise planes too (FSDP(gemm="mxfp8")'s
     # wgrad), where a device's gathered rows are whole 32-row blocks
+    layer_loop: str = "scan"  # "python": the blocks an nnx.List run by a Python loop
 
     def __post_init__(self):
         for name in ("vocab", "hidden", "heads", "head_dim", "mlp", "layers"):
@@ -80,6 +83,8 @@ class TransformerConfig:
             raise ValueError(f"TransformerConfig.norm_path={self.norm_path!r} must be one of {NORM_PATHS}")
         if self.gemm not in GEMMS:
             raise ValueError(f"TransformerConfig.gemm={self.gemm!r} must be one of {GEMMS}")
+        if self.layer_loop not in LAYER_LOOPS:
+            raise ValueError(f"TransformerConfig.layer_loop={self.layer_loop!r} must be one of {LAYER_LOOPS}")
 
 
 def tp_size(axis: str) -> int:
@@ -227,13 +232,16 @@ class TransformerLM(nnx.Module):
     def __init__(self, cfg: TransformerConfig, *, rngs: nnx.Rngs) -> None:
         self.cfg = cfg
         self.embed = nnx.Embed(cfg.vocab, cfg.hidden, rngs=rngs)
+        if cfg.layer_loop == "python":
+            self.blocks = nnx.List([Block(cfg, rngs=rngs) for _ in range(cfg.layers)])
+        else:
 
-        @nnx.split_rngs(splits=cfg.layers)
-        @nnx.vmap(in_axes=(0,), out_axes=0)
-        def blocks(rngs):
-            return Block(cfg, rngs=rngs)
+            @nnx.split_rngs(splits=cfg.layers)
+            @nnx.vmap(in_axes=(0,), out_axes=0)
+            def blocks(rngs):
+                return Block(cfg, rngs=rngs)
 
-        self.blocks = blocks(rngs)
+            self.blocks = blocks(rngs)
         self.norm = nnx.RMSNorm(cfg.hidden, epsilon=cfg.eps, rngs=rngs)
         self.head = nnx.Linear(cfg.hidden, cfg.vocab, use_bias=False, dtype=jnp.dtype(cfg.dtype), rngs=rngs)
 
@@ -248,7 +256,11 @@ class TransformerLM(nnx.Module):
 
         if self.cfg.remat:
             layer = nnx.remat(layer)
-        x = nnx.scan(layer, in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)(x, self.blocks)
+        if self.cfg.layer_loop == "python":
+            for block in self.blocks:
+                x = layer(x, block)
+        else:
+            x = nnx.scan(layer, in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)(x, self.blocks)
         return self.head(self.norm(x)).astype(jnp.float32)
 
 

@@ -1,0 +1,204 @@
+"""The training step compiled by XLA:GPU for 8 H100s and 8 B200s, on this host, without a GPU
+(``-m gpu_compile``; collected where jax's CUDA plugin is installed: the gpu-compile extra).
+
+Compile-only meshes (``tooling.gpu_targets``) from XLA's own descriptions of the GPUs; the
+package's transformer at a realistic shape (hidden 1024, 4 layers, 2048 tokens per device,
+vocab 32000), its blocks scanned or run by a Python loop, and what XLA:GPU compiled checked
+from the optimized HLO (``tooling.hlo_schedule``):
+
+- every GEMM of a unit (those inside the step's ``shard_map`` islands), forward, backward and
+  recomputed, is a bf16 GEMM with fp32 accumulation (or, with ``gemm="mxfp8"`` on B200, a
+  cuDNN block-scaled MXFP8 GEMM; on H100, which has none, a bf16 GEMM of the exactly
+  dequantized operands); none multiplies fp32 operands. Their FLOPs are the units' from the
+  shapes: 2 T I O for each forward, dgrad, wgrad and recomputed forward of an ``I x O``
+  projection over T tokens (XLA may merge the last layer's recomputed forward, with its gather,
+  into the forward's once it peels the loops: one layer's worth less, never more);
+- the MXFP8 quantize kernel is in the program;
+- the 8-bit bytes all-gathered per step are the plan's figure (less that merged gather);
+- per-device temp memory within a bound read off the shapes (``temp_bound``), and growing per
+  added layer by no more than a bf16 carry and an fp32 copy of it (``[T, hidden]``, 6 bytes a
+  value): what a remat scan keeps per layer; a step that held every layer's gathered weights
+  would grow by their planes instead.
+"""
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+from mxfp8_jax import gpu_compile, models
+from mxfp8_jax._src.fsdp import fsdp_plan
+from mxfp8_jax._src.kernels import _ffi
+from mxfp8_jax._src.tooling import gpu_targets, hlo, hlo_schedule
+from mxfp8_jax.flax import FSDP
+
+pytestmark = pytest.mark.gpu_compile
+
+HIDDEN, LAYERS, TOKENS, SEQ, VOCAB, DEVICES = 1024, 4, 2048, 1024, 32000, 8
+MLP = 4 * HIDDEN
+PROJECTIONS = [(HIDDEN, HIDDEN)] * 4 + [(HIDDEN, MLP)] * 2 + [(MLP, HIDDEN)]  # q k v o, gate up, down
+BLOCK_FLOPS = sum(2 * TOKENS * i * o for i, o in PROJECTIONS)  # one forward of one block's projections
+HEAD_FLOPS = 2 * TOKENS * HIDDEN * VOCAB
+
+
+@pytest.fixture(scope="module")
+def meshes():
+    return {gpu: gpu_targets.topology_mesh(gpu_targets.target_config(gpu), DEVICES) for gpu in ("h100", "b200")}
+
+
+_COMPILED: dict = {}
+
+
+def compiled(meshes, gpu: str, loop: str = "scan", layers: int = LAYERS, **fsdp_kwargs):
+    """``(fsdp, compiled step)`` of the transformer on ``gpu``'s mesh (cached per configuration)."""
+    key = (gpu, loop, layers, tuple(sorted(fsdp_kwargs.items())))
+    if key not in _COMPILED:
+        cfg = models.TransformerConfig(
+            vocab=VOCAB, hidden=HIDDEN, heads=8, head_dim=128, mlp=MLP, layers=layers, layer_loop=loop
+        )
+        model = nnx.eval_shape(lambda: models.TransformerLM(cfg, rngs=nnx.Rngs(0)))
+        batch = jax.ShapeDtypeStruct((TOKENS // SEQ * DEVICES, SEQ + 1), jnp.int32)
+        fsdp = FSDP(model, meshes[gpu], loss_fn=models.next_token_loss, example_batch=batch, **fsdp_kwargs)
+        tx = optax.adamw(1e-4)
+        step = fsdp.lower_train_step(models.next_token_loss, tx, fsdp.abstract_state(tx), batch).compile()
+        _COMPILED[key] = fsdp, step
+    return _COMPILED[key]
+
+
+def unit_gemms(text: str) -> list[hlo_schedule.Gemm]:
+    """The GEMMs of the units: those the step runs inside its shard_map islands."""
+    return [g for g in hlo_schedule.gemms(text) if "shard_map" in g.op_name]
+
+
+def flops(gemms) -> int:
+    return sum(g.flops * g.count for g in gemms)
+
+
+def assert_units_flops(got: int, per_step: int, layers: int = LAYERS) -> None:
+    """``per_step`` from the shapes, or one layer's recomputed forward less (XLA merged it)."""
+    assert got in (per_step, per_step - BLOCK_FLOPS), (got, per_step, (per_step - got) / BLOCK_FLOPS)
+
+
+def eight_bit_gathered(text: str) -> int:
+    return sum(c.bytes_of(8) * c.count for c in hlo_schedule.async_collectives(text, "all-gather"))
+
+
+def temp_bound(layers: int) -> int:
+    """Per-device temp bytes a step of the transformer needs at most, from its shapes: the
+    logits and their gradient (fp32 ``[T, vocab]``), one layer's attention probabilities and
+    their gradients (fp32 ``[batch, heads, seq, seq]``, three of them), one layer's MLP
+    intermediates (fp32 ``[T, mlp]``, four), a bf16 carry and an fp32 copy per layer
+    (``[T, hidden]``), and two layers' weights and the head's dequantized to fp32."""
+    batch = TOKENS // SEQ
+    logits = 2 * TOKENS * VOCAB * 4
+    attention = 3 * batch * 8 * SEQ * SEQ * 4
+    mlp = 4 * TOKENS * MLP * 4
+    carries = layers * TOKENS * HIDDEN * 6
+    weights = 2 * sum(i * o for i, o in PROJECTIONS) * 4 + HIDDEN * VOCAB * 4
+    return logits + attention + mlp + carries + weights
+
+
+@pytest.mark.parametrize(("gpu", "loop"), [("h100", "scan"), ("b200", "scan"), ("h100", "python")])
+def test_the_gpu_step_multiplies_every_unit_in_bf16(meshes, gpu, loop):
+    fsdp, step = compiled(meshes, gpu, loop)
+    assert fsdp.platform == "cuda"
+    text = step.as_text()
+    units = unit_gemms(text)
+    assert units and not [g for g in units if g.fp32], [g for g in units if g.fp32][:3]
+    assert {g.precision for g in units} == {"bf16"}, {g.precision for g in units}
+    # the projections forward, dgrad, wgrad and recomputed forward; the head's three (no remat)
+    assert_units_flops(flops(units), 4 * LAYERS * BLOCK_FLOPS + 3 * HEAD_FLOPS)
+    assert "mxfp8_quantize" in {c.target for c in hlo.custom_calls(text)}
+    # 8-bit gathers: the plan's figure, or one layer's recomputed gathers less
+    n = fsdp.mesh.size
+    plan = sum(fsdp_plan.gathered_bytes(p, n) for p in fsdp.params if p.kind == "mxfp8")
+    per_layer_read = plan // (3 * LAYERS)  # forward, recomputed forward, dgrad of each layer
+    assert eight_bit_gathered(text) in (plan, plan - per_layer_read), (eight_bit_gathered(text), plan)
+    assert step.memory_analysis().temp_size_in_bytes <= temp_bound(LAYERS)
+
+
+@pytest.mark.parametrize("gpu", ["b200", "h100"])
+def test_mxfp8_gemms_are_block_scaled_on_b200_and_bf16_on_h100(meshes, gpu):
+    """``gemm="mxfp8"``: B200 runs every GEMM of the recipe as one cuDNN block-scaled dot and no
+    bf16 or fp32 GEMM for them (the head, a bf16 unit, keeps its bf16 GEMMs); H100, without
+    block-scaled MMA, multiplies the exactly dequantized operands as bf16 (``gemm_path``
+    "bf16"), never fp32."""
+    fsdp, step = compiled(meshes, gpu, gemm="mxfp8")
+    text = step.as_text()
+    units = unit_gemms(text)
+    assert not [g for g in units if g.fp32]
+    scaled = [g for g in units if g.block_scaled]
+    bf16 = [g for g in units if g.precision == "bf16"]
+    assert len(scaled) + len(bf16) == len(units)
+    if gpu == "b200":
+        assert all(g.kind == "__cudnn$blockScaledDot" for g in scaled)
+        assert_units_flops(flops(scaled), 4 * LAYERS * BLOCK_FLOPS)
+        assert flops(bf16) == 3 * HEAD_FLOPS
+        calls = [c.target for c in hlo.custom_calls(text)]
+        assert calls.count("__cudnn$blockScaledDot") == len(scaled)
+    else:
+        assert not scaled
+        assert_units_flops(flops(bf16), 4 * LAYERS * BLOCK_FLOPS + 3 * HEAD_FLOPS)
+
+
+def test_temp_grows_by_the_saved_carry_per_layer(meshes):
+    (_, four), (_, eight) = compiled(meshes, "h100"), compiled(meshes, "h100", layers=2 * LAYERS)
+    grown = eight.memory_analysis().temp_size_in_bytes - four.memory_analysis().temp_size_in_bytes
+    assert 0 < grown <= LAYERS * TOKENS * HIDDEN * 6, grown / LAYERS / (TOKENS * HIDDEN)
+
+
+def test_the_command_compiles_a_model_of_ones_own(tmp_path, capsys, monkeypatch):
+    """``mxfp8-jax gpu-compile --model module:function`` on a model written here: its tables
+    say where the figures come from, name the estimator and the kernels' architectures, and
+    its JSON holds what the tests above check (no fp32 GEMM, the plan's 8-bit bytes)."""
+    (tmp_path / "my_model.py").write_text(
+        "import jax, jax.numpy as jnp\n"
+        "from flax import nnx\n"
+        "class MLP(nnx.Module):\n"
+        "    def __init__(self, rngs):\n"
+        "        self.up = nnx.Linear(512, 2048, use_bias=False, dtype=jnp.bfloat16, rngs=rngs)\n"
+        "        self.down = nnx.Linear(2048, 512, use_bias=False, dtype=jnp.bfloat16, rngs=rngs)\n"
+        "    def __call__(self, x):\n"
+        "        return self.down(jax.nn.gelu(self.up(x)))\n"
+        "def loss(model, x):\n"
+        "    return jnp.mean(jnp.square(model(x).astype(jnp.float32) - x))\n"
+        "def workload():\n"
+        "    return (lambda: MLP(nnx.Rngs(0))), loss, jax.ShapeDtypeStruct((8 * 256, 512), jnp.bfloat16)\n"
+    )
+    monkeypatch.chdir(tmp_path)
+    out = tmp_path / "out.json"
+    gpu_compile.main(["--model", "my_model:workload", "--gpu", "b200", "--variants", "mxfp8,gspmd", "--json", str(out)])
+    printed = capsys.readouterr().out
+    assert "not from a run" in printed and "Latency estimator: speed-of-light" in printed
+    assert "my_model:workload" in printed
+    report = json.loads(out.read_text())
+    (mx, gspmd) = report["results"]
+    assert (mx["variant"], gspmd["variant"]) == ("mxfp8", "gspmd")
+    # 2 units x (forward, dgrad, wgrad), but the dgrad of `up`, whose input needs no gradient
+    assert mx["gemms"]["fp32"] == mx["gemms"]["fp32_of_units"] == 0 and mx["gemms"]["per_step"] == {"bf16": 5}
+    assert mx["gemms"]["flops"] == 5 * 2 * (8 * 256 // 8) * 512 * 2048
+    # ... and with it the gather of its columnwise planes, which the plan counts
+    assert mx["all_gather_8bit_bytes"] == mx["plan_8bit_bytes"] - 2048 * 512 * (1 + 1 / 32)
+    assert gspmd["plan_8bit_bytes"] is None and gspmd["all_gather_8bit_bytes"] == 0
+    assert mx["schedule"]["step_us"] > 0 and mx["memory"]["temp_bytes"] > 0
+    assert mx["compute_capability"] == "10.0"
+    archs = _ffi._ARCHS.get("cuda")
+    if archs:
+        runs = _ffi.arch_runs(archs, "10.0", "cuda")
+        assert mx["kernels_run_on_target"] is runs
+        assert ("no code for this GPU" in printed) is (not runs)
+
+
+def test_bad_targets_are_clear_errors():
+    with pytest.raises(gpu_targets.TargetError, match=r"gpu='h900'.*short names"):
+        gpu_targets.target_config("h900")
+    with pytest.raises(gpu_targets.TargetError, match="must be a positive multiple of hosts"):
+        gpu_targets.topology_mesh(gpu_targets.target_config("h100"), 6, hosts=4)
+    assert set(gpu_targets.known()) >= {"h100", "h200", "b200"}
+    info = gpu_targets.describe(gpu_targets.target_config("h100"))
+    assert (info["compute_capability"], info["sms"]) == ("9.0", 132) and info["memory_bandwidth"] > 3e12
+    np.testing.assert_equal(len(gpu_targets.topology_mesh(gpu_targets.target_config("b200"), 16, hosts=2).devices), 16)
