@@ -124,7 +124,8 @@ def test_the_plan_reads_as_a_table(compiled):
     assert "bf16 embedding N=512 K=256" in emb and "tied" in emb
     norm = next(line for line in lines if line.startswith("final_norm/scale "))
     assert "plain fp32" in norm and "read by mul" in norm
-    assert "units hold 99." in text and "gathered per step" in lines[-1]
+    assert "units hold 99." in text and "gathered per step" in lines[-2]
+    assert lines[-1].startswith("GEMMs (cpu mesh): forward in the layer's dtype; dgrad and wgrad: fp32 where lowered")
 
 
 @pytest.mark.xdist_group("style-mha")
