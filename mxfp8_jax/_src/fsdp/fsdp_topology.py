@@ -1,0 +1,105 @@
+"""The mesh as an FSDP plan sees it: one immutable value, made once and passed everywhere.
+
+A ``Topology`` holds the step's mesh and its tensor-parallel axis (or none) and answers every
+question about its geometry: which axes the batch and the units' rows are split over (the FSDP
+axes, all but tp), how many devices that is, the ``axis_name`` a collective over them takes, the
+``PartitionSpec`` of a batch, and the platform and GPU capability the program is compiled for.
+Nothing else in the FSDP package keeps its own copy of these.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from jax.sharding import Mesh, PartitionSpec
+
+from mxfp8_jax._src.core import platforms, spmd
+
+
+@dataclasses.dataclass(frozen=True)
+class Topology:
+    """The step's ``mesh`` (its axes automatic: ``shard_map`` does the placing) and ``tp_axis``,
+    the mesh axis of tensor parallelism (None: every axis is an FSDP axis).
+
+    Build one with ``Topology.of(mesh, tp_axis)``, which checks the arguments.
+    """
+
+    mesh: Mesh
+    tp_axis: str | None = None
+
+    @classmethod
+    def of(cls, mesh: Mesh, tp_axis: str | None = None) -> Topology:
+        """The topology of ``mesh`` (any ``jax.sharding.Mesh``; its axis types are dropped) with
+        ``tp_axis`` for tensor parallelism.
+
+        Raises:
+          TypeError: ``mesh`` is not a ``Mesh``.
+          ValueError: ``tp_axis`` is not an axis of ``mesh``, or the mesh has no other axis.
+        """
+        if not isinstance(mesh, Mesh):
+            raise TypeError(f"mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}")
+        if tp_axis is not None and (tp_axis not in mesh.axis_names or len(mesh.axis_names) < 2):
+            raise ValueError(
+                f"tp_axis={tp_axis!r} must be one axis of a mesh with at least one other (FSDP) "
+                f"axis; the mesh has {tuple(mesh.axis_names)}"
+            )
+        return cls(Mesh(mesh.devices, mesh.axis_names), tp_axis)
+
+    @property
+    def size(self) -> int:
+        """Every device of the mesh."""
+        return int(self.mesh.size)
+
+    @property
+    def sizes(self) -> dict[str, int]:
+        """Each mesh axis's size, by name."""
+        return dict(self.mesh.shape)
+
+    @property
+    def tp_size(self) -> int:
+        """The devices of the tp axis (1 without tensor parallelism)."""
+        return 1 if self.tp_axis is None else int(self.mesh.shape[self.tp_axis])
+
+    @property
+    def fsdp_names(self) -> tuple[str, ...]:
+        """The FSDP axes in mesh order: every axis but ``tp_axis``."""
+        return tuple(a for a in self.mesh.axis_names if a != self.tp_axis)
+
+    @property
+    def fsdp_size(self) -> int:
+        """The devices of the FSDP group: those a unit's rows and the batch are split over."""
+        return self.size // self.tp_size
+
+    @property
+    def axes(self):
+        """Every mesh axis as a collective's ``axis_name`` (innermost first)."""
+        return spmd.axis_group(self.mesh.axis_names)
+
+    @property
+    def fsdp_axes(self):
+        """The FSDP axes as a collective's ``axis_name`` and a ``PartitionSpec`` entry
+        (innermost first, the order the rows and the batch are split in)."""
+        return spmd.axis_group(self.fsdp_names)
+
+    @property
+    def fsdp_axis_sizes(self) -> tuple[tuple[str, int], ...]:
+        """``(name, size)`` of each FSDP axis, in mesh order: the axes a loss must not name."""
+        return tuple((a, int(self.mesh.shape[a])) for a in self.fsdp_names)
+
+    @property
+    def batch_spec(self) -> PartitionSpec:
+        """How a step's batch is placed: every leaf's leading axis over the FSDP axes (all of
+        the mesh without tp) and, under tensor parallelism, its second (sequence) over tp."""
+        if self.tp_axis is None:
+            return PartitionSpec(self.axes)
+        return PartitionSpec(self.fsdp_axes, self.tp_axis)
+
+    @property
+    def platform(self) -> str:
+        """The platform of the mesh's devices (``"cpu"``, ``"cuda"``, ``"rocm"``)."""
+        return platforms.of_mesh(self.mesh)
+
+    @property
+    def capability(self):
+        """The GPU compute capability of the mesh's devices (None off GPUs or when unknown)."""
+        return platforms.of_mesh_capability(self.mesh)
