@@ -215,7 +215,7 @@ def compile_variant(work: Workload, mesh, variant: str, options: dict, tx) -> tu
 
 def analyse(compiled, fsdp, dump: pathlib.Path, options: dict, log: list[str]) -> dict:
     """The figures of one compiled step (the command's table row)."""
-    from mxfp8_jax._src.fsdp import fsdp_plan
+    from mxfp8_jax._src.fsdp import fsdp_table
     from mxfp8_jax._src.tooling import hlo, hlo_schedule
 
     text = compiled.as_text()
@@ -232,7 +232,7 @@ def analyse(compiled, fsdp, dump: pathlib.Path, options: dict, log: list[str]) -
     plan = None
     if fsdp is not None:
         n = fsdp.mesh.size // fsdp.tp_size
-        plan = int(sum(fsdp_plan.gathered_bytes(p, n) for p in fsdp.params if p.kind == "mxfp8"))
+        plan = int(sum(fsdp_table.gathered_bytes(p, n) for p in fsdp.params if p.kind == "mxfp8"))
     gemms = hlo_schedule.gemms(text)
     by_precision = collections.Counter()
     for g in gemms:

@@ -31,7 +31,7 @@ import pytest
 from flax import nnx
 
 from mxfp8_jax import gpu_compile, models
-from mxfp8_jax._src.fsdp import fsdp_plan
+from mxfp8_jax._src.fsdp import fsdp_table
 from mxfp8_jax._src.kernels import _ffi
 from mxfp8_jax._src.tooling import gpu_targets, hlo, hlo_schedule
 from mxfp8_jax.flax import FSDP
@@ -115,7 +115,7 @@ def test_the_gpu_step_multiplies_every_unit_in_bf16(meshes, gpu, loop):
     assert "mxfp8_quantize" in {c.target for c in hlo.custom_calls(text)}
     # 8-bit gathers: the plan's figure, or one layer's recomputed gathers less
     n = fsdp.mesh.size
-    plan = sum(fsdp_plan.gathered_bytes(p, n) for p in fsdp.params if p.kind == "mxfp8")
+    plan = sum(fsdp_table.gathered_bytes(p, n) for p in fsdp.params if p.kind == "mxfp8")
     per_layer_read = plan // (3 * LAYERS)  # forward, recomputed forward, dgrad of each layer
     assert eight_bit_gathered(text) in (plan, plan - per_layer_read), (eight_bit_gathered(text), plan)
     assert step.memory_analysis().temp_size_in_bytes <= temp_bound(LAYERS)

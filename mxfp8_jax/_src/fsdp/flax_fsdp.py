@@ -55,42 +55,46 @@ cotangent.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
 import jax
-import jax.numpy as jnp
-import numpy as np
 import optax
 from flax import nnx
-from flax.nnx import filterlib
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import Mesh
 
-from mxfp8_jax._src.core import jaxprs, platforms, spmd
-from mxfp8_jax._src.fsdp import fsdp_checkpoint
-from mxfp8_jax._src.fsdp.flax_layers import unit_kernel_shape
-from mxfp8_jax._src.fsdp.fsdp_plan import (
-    Mesh1D,
-    ParamInfo,
-    check_rule,
-    check_rule_matches,
-    describe,
-    plan_from_uses,
-    uses_from_layers,
-)
+from mxfp8_jax._src.fsdp import fsdp_checkpoint, fsdp_table
+from mxfp8_jax._src.fsdp.fsdp_discover import make_plan, values_of
+from mxfp8_jax._src.fsdp.fsdp_plan import Plan
 from mxfp8_jax._src.fsdp.fsdp_state import StateLayout, TrainState
-from mxfp8_jax._src.fsdp.fsdp_step import Partition, Steps, check_loss_shape, dtype_of
-from mxfp8_jax._src.fsdp.fsdp_trace import analyse, trace
-from mxfp8_jax._src.fsdp.fsdp_unit import PRECISIONS, Gemms
-from mxfp8_jax._src.numerics.format import BLOCK, ScaleRule
-from mxfp8_jax._src.ops import mxfp8_gemm
-
-# ------------------------------------------------------------------------------------------------
-# State
+from mxfp8_jax._src.fsdp.fsdp_step import Steps
 
 
-# ------------------------------------------------------------------------------------------------
-# The plan
+def _forward(owner: str, member) -> Any:
+    """A public member of ``FSDP`` that is ``member`` of its plan (``owner="_plan"``), layout
+    (``"_layout"``) or steps (``"_steps"``): written and documented once, there."""
+    if isinstance(member, property):
+        get = member.fget
+        return property(lambda self: get(getattr(self, owner)), doc=member.__doc__)
+
+    @functools.wraps(member)
+    def call(self, *args, **kwargs):
+        return member(getattr(self, owner), *args, **kwargs)
+
+    return call
+
+
+def _field(name: str, doc: str) -> property:
+    """A read-only attribute of ``FSDP``: the plan's field ``name`` (dotted: through its topology)."""
+
+    def get(self):
+        value = self._plan
+        for part in name.split("."):
+            value = getattr(value, part)
+        return value
+
+    return property(get, doc=doc)
 
 
 class FSDP:
@@ -185,273 +189,72 @@ class FSDP:
         prefetch: int = 1,
         backward_gemm: str = "auto",
     ) -> None:
-        if not isinstance(model, nnx.Module):
-            raise TypeError(f"model must be a flax.nnx.Module, got {type(model).__name__}")
-        if not isinstance(mesh, Mesh):
-            raise TypeError(f"mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}")
-        if precision not in PRECISIONS:
-            raise ValueError(f"precision={precision!r} must be one of {PRECISIONS}")
-        if (loss_fn is None) != (example_batch is None):
-            raise ValueError(
-                "loss_fn and example_batch go together: the plan traces loss_fn(model, example_batch) "
-                "to find the parameters GEMMs and lookups read (give both, or neither for units by layer class)"
-            )
-        check_rule(precision_by_path)
-        if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
-            raise ValueError(
-                f"prefetch={prefetch!r} must be an int >= 0 (layers ahead; 0: each gather waits for its op)"
-            )
-        jaxprs.warn_if_untested()
-        self.mesh = Mesh(mesh.devices, mesh.axis_names)  # Auto axes: shard_map does the placing
-        self.platform = platforms.of_mesh(self.mesh)
-        self.precision = precision
-        self.scale_rule = ScaleRule.parse(scale_rule).value
-        self.gemm, self.gemm_path = gemm, gemm_path
-        capability = platforms.of_mesh_capability(self.mesh)
-        mode = mxfp8_gemm.check_mode(gemm, gemm_path, scale_rule, self.platform, capability)
-        gemms = Gemms(backward_gemm, mode)
-        self.backward_gemm, self._gemms, self._capability = backward_gemm, gemms, capability
-        self.precision_by_path = precision_by_path
-        self.trainable = trainable
-        trained_paths, params_paths, candidates, loose = _select(model, trainable, traced=loss_fn is not None)
-        partition = Partition(model, params_paths | candidates)
-        self._axes = spmd.axis_group(self.mesh.axis_names)  # all axes, innermost first
-        n = self.mesh.size
-        self.tp_axis, self.tp_size = tp_axis, 1
-        self._fsdp_axes, n_fsdp = self._axes, n
-        if tp_axis is not None:
-            if tp_axis not in mesh.axis_names or len(mesh.axis_names) < 2:
-                raise ValueError(
-                    f"tp_axis={tp_axis!r} must be one axis of a mesh with at least one other (FSDP) "
-                    f"axis; the mesh has {tuple(mesh.axis_names)}"
-                )
-            self.tp_size = int(mesh.shape[tp_axis])
-            self._fsdp_axes = spmd.axis_group([a for a in mesh.axis_names if a != tp_axis])
-            n_fsdp = n // self.tp_size
-        found, rest_avals = self._found(model, partition)
-        self._steps = Steps(
-            self.mesh,
-            axes=self._axes,
-            fsdp_axes=self._fsdp_axes,
+        self._plan: Plan = make_plan(
+            model,
+            mesh,
+            precision=precision,
+            scale_rule=scale_rule,
             tp_axis=tp_axis,
-            tp_size=self.tp_size,
-            partition=partition,
-            rest_avals=rest_avals,
-            gemms=gemms,
+            loss_fn=loss_fn,
+            example_batch=example_batch,
+            precision_by_path=precision_by_path,
+            gemm=gemm,
+            gemm_path=gemm_path,
+            trainable=trainable,
+            prefetch=prefetch,
+            backward_gemm=backward_gemm,
         )
-        self.traced = loss_fn is not None
+        self._layout = StateLayout(self._plan)
+        self._steps = Steps(self._plan, self._layout)
         self._jitted: dict[tuple, Callable] = {}
-        if self.traced:
-            self._steps.check_batch(example_batch, "example_batch")
-            batch = jax.tree.map(lambda a: jax.ShapeDtypeStruct(np.shape(a), dtype_of(a)), example_batch)
-            forbidden = self._steps.fsdp_axis_sizes
-
-            def uses_of(partition, found, rest_avals, assigned=None):
-                avals = [jax.ShapeDtypeStruct(shape, dtype) for _, shape, dtype in found]
-                traceable = self._steps.traceable(loss_fn, partition, assigned)
-                closed, out_shape = trace(traceable, avals, list(rest_avals), batch, forbidden=forbidden)
-                check_loss_shape(out_shape[0])
-                return analyse(closed, len(avals))
-
-            assigned: list[bool] = []
-            uses = uses_of(partition, found, rest_avals, assigned)
-            kept = _read_as_weights(found, uses, assigned, trainable, loose, candidates)
-            if kept != candidates:  # the other candidates are the model's other state: plan without them
-                partition = Partition(model, params_paths | kept)
-                found, rest_avals = self._found(model, partition)
-                self._steps.partition, self._steps.rest_avals = partition, rest_avals
-                uses = uses_of(partition, found, rest_avals)
-            self._steps.example_tree = jax.tree.structure(example_batch)
-        else:
-            uses = uses_from_layers(found, _unit_kernels(model))
-        rest = jax.tree_util.tree_flatten_with_path(partition.split(model)[2])[0]
-        self.rest_names = tuple("/".join(map(str, fsdp_checkpoint.path_names(k))) for k, _ in rest)
-        self._rest_avals = rest_avals
-        tp = (tp_axis, self.tp_size, Mesh1D(n_fsdp, self._fsdp_axes)) if tp_axis is not None else None
-        self.params = plan_from_uses(
-            found,
-            uses,
-            Mesh1D(n_fsdp, self._fsdp_axes),  # under tp, units outside tp layers live in the FSDP group
-            precision=precision,
-            rule=precision_by_path,
-            tp_roles=_tp_roles(model),
-            tp=tp,
-            frozen=frozenset(j for j, (path, _, _) in enumerate(found) if path not in trained_paths),
-        )
-        check_rule_matches(precision_by_path, [p.name for p in self.params])
-        self._layout = StateLayout(
-            self.params,
-            self.mesh,
-            axes=self._axes,
-            fsdp_axes=self._fsdp_axes,
-            tp_axis=tp_axis,
-            tp_size=self.tp_size,
-            rest_avals=self._rest_avals,
-            precision=precision,
-            scale_rule=self.scale_rule,
-        )
-        self._steps.layout, self._steps.traced = self._layout, self.traced
-        self.prefetch = self._steps.prefetch = prefetch
-        if not self.units:
-            raise ValueError(
-                "model has no eligible weight: "
-                + (
-                    "the loss contracts no parameter in a GEMM and looks none up"
-                    if self.traced
-                    else f"without an example batch FSDP keeps as units the kernels of flax.nnx.Linear (default "
-                    f"dot_general) and mxfp8_jax.flax.Linear layers whose in and out features are both multiples "
-                    f"of {BLOCK}; give loss_fn= and example_batch= to find units by operation"
-                )
-                + f"; parameters found: {[(p.name, p.shape) for p in self.params]}"
-            )
 
     # -- what the plan holds ---------------------------------------------------------------------
+
+    mesh = _field("topology.mesh", "The mesh the plan is over (its axes automatic).")
+    platform = _field("topology.platform", "The platform of the mesh's devices (``cpu``, ``cuda``, ``rocm``).")
+    tp_axis = _field("topology.tp_axis", "The mesh axis of tensor parallelism, or None.")
+    tp_size = _field("topology.tp_size", "The devices of the tp axis (1 without tensor parallelism).")
+    params = _field("params", "Every parameter of the model as the plan sees it (``ParamInfo``), in model order.")
+    precision = _field("precision", "The units' default precision (``mxfp8`` or ``bf16``).")
+    scale_rule = _field("scale_rule", "The MXFP8 scale rule, as ``format.ScaleRule``'s value.")
+    precision_by_path = _field("precision_by_path", "The per-parameter precision rule, as given.")
+    trainable = _field("trainable", "The nnx filter naming the trained variables, as given.")
+    prefetch = _field("prefetch", "How many layers ahead each unit's forward gather starts.")
+    traced = _field("traced", "Whether the units were found by tracing the loss (else by layer class).")
+    rest_names = _field("rest_names", "The paths of the model's other state (RNG streams, statistics).")
+    units = _forward("_plan", Plan.units)
+    mxfp8_units = _forward("_plan", Plan.mxfp8_units)
+    plain = _forward("_plan", Plan.plain)
+    frozen = _forward("_plan", Plan.frozen)
+    trained = _forward("_plan", Plan.trained)
+    weight_elements = _forward("_plan", Plan.weight_elements)
+    plain_elements = _forward("_plan", Plan.plain_elements)
+    stored_elements = _forward("_plan", Plan.stored_elements)
 
     def __str__(self) -> str:
         return self.summary()
 
     def summary(self) -> str:
         """The plan as a table: every parameter, what it became and why, its stored bytes per
-        device and bytes gathered per step; totals.
+        device and bytes gathered per step; totals; how the units multiply on the mesh's platform.
 
         Returns:
           The table as a multi-line ``str`` (what ``print(fsdp)`` prints).
         """
-        table = describe(self.params, self.mesh.size // self.tp_size, traced=self.traced, trainable=self.trainable)
-        return f"{table}\n{self._gemm_line()}"
+        return fsdp_table.summary(self._plan)
 
-    def _gemm_line(self) -> str:
-        """How the units multiply on this mesh's platform (the last line of ``print(fsdp)``)."""
-        where = f"{self.platform} mesh" + (f", compute capability {self._capability}" if self._capability else "")
-        backward = {
-            "auto": "fp32 where lowered for CPUs, the layer's dtype (fp32 accumulation) for GPUs",
-            "fp32": "fp32 operands",
-            "layer": "the layer's dtype, fp32 accumulation",
-        }[self.backward_gemm]
-        line = f"GEMMs ({where}): forward in the layer's dtype; dgrad and wgrad: {backward}"
-        if self._gemms.mxfp8 is not None:
-            path = self._gemms.mxfp8.path
-            line += f"; MXFP8 units' GEMMs in MXFP8, path {path}" + (
-                " (by lowering platform)" if path == "auto" else ""
-            )
-        return line
+    # -- state: shardings, shapes, the optimizer's tree (``StateLayout``) --------------------------
 
-    @property
-    def units(self) -> tuple[ParamInfo, ...]:
-        """The units (MXFP8 and bf16), in parameter order."""
-        return tuple(p for p in self.params if p.is_unit)
-
-    @property
-    def mxfp8_units(self) -> tuple[ParamInfo, ...]:
-        """The MXFP8 units, in parameter order."""
-        return tuple(p for p in self.params if p.kind == "mxfp8")
-
-    @property
-    def plain(self) -> tuple[ParamInfo, ...]:
-        """The plain (fp32, not units) trained parameters, in parameter order."""
-        return tuple(p for p in self.params if p.kind == "plain")
-
-    @property
-    def frozen(self) -> tuple[ParamInfo, ...]:
-        """The parameters the optimizer does not train, in parameter order: frozen units
-        (``trained=False``) and kind ``"frozen"`` (non-floating, or not read as a unit)."""
-        return tuple(p for p in self.params if not p.trained)
-
-    @property
-    def trained(self) -> tuple[ParamInfo, ...]:
-        """Every parameter the optimizer updates (units and plain), in parameter order."""
-        return tuple(p for p in self.params if p.trained)
-
-    @property
-    def weight_elements(self) -> int:
-        """Elements of the units' parameters (what the model holds)."""
-        return sum(int(np.prod(p.shape)) for p in self.units)
-
-    @property
-    def plain_elements(self) -> int:
-        """Elements of the plain parameters."""
-        return sum(int(np.prod(p.shape)) for p in self.plain)
-
-    @property
-    def stored_elements(self) -> int:
-        """Elements of the units' masters as stored, rows padded so every device holds the same
-        number of rows (the elements a gather moves per element of this)."""
-        return sum(int(np.prod(p.stored_shape)) for p in self.units)
-
-    def master_sharding(self, info: ParamInfo) -> NamedSharding:
-        """A unit's master (and planes): the row axis (second to last) split over the mesh.
-        A plain parameter: split along its ``shard_axis``, or replicated.
-
-        Args:
-          info: a parameter of this plan (an entry of ``params``).
-
-        Returns:
-          The ``NamedSharding`` over ``mesh`` of its ``TrainState.master`` array
-          (``info.stored_shape``). Under tensor parallelism a ``"column"`` unit's rows are split
-          over the tp axis and then the FSDP axes; a ``"row"`` unit's rows over the FSDP axes and
-          its columns over the tp axis. A frozen unit's rows (``TrainState.frozen``) are split
-          like a master's; any other frozen parameter is replicated.
-        """
-        return self._layout.master_sharding(info)
-
-    def logical_sharding(self, info: ParamInfo) -> NamedSharding:
-        """A parameter in its own shape (a checkpoint's tensor): split along the first axis the
-        device count divides.
-
-        Args:
-          info: a parameter of this plan (an entry of ``params``).
-
-        Returns:
-          The ``NamedSharding`` over ``mesh`` for an array of ``info.shape``. For a unit, its first
-          axis that ``mesh.size`` divides is split over every mesh axis (replicated when none
-          does); for any other parameter, ``master_sharding(info)``.
-        """
-        return self._layout.logical_sharding(info)
-
-    def param_tree(self, arrays: dict[str, Any]) -> dict:
-        """``{name: array}`` (like ``TrainState.master``) as nested dicts keyed by the parameter
-        paths of ``nnx.state(model, trainable)`` (its ``to_pure_dict()`` structure): the tree
-        ``tx`` is initialised and applied on.
-
-        Args:
-          arrays: ``{name: value}`` with an entry for every trained parameter (``trained``), e.g.
-            ``TrainState.master`` or the gradients of ``loss_and_grads``; other entries are
-            ignored.
-
-        Returns:
-          Nested dicts holding the trained parameters' values from ``arrays``, as given.
-        """
-        return self._layout.param_tree(arrays)
-
-    def from_param_tree(self, tree: dict) -> dict[str, Any]:
-        """The inverse of ``param_tree``.
-
-        Args:
-          tree: nested dicts holding a value at every trained parameter's path (as
-            ``param_tree`` builds them, e.g. after ``optax.apply_updates``); other entries are
-            ignored.
-
-        Returns:
-          ``{name: value}`` for every trained parameter, in parameter order.
-        """
-        return self._layout.from_param_tree(tree)
-
-    def owner_of(self, key_path, leaf) -> ParamInfo | None:
-        """The parameter an optimizer leaf belongs to: its key path ends with the parameter's
-        path and it has the parameter's stored shape (adam's moments, masked or labelled).
-
-        Args:
-          key_path: the leaf's key path in the optimizer state (as
-            ``jax.tree_util.tree_flatten_with_path`` gives it).
-          leaf: the leaf (an array or ``jax.ShapeDtypeStruct``); only its shape is read.
-
-        Returns:
-          The ``ParamInfo`` of the trained parameter whose path is the longest such suffix, or
-          None when no trained parameter matches.
-        """
-        return self._layout.owner_of(key_path, leaf)
-
-    # -- state ---------------------------------------------------------------------------------
+    master_sharding = _forward("_layout", StateLayout.master_sharding)
+    logical_sharding = _forward("_layout", StateLayout.logical_sharding)
+    param_tree = _forward("_layout", StateLayout.param_tree)
+    from_param_tree = _forward("_layout", StateLayout.from_param_tree)
+    owner_of = _forward("_layout", StateLayout.owner_of)
+    abstract_state = _forward("_layout", StateLayout.abstract_state)
+    check_state = _forward("_layout", StateLayout.check_state)
+    to_logical = _forward("_layout", StateLayout.to_logical)
+    from_logical = _forward("_layout", StateLayout.from_logical)
+    place_batch = _forward("_steps", Steps.place_batch)
 
     def init(self, model: nnx.Module, tx: optax.GradientTransformation) -> TrainState:
         """Shards ``model``'s parameters, quantizes the MXFP8 units, initialises ``tx``.
@@ -472,7 +275,7 @@ class FSDP:
           replicated, the optimizer leaves that belong to a parameter (``owner_of``) sharded
           like it and the others replicated, ``step`` 0.
         """
-        values, rest = self._values_of(model)
+        values, rest = values_of(self._plan, model)
         master, frozen, rest, step = self._layout.place_fn(
             {p.name: values[j] for j, p in enumerate(self.params) if p.trained},
             {p.name: values[j] for j, p in enumerate(self.params) if not p.trained},
@@ -484,19 +287,6 @@ class FSDP:
         opt_state = jax.jit(tx.init, out_shardings=opt_shardings)(params)
         state = TrainState(master, quantized, frozen, tuple(rest), opt_state, step)
         return jax.device_put(state, self._layout.shardings(state))
-
-    def abstract_state(self, tx: optax.GradientTransformation) -> TrainState:
-        """The ``TrainState`` that ``init`` would return, as ``jax.ShapeDtypeStruct``s with their
-        shardings: for ``lower_train_step`` (memory analysis, HLO) without building the model.
-
-        Args:
-          tx: the optimizer ``init`` would be given.
-
-        Returns:
-          A ``TrainState`` whose leaves are ``jax.ShapeDtypeStruct``s with shapes, dtypes and
-          shardings as ``init`` makes them.
-        """
-        return self._layout.abstract_state(tx)
 
     def gather(self, state: TrainState) -> nnx.Module:
         """The model with the full fp32 master parameters (one all-gather per array) and the
@@ -510,17 +300,7 @@ class FSDP:
           whole (replicated) on every device; the other state from ``state.rest``.
         """
         self.check_state(state, "state")
-        return self._steps.merge(self._layout.logical_fn(state.master, state.frozen), list(state.rest))
-
-    def check_state(self, state: Any, argname: str = "state") -> None:
-        """Raises ``ValueError`` unless ``state`` is a ``TrainState`` of this plan: the same
-        parameter names, stored shapes and dtypes, planes exactly for the MXFP8 units.
-
-        Args:
-          state: the value to check; ``TypeError`` when it is not a ``TrainState``.
-          argname: the name the error messages give it.
-        """
-        return self._layout.check_state(state, argname)
+        return self._plan.partition.merge(self._layout.logical_fn(state.master, state.frozen), list(state.rest))
 
     # -- checkpoints ---------------------------------------------------------------------------
 
@@ -548,7 +328,9 @@ class FSDP:
         """
         self.check_state(state, "state")
         self._layout.check_live(state)
-        return fsdp_checkpoint.save(self, state, directory, async_save=async_save, overwrite=overwrite)
+        return fsdp_checkpoint.save(
+            self._plan, self._layout, state, directory, async_save=async_save, overwrite=overwrite
+        )
 
     def restore(self, directory, tx: optax.GradientTransformation) -> TrainState:
         """The ``TrainState`` saved in ``directory``, placed on this plan's mesh: parameters and
@@ -567,29 +349,13 @@ class FSDP:
           A ``TrainState`` sharded as ``init`` shards one, with the saved parameters, optimizer
           state, other state and step, and planes quantized from the restored masters.
         """
-        master, frozen, rest, opt_state, step = fsdp_checkpoint.restore(self, directory, self.abstract_state(tx))
+        master, frozen, rest, opt_state, step = fsdp_checkpoint.restore(
+            self._plan, self._layout, directory, self.abstract_state(tx)
+        )
         state = TrainState(master, self._layout.quantize_fn(master, frozen), frozen, tuple(rest), opt_state, step)
         return jax.device_put(state, self._layout.shardings(state))
 
     # -- steps ---------------------------------------------------------------------------------
-
-    def place_batch(self, batch: Any) -> Any:
-        """``batch`` with every leaf's leading axis split over the mesh (as a step takes it);
-        under tensor parallelism the leading axis over the FSDP axes and the second (sequence)
-        over the tp axis.
-
-        ``jax.ShapeDtypeStruct`` leaves get the sharding attached (for lowering only).
-
-        Args:
-          batch: a pytree of arrays, or of ``jax.ShapeDtypeStruct``s only; every leaf's leading
-            axis divisible by the devices it is split over (``mesh.size / tp_size``) and, under
-            tensor parallelism, its second axis by ``tp_size`` (``ValueError`` otherwise).
-
-        Returns:
-          The same tree: ``jax.ShapeDtypeStruct``s with the ``NamedSharding`` attached, or the
-          arrays placed with it (``jax.device_put``).
-        """
-        return self._steps.place_batch(batch)
 
     def loss_and_grads(self, loss_fn: Callable, *, has_aux: bool = False) -> Callable:
         """``fn(state, batch) -> (loss, grads)`` (``((loss, aux), grads)`` with ``has_aux``),
@@ -711,143 +477,3 @@ class FSDP:
         if key not in self._jitted:
             self._jitted[key] = make()
         return self._jitted[key]
-
-    # -- parameter shapes ----------------------------------------------------------------------
-
-    def to_logical(self, info: ParamInfo, stored: jax.Array) -> jax.Array:
-        """Any parameter's stored array (``TrainState.master`` entry, its gradient or an
-        optimizer moment) in the parameter's own shape (a unit's padding rows dropped); works
-        on sharded arrays.
-
-        Args:
-          info: the parameter (an entry of ``params``).
-          stored: an array of ``info.stored_shape``.
-
-        Returns:
-          An array of ``info.shape`` in ``stored``'s dtype; ``stored`` itself for a parameter
-          that is not a unit.
-        """
-        return self._layout.to_logical(info, stored)
-
-    def from_logical(self, info: ParamInfo, value: jax.Array, dtype=jnp.float32) -> jax.Array:
-        """The inverse of ``to_logical``: a unit's parameter-shaped array as its padded master
-        (zero rows), in ``dtype``.
-
-        Args:
-          info: the parameter (an entry of ``params``).
-          value: an array of ``info.shape`` (anything ``jnp.asarray`` takes).
-          dtype: the result's dtype.
-
-        Returns:
-          An array of ``info.stored_shape`` in ``dtype``, its padding rows zero; for a parameter
-          that is not a unit, ``value`` in ``dtype``.
-        """
-        return self._layout.from_logical(info, value, dtype)
-
-    # -- internals -----------------------------------------------------------------------------
-
-    def _values_of(self, model: nnx.Module) -> tuple[list, list]:
-        if not isinstance(model, nnx.Module):
-            raise TypeError(f"model must be a flax.nnx.Module, got {type(model).__name__}")
-        _, params, rest = self._steps.partition.split(model)
-        variables = jax.tree.leaves(params, is_leaf=_is_variable)
-        found = tuple(
-            (fsdp_checkpoint.path_names(k), tuple(v.get_value().shape))
-            for k, v in jax.tree_util.tree_flatten_with_path(params, is_leaf=_is_variable)[0]
-        )
-        want = tuple((p.path, p.shape) for p in self.params)
-        if found != want:
-            raise ValueError(f"model has parameters {found}, but this FSDP plan was built for {want}")
-        rest = jax.tree.leaves(rest)
-        if len(rest) != len(self._rest_avals):
-            raise ValueError(
-                f"model has {len(rest)} values of state other than the plan's parameters, the plan "
-                f"{len(self._rest_avals)}"
-            )
-        return [v.get_value() for v in variables], rest
-
-    @staticmethod
-    def _found(model: nnx.Module, partition: Partition) -> tuple[list, tuple]:
-        """``(path, shape, dtype)`` of each parameter of ``partition``, and the avals of the rest."""
-        _, params, rest = partition.split(model)
-        flat = jax.tree_util.tree_flatten_with_path(params, is_leaf=_is_variable)[0]
-        found = [
-            (fsdp_checkpoint.path_names(k), tuple(np.shape(v.get_value())), jnp.dtype(v.get_value().dtype))
-            for k, v in flat
-        ]
-        rest_avals = tuple(jax.ShapeDtypeStruct(np.shape(v), v.dtype) for v in jax.tree.leaves(rest))
-        return found, rest_avals
-
-
-def _select(model: nnx.Module, trainable, *, traced: bool) -> tuple[frozenset, frozenset, frozenset, frozenset]:
-    """``(trained, parameters, candidates, variables)``: the paths of the floating variables
-    ``trainable`` matches; of those and every ``nnx.Param``; of the other floating variables,
-    which a traced loss may read as frozen weights (none without a trace); of the trained ones
-    that are not ``nnx.Param``s."""
-    try:
-        filterlib.to_predicate(trainable)
-    except (TypeError, ValueError):
-        raise TypeError(
-            f"trainable={trainable!r} is not an nnx filter (a Variable type such as nnx.LoRAParam, a tuple of "
-            f"filters, nnx.Any(...), or a predicate (path, variable) -> bool)"
-        ) from None
-    floating = lambda v: jnp.issubdtype(v.get_value().dtype, jnp.floating)
-    variables = [(tuple(path), v) for path, v in nnx.to_flat_state(nnx.state(model))]
-    matched = {tuple(path) for path, _ in nnx.to_flat_state(nnx.state(model, trainable))}
-    trained = frozenset(path for path, v in variables if path in matched and floating(v))
-    if not trained:
-        shown = sorted({type(v).__name__ for _, v in variables if floating(v)})
-        raise ValueError(
-            f"trainable={trainable!r} matches no floating variable of the model, so the optimizer would train "
-            f"nothing; the model's floating variables are of the types {shown} (give the filter "
-            "nnx.Optimizer(wrt=) would take: nnx.Param, nnx.LoRAParam, ...)"
-        )
-    params = trained | {path for path, v in variables if isinstance(v, nnx.Param)}
-    candidates = frozenset(path for path, v in variables if traced and path not in params and floating(v))
-    loose = frozenset(path for path, v in variables if path in trained and not isinstance(v, nnx.Param))
-    return trained, frozenset(params), candidates, loose
-
-
-def _read_as_weights(found, uses, assigned, trainable, variables: frozenset, candidates: frozenset) -> frozenset:
-    """The ``candidates`` (traced as parameters) that a GEMM or lookup of the loss reads and that
-    the loss does not assign: frozen weights. A trained variable other than an ``nnx.Param``
-    (in ``variables``) that the loss assigns is model state, not a weight: a ``ValueError``."""
-    kept = set()
-    for j, (path, _, _) in enumerate(found):
-        path = tuple(path)
-        if path in variables and assigned[j]:
-            raise ValueError(
-                f"trainable={trainable!r} matches {'/'.join(map(str, path))}, which the loss assigns (model state "
-                "such as BatchNorm's statistics, updated by the forward pass, not by the optimizer); leave it out "
-                "of the trainable filter"
-            )
-        if path in candidates and not assigned[j] and any(u.kind in ("gemm", "lookup") for u in uses.by_param[j]):
-            kept.add(path)
-    return frozenset(kept)
-
-
-def _unit_kernels(model: nnx.Module) -> dict[tuple, tuple[tuple[int, ...], int, int]]:
-    """Kernel path -> ``(stack, in, out)`` for every layer whose kernel is a unit by class."""
-    found = {}
-    for path, node in nnx.iter_graph(model):
-        kernel = getattr(node, "kernel", None) if isinstance(node, nnx.Module) else None
-        if not isinstance(kernel, nnx.Variable):
-            continue
-        spec = unit_kernel_shape(node, tuple(kernel.get_value().shape))
-        if spec is not None and jnp.issubdtype(kernel.get_value().dtype, jnp.floating):
-            found[(*tuple(path), "kernel")] = spec
-    return found
-
-
-def _tp_roles(model: nnx.Module) -> dict[tuple, str]:
-    """Kernel path -> tensor-parallel role, for the layers ``tensor_parallel`` marked."""
-    roles = {}
-    for path, node in nnx.iter_graph(model):
-        role = getattr(node, "tensor_parallel", None) if isinstance(node, nnx.Module) else None
-        if role is not None and isinstance(getattr(node, "kernel", None), nnx.Variable):
-            roles[(*tuple(path), "kernel")] = role
-    return roles
-
-
-def _is_variable(x) -> bool:
-    return isinstance(x, nnx.Variable)

@@ -26,7 +26,7 @@ contracted by ``dot_general`` (any layer: ``nnx.Linear``, ``nnx.LinearGeneral``,
 ``nnx.Einsum``, ``jnp.einsum`` / ``@`` in a custom layer) or looked up (``nnx.Embed``,
 ``table[ids]``) is a unit. Its role sets its default precision: ``"embedding"`` (looked up),
 ``"head"`` (its GEMMs feed no other parameter's GEMM: the logits) or ``"projection"``. Without a
-trace (no example batch), units are found by layer class as before: ``nnx.Linear`` (default
+trace (no example batch), units are found by layer class: ``nnx.Linear`` (default
 ``dot_general``) and ``mxfp8_jax.flax.Linear`` kernels whose two sides are multiples of 32.
 """
 
@@ -34,14 +34,15 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import jax.numpy as jnp
 import numpy as np
 
+from mxfp8_jax._src.fsdp.fsdp_topology import Topology
 from mxfp8_jax._src.fsdp.fsdp_trace import Use, Uses, describe_shape, product
-from mxfp8_jax._src.fsdp.fsdp_unit import PRECISIONS, UnitGeometry
+from mxfp8_jax._src.fsdp.fsdp_unit import PRECISIONS, Gemms, UnitGeometry
 from mxfp8_jax._src.numerics.format import BLOCK
 
 KINDS = ("mxfp8", "bf16", "plain", "frozen")
@@ -125,11 +126,79 @@ class ParamInfo:
 
 
 @dataclasses.dataclass(frozen=True)
-class Mesh1D:
-    """The plan's view of the mesh: ``size`` devices in the collective group ``axes``."""
+class Plan:
+    """A model's FSDP plan, one immutable value: what every parameter became (``params``, each a
+    ``ParamInfo`` saying why), over which devices (``topology``), and how the step computes.
 
-    size: int
-    axes: Any
+    Everything that stores, steps, checkpoints or prints the model's training reads it; nothing
+    sets anything on it. ``fsdp_discover.make_plan`` makes one from an NNX model.
+
+    ``precision``, ``scale_rule`` (an ``int``, ``format.ScaleRule``'s value) and
+    ``precision_by_path``: the units' precisions as asked; ``gemms``: how the units' GEMMs
+    multiply (``fsdp_unit.Gemms``), resolved for the topology's platform; ``prefetch``: how many
+    layers ahead a unit's forward gather starts; ``traced``: the units were found by tracing the
+    loss on an example (False: by layer class); ``trainable``: the filter that names the trained
+    parameters (shown by the table). The model's structure: ``partition`` (how its variables
+    split into the parameters and its other state: ``fsdp_discover.Partition``),
+    ``rest_avals`` and ``rest_names`` (the other state's shapes and paths) and ``example_tree``
+    (the structure of the batch the loss was traced on; None without one).
+    """
+
+    params: tuple[ParamInfo, ...]
+    topology: Topology
+    precision: str
+    scale_rule: int
+    gemms: Gemms
+    partition: Any
+    rest_avals: tuple = ()
+    rest_names: tuple[str, ...] = ()
+    example_tree: Any = None
+    prefetch: int = 1
+    traced: bool = False
+    trainable: Any = None
+    precision_by_path: Any = None
+
+    @property
+    def units(self) -> tuple[ParamInfo, ...]:
+        """The units (MXFP8 and bf16), in parameter order."""
+        return tuple(p for p in self.params if p.is_unit)
+
+    @property
+    def mxfp8_units(self) -> tuple[ParamInfo, ...]:
+        """The MXFP8 units, in parameter order."""
+        return tuple(p for p in self.params if p.kind == "mxfp8")
+
+    @property
+    def plain(self) -> tuple[ParamInfo, ...]:
+        """The plain (fp32, not units) trained parameters, in parameter order."""
+        return tuple(p for p in self.params if p.kind == "plain")
+
+    @property
+    def frozen(self) -> tuple[ParamInfo, ...]:
+        """The parameters the optimizer does not train, in parameter order: frozen units
+        (``trained=False``) and kind ``"frozen"`` (non-floating, or not read as a unit)."""
+        return tuple(p for p in self.params if not p.trained)
+
+    @property
+    def trained(self) -> tuple[ParamInfo, ...]:
+        """Every parameter the optimizer updates (units and plain), in parameter order."""
+        return tuple(p for p in self.params if p.trained)
+
+    @property
+    def weight_elements(self) -> int:
+        """Elements of the units' parameters (what the model holds)."""
+        return sum(int(np.prod(p.shape)) for p in self.units)
+
+    @property
+    def plain_elements(self) -> int:
+        """Elements of the plain parameters."""
+        return sum(int(np.prod(p.shape)) for p in self.plain)
+
+    @property
+    def stored_elements(self) -> int:
+        """Elements of the units' masters as stored, rows padded so every device holds the same
+        number of rows (the elements a gather moves per element of this)."""
+        return sum(int(np.prod(p.stored_shape)) for p in self.units)
 
 
 def split_axis(shape: tuple[int, ...], n: int, first: int = 0) -> int | None:
@@ -197,23 +266,23 @@ def _check_precision(precision, where: str) -> None:
 def plan_from_uses(
     params: list[tuple[tuple, tuple[int, ...], Any]],
     uses: Uses,
-    mesh: Mesh1D,
+    topology: Topology,
     *,
     precision: str,
     rule=None,
     tp_roles: Mapping[tuple, str] | None = None,
-    tp: tuple[str, int, Mesh1D] | None = None,
     frozen: frozenset[int] = frozenset(),
 ) -> tuple[ParamInfo, ...]:
-    """``ParamInfo`` for every ``(path, shape, dtype)`` of ``params`` from how the loss reads it.
+    """``ParamInfo`` for every ``(path, shape, dtype)`` of ``params`` from how the loss reads it,
+    on ``topology``: units' rows and plain parameters are split over its FSDP group.
 
-    ``tp``: ``(axis name, tp size, the FSDP group)`` under tensor parallelism, with the roles of
-    the marked layers' kernels in ``tp_roles``. ``frozen``: the indices of the parameters the
+    Under tensor parallelism (``topology.tp_axis``) the roles of the marked layers' kernels are
+    in ``tp_roles``. ``frozen``: the indices of the parameters the
     optimizer does not train; each is planned by the same rules, then a unit stays a unit with
     ``trained=False`` and anything else is kind ``"frozen"``."""
     out = []
     for j, (path, shape, dtype) in enumerate(params):
-        info = _classify(path, shape, dtype, uses.by_param[j], uses.is_head(j), mesh, precision, rule, tp_roles, tp)
+        info = _classify(path, shape, dtype, uses.by_param[j], uses.is_head(j), topology, precision, rule, tp_roles)
         if j in frozen or info.kind == "frozen":
             info = _frozen(info)
         out.append(info)
@@ -235,7 +304,7 @@ def _frozen(info: ParamInfo) -> ParamInfo:
     )
 
 
-def _classify(path, shape, dtype, uses: list[Use], head, mesh, precision, rule, tp_roles, tp) -> ParamInfo:
+def _classify(path, shape, dtype, uses: list[Use], head, topology: Topology, precision, rule, tp_roles) -> ParamInfo:
     name = "/".join(map(str, path))
     shape = tuple(int(d) for d in shape)
     if not jnp.issubdtype(dtype, jnp.floating):
@@ -250,7 +319,7 @@ def _classify(path, shape, dtype, uses: list[Use], head, mesh, precision, rule, 
             shape,
             dtype,
             "plain",
-            shard_axis=split_axis(shape, mesh.size, level),
+            shard_axis=split_axis(shape, topology.fsdp_size, level),
             level=level,
             reason=reason,
             remat_sites=sum(u.remat for u in uses),
@@ -293,21 +362,20 @@ def _classify(path, shape, dtype, uses: list[Use], head, mesh, precision, rule, 
                 f"K={k} and N={n}; both must be multiples of {BLOCK} (MXFP8 blocks)"
             )
         chosen, reason = "bf16", f"K={k}, N={n}: not both multiples of {BLOCK}"
-    role_tp = (tp_roles or {}).get(tuple(path)) if tp is not None else None
-    group, axes = mesh.size, mesh.axes
+    role_tp = (tp_roles or {}).get(tuple(path)) if topology.tp_axis is not None else None
     geometry_shape = shape
     if role_tp is not None:
-        axis_name, t, fsdp = tp
-        geometry_shape = _tp_slice(name, shape, level, batch, n_axes, k_axes, role_tp, axis_name, t)
-        group, axes = fsdp.size, fsdp.axes
+        geometry_shape = _tp_slice(
+            name, shape, level, batch, n_axes, k_axes, role_tp, topology.tp_axis, topology.tp_size
+        )
     unit = UnitGeometry.build(
         geometry_shape,
         level=level,
         batch_axes=batch,
         n_axes=n_axes,
         k_axes=k_axes,
-        num_shards=group,
-        axes=axes,
+        num_shards=topology.fsdp_size,
+        axes=topology.fsdp_axes,
         precision=chosen,
     )
     return ParamInfo(
@@ -319,7 +387,7 @@ def _classify(path, shape, dtype, uses: list[Use], head, mesh, precision, rule, 
         role=role,
         level=level,
         tp=role_tp,
-        tp_size=tp[1] if role_tp is not None else 1,
+        tp_size=topology.tp_size if role_tp is not None else 1,
         reason=reason,
         gemm_sites=len(gemms),
         lookup_sites=len(lookups),
@@ -438,123 +506,3 @@ def stack_roots(params, unit_kernels: Mapping[tuple, tuple[tuple[int, ...], int,
                 roots.setdefault(prefix, len(stack))
                 break
     return roots
-
-
-# ------------------------------------------------------------------------------------------------
-# The table
-
-
-def describe(infos, mesh_size: int, *, traced: bool, trainable=None) -> str:
-    """``print(fsdp)``: every parameter with what it became, stored bytes per device, bytes
-    gathered per step, and totals (those of the frozen parameters on a line of their own,
-    ``trainable`` naming the filter that left them out)."""
-    rows = []
-    for p in infos:
-        rows.append(
-            (
-                p.name,
-                describe_shape(p.shape),
-                _what(p),
-                _fmt(stored_bytes(p, mesh_size)),
-                _fmt(gathered_bytes(p, mesh_size)) + (" a while trip" if p.in_while else ""),
-                p.reason,
-            )
-        )
-    header = ("parameter", "shape", "kind", "stored/device", "gathered/step", "why")
-    widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
-    line = lambda r: "  ".join(str(c).ljust(w) for c, w in zip(r, widths)).rstrip()
-    total = lambda kinds: sum(int(np.prod(p.shape)) * 4 for p in infos if p.kind in kinds and p.trained)
-    model = total(("mxfp8", "bf16", "plain"))
-    out = [
-        f"FSDP plan over {mesh_size} devices ("
-        + ("units found by tracing the loss" if traced else "units found by layer class: no example batch was traced")
-        + ")",
-        line(header),
-        line(tuple("-" * w for w in widths)),
-        *map(line, rows),
-        "",
-    ]
-    by_kind = {k: sum(1 for p in infos if p.kind == k) for k in KINDS}
-    unit_bytes = total(("mxfp8", "bf16"))
-    out.append(
-        "parameters: "
-        + ", ".join(f"{by_kind[k]} {k}" for k in KINDS if by_kind[k])
-        + f"; units hold {unit_bytes / max(model, 1):.1%} of the {_fmt(model)} of trained fp32 parameters"
-    )
-    out.append(
-        f"per device: {_fmt(sum(stored_bytes(p, mesh_size) for p in infos))} stored (masters, planes, plain "
-        f"slices; optimizer state not included), {_fmt(sum(gathered_bytes(p, mesh_size) for p in infos))} "
-        "gathered per step (each GEMM forward and backward, each lookup, each rematerialised read; XLA drops "
-        "the backward gather of a GEMM whose input needs no gradient)"
-    )
-    frozen = [p for p in infos if not p.trained]
-    if frozen:
-        units = [p for p in frozen if p.is_unit]
-        label = "" if trainable is None else f" (trainable={trainable!r} leaves them out)"
-        out.append(
-            f"frozen{label}: {len(frozen)} parameters, {len(units)} of them units "
-            f"({sum(p.kind == 'mxfp8' for p in units)} mxfp8, {sum(p.kind == 'bf16' for p in units)} bf16); "
-            f"{_fmt(sum(stored_bytes(p, mesh_size) for p in frozen))} stored per device in their own dtypes "
-            "(with the planes), 0 optimizer state, no gradient"
-        )
-    return "\n".join(out)
-
-
-def _what(p: ParamInfo) -> str:
-    if p.unit is None:
-        if p.kind == "plain" and p.gathers == 0 and p.reason.startswith("unused"):
-            return "unused (plain fp32)"
-        if p.kind == "plain":
-            return "plain fp32" + ("" if p.shard_axis is not None else ", whole on every device")
-        return p.kind
-    g = p.unit
-    stack = f"{describe_shape(g.stack)} x " if g.stack else ""
-    tp = f", {p.tp}-parallel" if p.tp else ""
-    frozen = "" if p.trained else ", frozen"
-    return f"{p.kind} {p.role} {stack}N={g.out_features} K={g.in_features}{tp}{frozen}"
-
-
-def stored_bytes(p: ParamInfo, n: int) -> int:
-    """Bytes one device stores for ``p`` (master, planes; optimizer state not included). A
-    frozen unit's rows are in the parameter's own dtype instead of fp32."""
-    if p.kind == "frozen":
-        return int(np.prod(p.shape)) * jnp.dtype(p.dtype).itemsize
-    if p.unit is None:
-        whole = int(np.prod(p.shape)) * 4
-        return whole if p.shard_axis is None else whole // n
-    elements = int(np.prod(p.stored_shape)) // (p.unit.num_shards * p.tp_size)
-    master = 4 if p.trained else jnp.dtype(p.dtype).itemsize
-    if p.kind == "mxfp8":  # master rows + two code planes + two scale planes
-        return elements * (master + 2 + 2 / BLOCK)
-    return elements * master
-
-
-def gathered_bytes(p: ParamInfo, n: int) -> int:
-    """Bytes gathered into one device per step for ``p`` (its whole stack), from the reads the
-    trace found (``ParamInfo.gathers``): each GEMM once forward and once backward, each lookup
-    once, each read inside a rematerialised region once more, each as many times as the loops
-    around it run, of the layer it reads. A read in a ``cond`` branch counts as if taken."""
-    if p.kind == "frozen":
-        return 0
-    if p.unit is None:
-        if p.shard_axis is None:
-            return 0
-        return int(int(np.prod(p.shape)) * 4 * p.gathers)
-    g = p.unit
-    per_gather = int(np.prod(g.padded_shape())) * (1 + 1 / BLOCK if p.kind == "mxfp8" else 2)
-    return int(per_gather * p.gathers)
-
-
-def _fmt(b: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if b < 1024 or unit == "GiB":
-            return f"{b:.0f} {unit}" if unit == "B" else f"{b:.1f} {unit}"
-        b /= 1024
-    raise AssertionError
-
-
-def is_unit_kind(kind: str) -> bool:
-    return kind in PRECISIONS
-
-
-Rule = Mapping[str, str] | Callable[[str, str], "str | None"] | None

@@ -20,11 +20,11 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from jax import lax
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import NamedSharding, PartitionSpec
 
 from mxfp8_jax._src.core import spmd
-from mxfp8_jax._src.fsdp import fsdp_checkpoint
-from mxfp8_jax._src.fsdp.fsdp_plan import ParamInfo, split_axis
+from mxfp8_jax._src.fsdp.fsdp_discover import path_names
+from mxfp8_jax._src.fsdp.fsdp_plan import ParamInfo, Plan, split_axis
 from mxfp8_jax._src.ops.quantize import quantize
 
 
@@ -74,59 +74,69 @@ class TrainState:
 
 
 class StateLayout:
-    """How a plan's parameters (``params``) are stored over ``mesh``: ``axes`` every mesh axis
-    (innermost first, the order shard indices count in), ``fsdp_axes`` those the units' rows and
-    the batch are split over (all but ``tp_axis``), ``rest_avals`` the model's other state."""
+    """How a plan's parameters are stored over its mesh: the sharding of every array of a
+    ``TrainState``, the moves between a stored array and the parameter's own shape, the tree the
+    optimizer sees, and the compiled programs that place, gather and quantize a state.
 
-    def __init__(
-        self,
-        params: tuple[ParamInfo, ...],
-        mesh: Mesh,
-        *,
-        axes,
-        fsdp_axes,
-        tp_axis: str | None,
-        tp_size: int,
-        rest_avals: tuple,
-        precision: str,
-        scale_rule: int,
-    ) -> None:
-        self.params, self.mesh = params, mesh
-        self._axes, self._fsdp_axes = axes, fsdp_axes
-        self.tp_axis, self.tp_size = tp_axis, tp_size
-        self._rest_avals = rest_avals
-        self.precision, self.scale_rule = precision, scale_rule
+    Args:
+      plan: the ``Plan`` (its parameters, topology, precision and scale rule, and the shapes of
+        the model's other state).
+    """
 
-    @property
-    def trained(self) -> tuple[ParamInfo, ...]:
-        return tuple(p for p in self.params if p.trained)
-
-    @property
-    def frozen(self) -> tuple[ParamInfo, ...]:
-        """The parameters in ``TrainState.frozen``: frozen units and kind ``"frozen"``."""
-        return tuple(p for p in self.params if not p.trained)
-
-    @property
-    def mxfp8_units(self) -> tuple[ParamInfo, ...]:
-        return tuple(p for p in self.params if p.kind == "mxfp8")
+    def __init__(self, plan: Plan) -> None:
+        self.plan = plan
+        self.params, self.mesh = plan.params, plan.topology.mesh
 
     def master_sharding(self, info: ParamInfo) -> NamedSharding:
-        """``FSDP.master_sharding`` (documented there)."""
+        """A unit's master (and planes): the row axis (second to last) split over the mesh.
+        A plain parameter: split along its ``shard_axis``, or replicated.
+
+        Args:
+          info: a parameter of this plan (an entry of ``params``).
+
+        Returns:
+          The ``NamedSharding`` over ``mesh`` of its ``TrainState.master`` array
+          (``info.stored_shape``). Under tensor parallelism a ``"column"`` unit's rows are split
+          over the tp axis and then the FSDP axes; a ``"row"`` unit's rows over the FSDP axes and
+          its columns over the tp axis. A frozen unit's rows (``TrainState.frozen``) are split
+          like a master's; any other frozen parameter is replicated.
+        """
         return NamedSharding(self.mesh, self.spec(info))
 
     def logical_sharding(self, info: ParamInfo) -> NamedSharding:
-        """``FSDP.logical_sharding`` (documented there)."""
+        """A parameter in its own shape (a checkpoint's tensor): split along the first axis the
+        device count divides.
+
+        Args:
+          info: a parameter of this plan (an entry of ``params``).
+
+        Returns:
+          The ``NamedSharding`` over ``mesh`` for an array of ``info.shape``. For a unit, its first
+          axis that ``mesh.size`` divides is split over every mesh axis (replicated when none
+          does); for any other parameter, ``master_sharding(info)``.
+        """
         if info.unit is None:
             return self.master_sharding(info)
-        axis = split_axis(info.shape, self.mesh.size)
+        axis = split_axis(info.shape, self.plan.topology.size)
         if axis is None:
             return NamedSharding(self.mesh, PartitionSpec())
-        return NamedSharding(self.mesh, PartitionSpec(*(None,) * axis, self._axes))
+        return NamedSharding(self.mesh, PartitionSpec(*(None,) * axis, self.plan.topology.axes))
 
     def param_tree(self, arrays: dict[str, Any]) -> dict:
-        """``FSDP.param_tree`` (documented there)."""
+        """``{name: array}`` (like ``TrainState.master``) as nested dicts keyed by the parameter
+        paths of ``nnx.state(model, trainable)`` (its ``to_pure_dict()`` structure): the tree
+        ``tx`` is initialised and applied on.
+
+        Args:
+          arrays: ``{name: value}`` with an entry for every trained parameter (``trained``), e.g.
+            ``TrainState.master`` or the gradients of ``loss_and_grads``; other entries are
+            ignored.
+
+        Returns:
+          Nested dicts holding the trained parameters' values from ``arrays``, as given.
+        """
         tree: dict = {}
-        for p in self.trained:
+        for p in self.plan.trained:
             node = tree
             for key in p.path[:-1]:
                 node = node.setdefault(key, {})
@@ -134,9 +144,18 @@ class StateLayout:
         return tree
 
     def from_param_tree(self, tree: dict) -> dict[str, Any]:
-        """``FSDP.from_param_tree`` (documented there)."""
+        """The inverse of ``param_tree``.
+
+        Args:
+          tree: nested dicts holding a value at every trained parameter's path (as
+            ``param_tree`` builds them, e.g. after ``optax.apply_updates``); other entries are
+            ignored.
+
+        Returns:
+          ``{name: value}`` for every trained parameter, in parameter order.
+        """
         out = {}
-        for p in self.trained:
+        for p in self.plan.trained:
             node = tree
             for key in p.path:
                 node = node[key]
@@ -144,8 +163,19 @@ class StateLayout:
         return out
 
     def owner_of(self, key_path, leaf) -> ParamInfo | None:
-        """``FSDP.owner_of`` (documented there)."""
-        names = fsdp_checkpoint.path_names(key_path)
+        """The parameter an optimizer leaf belongs to: its key path ends with the parameter's
+        path and it has the parameter's stored shape (adam's moments, masked or labelled).
+
+        Args:
+          key_path: the leaf's key path in the optimizer state (as
+            ``jax.tree_util.tree_flatten_with_path`` gives it).
+          leaf: the leaf (an array or ``jax.ShapeDtypeStruct``); only its shape is read.
+
+        Returns:
+          The ``ParamInfo`` of the trained parameter whose path is the longest such suffix, or
+          None when no trained parameter matches.
+        """
+        names = path_names(key_path)
         by_path = self._by_path
         for k in range(min(max(map(len, by_path)), len(names)), 0, -1):
             p = by_path.get(tuple(names[-k:]))
@@ -155,38 +185,53 @@ class StateLayout:
 
     @functools.cached_property
     def _by_path(self) -> dict[tuple, ParamInfo]:
-        return {p.path: p for p in self.trained}
+        return {p.path: p for p in self.plan.trained}
 
     def abstract_state(self, tx: optax.GradientTransformation) -> TrainState:
-        """``FSDP.abstract_state`` (documented there)."""
+        """The ``TrainState`` that ``init`` would return, as ``jax.ShapeDtypeStruct``s with their
+        shardings: for ``lower_train_step`` (memory analysis, HLO) without building the model.
+
+        Args:
+          tx: the optimizer ``init`` would be given.
+
+        Returns:
+          A ``TrainState`` whose leaves are ``jax.ShapeDtypeStruct``s with shapes, dtypes and
+          shardings as ``init`` makes them.
+        """
         sds = jax.ShapeDtypeStruct
         master, quantized = {}, {}
-        for p in self.trained:
+        for p in self.plan.trained:
             master[p.name] = sds(p.stored_shape, jnp.float32, sharding=self.master_sharding(p))
-        for p in self.mxfp8_units:
+        for p in self.plan.mxfp8_units:
             s = self.master_sharding(p)
             codes, row_scale, col_scale = (sds(p.tp_global(a), jnp.uint8, sharding=s) for a in p.unit.plane_shapes())
             quantized[p.name] = UnitPlanes(codes, row_scale, codes, col_scale)
         rep = NamedSharding(self.mesh, PartitionSpec())
-        frozen = {p.name: sds(p.stored_shape, p.dtype, sharding=self.master_sharding(p)) for p in self.frozen}
-        rest = tuple(sds(a.shape, a.dtype, sharding=rep) for a in self._rest_avals)
+        frozen = {p.name: sds(p.stored_shape, p.dtype, sharding=self.master_sharding(p)) for p in self.plan.frozen}
+        rest = tuple(sds(a.shape, a.dtype, sharding=rep) for a in self.plan.rest_avals)
         shapes = jax.eval_shape(tx.init, self.param_tree(master))
         opt_state = jax.tree.map(lambda a, s: sds(a.shape, a.dtype, sharding=s), shapes, self.opt_shardings(shapes))
         return TrainState(master, quantized, frozen, rest, opt_state, sds((), jnp.int32, sharding=rep))
 
     def check_state(self, state: Any, argname: str = "state") -> None:
-        """``FSDP.check_state`` (documented there)."""
+        """Raises ``ValueError`` unless ``state`` is a ``TrainState`` of this plan: the same
+        parameter names, stored shapes and dtypes, planes exactly for the MXFP8 units.
+
+        Args:
+          state: the value to check; ``TypeError`` when it is not a ``TrainState``.
+          argname: the name the error messages give it.
+        """
         if not isinstance(state, TrainState):
             raise TypeError(f"{argname} must be a TrainState (from FSDP.init), got {type(state).__name__}")
         planes = sorted(state.quantized or {})
-        if planes != sorted(p.name for p in self.mxfp8_units):
+        if planes != sorted(p.name for p in self.plan.mxfp8_units):
             raise ValueError(
                 f"{argname} has MXFP8 planes for {planes}, but this plan's MXFP8 units are "
-                f"{sorted(p.name for p in self.mxfp8_units)} (precision={self.precision!r})"
+                f"{sorted(p.name for p in self.plan.mxfp8_units)} (precision={self.plan.precision!r})"
             )
-        want = {p.name: (p.stored_shape, jnp.dtype(jnp.float32)) for p in self.trained}
+        want = {p.name: (p.stored_shape, jnp.dtype(jnp.float32)) for p in self.plan.trained}
         got = {k: (tuple(np.shape(v)), jnp.dtype(v.dtype)) for k, v in state.master.items()}
-        want.update({p.name: (p.stored_shape, jnp.dtype(p.dtype)) for p in self.frozen})
+        want.update({p.name: (p.stored_shape, jnp.dtype(p.dtype)) for p in self.plan.frozen})
         got.update({k: (tuple(np.shape(v)), jnp.dtype(v.dtype)) for k, v in state.frozen.items()})
         if want != got:
             missing = sorted(want.keys() - got.keys())
@@ -206,7 +251,18 @@ class StateLayout:
             raise ValueError(f"{argname} is not a state of this FSDP plan (another model or mesh?): {detail}")
 
     def to_logical(self, info: ParamInfo, stored: jax.Array) -> jax.Array:
-        """``FSDP.to_logical`` (documented there)."""
+        """Any parameter's stored array (``TrainState.master`` entry, its gradient or an
+        optimizer moment) in the parameter's own shape (a unit's padding rows dropped); works
+        on sharded arrays.
+
+        Args:
+          info: the parameter (an entry of ``params``).
+          stored: an array of ``info.stored_shape``.
+
+        Returns:
+          An array of ``info.shape`` in ``stored``'s dtype; ``stored`` itself for a parameter
+          that is not a unit.
+        """
         g = info.unit
         if g is None:
             return stored
@@ -220,7 +276,18 @@ class StateLayout:
         return jnp.swapaxes(stored[..., : g.out_features, :], -1, -2)
 
     def from_logical(self, info: ParamInfo, value: jax.Array, dtype=jnp.float32) -> jax.Array:
-        """``FSDP.from_logical`` (documented there)."""
+        """The inverse of ``to_logical``: a unit's parameter-shaped array as its padded master
+        (zero rows), in ``dtype``.
+
+        Args:
+          info: the parameter (an entry of ``params``).
+          value: an array of ``info.shape`` (anything ``jnp.asarray`` takes).
+          dtype: the result's dtype.
+
+        Returns:
+          An array of ``info.stored_shape`` in ``dtype``, its padding rows zero; for a parameter
+          that is not a unit, ``value`` in ``dtype``.
+        """
         value = jnp.asarray(value, dtype)
         g = info.unit
         if g is None:
@@ -261,30 +328,32 @@ class StateLayout:
             )
 
     def spec(self, info: ParamInfo) -> PartitionSpec:
-        stack = (None,) * len(info.stack)
+        """How the array of ``info`` in a ``TrainState`` is split over the mesh (its
+        ``master_sharding``'s spec)."""
+        topology = self.plan.topology
+        stack, fsdp, tp = (None,) * len(info.stack), topology.fsdp_axes, topology.tp_axis
         if info.tp == "column":  # rows: tp slices, each split over the FSDP axes
-            fsdp = self._fsdp_axes if isinstance(self._fsdp_axes, tuple) else (self._fsdp_axes,)
-            return PartitionSpec(*stack, (self.tp_axis, *fsdp), None)
+            return PartitionSpec(*stack, (tp, *(fsdp if isinstance(fsdp, tuple) else (fsdp,))), None)
         if info.tp == "row":  # rows over the FSDP axes, columns over tp
-            return PartitionSpec(*stack, self._fsdp_axes, self.tp_axis)
+            return PartitionSpec(*stack, fsdp, tp)
         if info.unit is not None:  # rows over the FSDP axes (under tp: the same on every tp rank)
-            return PartitionSpec(*stack, self._fsdp_axes, None)
+            return PartitionSpec(*stack, fsdp, None)
         if info.shard_axis is None:
             return PartitionSpec()
-        return PartitionSpec(*(None,) * info.shard_axis, self._fsdp_axes)
+        return PartitionSpec(*(None,) * info.shard_axis, fsdp)
 
     def tp_spec(self, info: ParamInfo) -> PartitionSpec:
-        """The tp part of ``_spec``: how a step's tp-manual ``shard_map`` takes the array."""
-        stack = (None,) * len(info.stack)
+        """The tp part of ``spec``: how a step's tp-manual ``shard_map`` takes the array."""
+        stack, tp = (None,) * len(info.stack), self.plan.topology.tp_axis
         if info.tp == "column":
-            return PartitionSpec(*stack, self.tp_axis, None)
+            return PartitionSpec(*stack, tp, None)
         if info.tp == "row":
-            return PartitionSpec(*stack, None, self.tp_axis)
+            return PartitionSpec(*stack, None, tp)
         return PartitionSpec()
 
     @functools.cached_property
     def place_fn(self):
-        trained, frozen_params = self.trained, self.frozen
+        trained, frozen_params = self.plan.trained, self.plan.frozen
         shardings = {p.name: self.master_sharding(p) for p in trained}
         rep = NamedSharding(self.mesh, PartitionSpec())
         frozen_shardings = {p.name: self.master_sharding(p) for p in frozen_params}
@@ -294,7 +363,7 @@ class StateLayout:
             frozen = {p.name: self.from_logical(p, frozen[p.name], p.dtype) for p in frozen_params}
             return master, frozen, [jnp.asarray(r) for r in rest], jnp.zeros((), jnp.int32)
 
-        rest_shardings = [rep] * len(self._rest_avals)
+        rest_shardings = [rep] * len(self.plan.rest_avals)
         return jax.jit(place, out_shardings=(shardings, frozen_shardings, rest_shardings, rep))
 
     @functools.cached_property
@@ -318,8 +387,8 @@ class StateLayout:
         """``arrays -> {name: UnitPlanes}`` for the MXFP8 ``units`` (default: the trained ones,
         from ``TrainState.master``; a frozen unit's from its rows in ``TrainState.frozen``, in
         its own dtype): every device quantizes its own rows (no collective)."""
-        rule = self.scale_rule
-        units = tuple(p for p in self.mxfp8_units if p.trained) if units is None else units
+        rule = self.plan.scale_rule
+        units = tuple(p for p in self.plan.mxfp8_units if p.trained) if units is None else units
         if not units:
             return lambda master: {}
         specs = {p.name: self.spec(p) for p in units}
@@ -348,7 +417,7 @@ class StateLayout:
         """``(master, frozen=None) -> {name: UnitPlanes}``, jitted: the trained MXFP8 units'
         planes from ``master`` and, given ``frozen``, the frozen ones' from their rows there."""
         trained = self.quantize_local()
-        frozen_units = tuple(p for p in self.mxfp8_units if not p.trained)
+        frozen_units = tuple(p for p in self.plan.mxfp8_units if not p.trained)
         frozen_fn = self.quantize_local(frozen_units) if frozen_units else None
 
         def quantize_all(master, frozen=None):
@@ -371,9 +440,9 @@ class StateLayout:
         return jax.tree_util.tree_map_with_path(sharding, shapes)
 
     def shardings(self, state: TrainState):
-        master = {p.name: self.master_sharding(p) for p in self.trained}
-        quantized = {p.name: UnitPlanes(*(self.master_sharding(p),) * 4) for p in self.mxfp8_units}
+        master = {p.name: self.master_sharding(p) for p in self.plan.trained}
+        quantized = {p.name: UnitPlanes(*(self.master_sharding(p),) * 4) for p in self.plan.mxfp8_units}
         replicated = NamedSharding(self.mesh, PartitionSpec())
-        frozen = {p.name: self.master_sharding(p) for p in self.frozen}
+        frozen = {p.name: self.master_sharding(p) for p in self.plan.frozen}
         rest = tuple(replicated for _ in state.rest)
         return TrainState(master, quantized, frozen, rest, self.opt_shardings(state.opt_state), replicated)

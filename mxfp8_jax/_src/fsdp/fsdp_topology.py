@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax
+import numpy as np
 from jax.sharding import Mesh, PartitionSpec
 
 from mxfp8_jax._src.core import platforms, spmd
@@ -93,6 +95,35 @@ class Topology:
         if self.tp_axis is None:
             return PartitionSpec(self.axes)
         return PartitionSpec(self.fsdp_axes, self.tp_axis)
+
+    def check_batch(self, batch, argname: str = "batch", example_tree=None) -> None:
+        """Raises ``ValueError`` unless every leaf of ``batch`` can be split as ``batch_spec``
+        says (its leading axis by the FSDP group, its second by tp) and, given ``example_tree``,
+        ``batch`` has that structure.
+
+        Args:
+          batch: a pytree of arrays or ``jax.ShapeDtypeStruct``s.
+          argname: the name the error messages give it.
+          example_tree: the structure of the batch the loss was traced on, or None.
+        """
+        if example_tree is not None and jax.tree.structure(batch) != example_tree:
+            raise ValueError(
+                f"{argname} has the structure {jax.tree.structure(batch)}, but FSDP traced the loss on an "
+                f"example_batch with the structure {example_tree}; a step takes batches shaped like the "
+                "example (build FSDP with an example of the batches the steps get)"
+            )
+        for leaf in jax.tree.leaves(batch):
+            shape = np.shape(leaf)
+            if len(shape) == 0 or shape[0] % self.fsdp_size:
+                raise ValueError(
+                    f"{argname} leaf of shape {shape}: its leading (batch) axis must be divisible by the "
+                    f"{self.fsdp_size} devices it is split over"
+                )
+            if self.tp_axis is not None and (len(shape) < 2 or shape[1] % self.tp_size):
+                raise ValueError(
+                    f"{argname} leaf of shape {shape}: under tp_axis={self.tp_axis!r} its second (sequence) "
+                    f"axis is split over {self.tp_size} devices and must be divisible by them"
+                )
 
     @property
     def platform(self) -> str:
