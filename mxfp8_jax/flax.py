@@ -24,7 +24,8 @@ from mxfp8_jax._src.core.jaxprs import TESTED_JAX, UnsupportedJax, UntestedJaxWa
 from mxfp8_jax._src.fsdp.flax_fsdp import FSDP
 from mxfp8_jax._src.fsdp.flax_layers import Kernel, Linear, tensor_parallel
 from mxfp8_jax._src.fsdp.fsdp_plan import KINDS, ROLES, ParamInfo
-from mxfp8_jax._src.fsdp.fsdp_state import TrainState, UnitPlanes
+from mxfp8_jax._src.fsdp.fsdp_planes import UnitPlanes
+from mxfp8_jax._src.fsdp.fsdp_state import TrainState
 from mxfp8_jax._src.fsdp.fsdp_unit import PRECISIONS, UnitGeometry
 from mxfp8_jax._src.ops.mxfp8_gemm import GEMM_PATHS, GEMMS, gemm_operand, gemm_paths
 

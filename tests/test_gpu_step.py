@@ -31,7 +31,7 @@ from jax.sharding import Mesh
 
 from mxfp8_jax import flax as mxflax
 from mxfp8_jax._src.core import platforms
-from mxfp8_jax._src.fsdp import fsdp_unit
+from mxfp8_jax._src.fsdp import fsdp_dots, fsdp_unit
 from mxfp8_jax._src.ops import mxfp8_gemm
 
 from test_fsdp_gemm import WIDTH, Stack, loss_fn  # two bf16 projections a block, scanned
@@ -200,7 +200,7 @@ def test_dot_general_grads_are_jaxs_transposes(case, seed):
     y, vjp = jax.vjp(lambda a, b: lax.dot_general(a, b, dims), a, b)
     dy = rng.standard_normal(y.shape).astype(np.float32)
     want = vjp(dy)
-    got = jax.jit(lambda a, b, dy: fsdp_unit.dot_general_grads(a, b, dy, dims))(a, b, dy)
+    got = jax.jit(lambda a, b, dy: fsdp_dots.dot_general_grads(a, b, dy, dims))(a, b, dy)
     for w, g in zip(want, got):
         assert g.dtype == jnp.float32 and g.shape == w.shape
         np.testing.assert_allclose(g, w, rtol=0, atol=1e-5 * float(np.abs(w).max()))
@@ -226,7 +226,7 @@ def test_layer_backward_is_the_exact_backward_within_one_rounding_of_the_cotange
         op = types.SimpleNamespace(
             gemm=fsdp_unit.Gemms(backward), position=position, params={"dimension_numbers": dims}
         )
-        return jax.jit(lambda a, w, g: fsdp_unit._backward_dots(op, a, w, g))(act, v, dy)
+        return jax.jit(lambda a, w, g: fsdp_dots.backward_dots(op, a, w, g))(act, v, dy)
 
     exact, layer = run("fp32"), run("layer")
     f64 = lambda a: np.asarray(a, np.float64)

@@ -19,31 +19,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec
 
 from mxfp8_jax._src.core import spmd
 from mxfp8_jax._src.fsdp.fsdp_discover import path_names
 from mxfp8_jax._src.fsdp.fsdp_plan import ParamInfo, Plan, split_axis
-from mxfp8_jax._src.ops.quantize import quantize
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class UnitPlanes:
-    """The MXFP8 planes of one unit's master ``[*stack, N_padded, K]``, sharded like it.
-
-    ``rowwise_data``/``columnwise_data``: E4M3 bit patterns as uint8 ``[*stack, N_padded, K]``
-    (XLA:CPU widens float8 arrays that cross a loop to f16, twice the bytes; codes are bitcast
-    to ``float8_e4m3fn`` where they are dequantized);
-    ``rowwise_scale``: uint8 ``[*stack, N_padded, K/32]``; ``columnwise_scale``: uint8
-    ``[*stack, N_padded/32, K]``. Every device's rows are whole 32-row blocks of each layer.
-    """
-
-    rowwise_data: jax.Array
-    rowwise_scale: jax.Array
-    columnwise_data: jax.Array
-    columnwise_scale: jax.Array
+from mxfp8_jax._src.fsdp.fsdp_planes import UnitPlanes
 
 
 @jax.tree_util.register_dataclass
@@ -205,7 +186,9 @@ class StateLayout:
         for p in self.plan.mxfp8_units:
             s = self.master_sharding(p)
             codes, row_scale, col_scale = (sds(p.tp_global(a), jnp.uint8, sharding=s) for a in p.unit.plane_shapes())
-            quantized[p.name] = UnitPlanes(codes, row_scale, codes, col_scale)
+            quantized[p.name] = UnitPlanes(
+                rowwise_data=codes, rowwise_scale=row_scale, columnwise_data=codes, columnwise_scale=col_scale
+            )
         rep = NamedSharding(self.mesh, PartitionSpec())
         frozen = {p.name: sds(p.stored_shape, p.dtype, sharding=self.master_sharding(p)) for p in self.plan.frozen}
         rest = tuple(sds(a.shape, a.dtype, sharding=rep) for a in self.plan.rest_avals)
@@ -393,22 +376,10 @@ class StateLayout:
             return lambda master: {}
         specs = {p.name: self.spec(p) for p in units}
 
-        def local(master):
-            out = {}
-            for p in units:
-                w = master[p.name].astype(jnp.float32)  # [*stack, rows, K]: whole 32-row blocks of each layer
-                codes, row_scale, col_scale = p.unit.plane_shapes(rows=w.shape[-2], stack=w.shape[:-2])
-                t = quantize(w.reshape(-1, w.shape[-1]), scale_rule=rule)
-                as_bytes = lambda q: lax.bitcast_convert_type(q, jnp.uint8).reshape(codes)
-                out[p.name] = UnitPlanes(
-                    as_bytes(t.rowwise_data),
-                    t.rowwise_scale.reshape(row_scale),
-                    as_bytes(t.columnwise_data),
-                    t.columnwise_scale.reshape(col_scale),
-                )
-            return out
+        def local(master):  # [*stack, rows, K]: whole 32-row blocks of each layer
+            return {p.name: UnitPlanes.encode(master[p.name], rule) for p in units}
 
-        planes_specs = {name: UnitPlanes(*(s,) * 4) for name, s in specs.items()}
+        planes_specs = {name: UnitPlanes.like(s) for name, s in specs.items()}
         fn = spmd.shard_map(local, self.mesh, (specs,), planes_specs)
         return lambda master: fn({p.name: master[p.name] for p in units})
 
@@ -441,7 +412,7 @@ class StateLayout:
 
     def shardings(self, state: TrainState):
         master = {p.name: self.master_sharding(p) for p in self.plan.trained}
-        quantized = {p.name: UnitPlanes(*(self.master_sharding(p),) * 4) for p in self.plan.mxfp8_units}
+        quantized = {p.name: UnitPlanes.like(self.master_sharding(p)) for p in self.plan.mxfp8_units}
         replicated = NamedSharding(self.mesh, PartitionSpec())
         frozen = {p.name: self.master_sharding(p) for p in self.plan.frozen}
         rest = tuple(replicated for _ in state.rest)

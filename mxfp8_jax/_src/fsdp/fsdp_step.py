@@ -26,7 +26,8 @@ from mxfp8_jax._src.fsdp import fsdp_specs
 from mxfp8_jax._src.fsdp.fsdp_discover import check_loss_shape, traceable
 from mxfp8_jax._src.fsdp.fsdp_eval import Islands, PlainValue, UnitValue, evaluate
 from mxfp8_jax._src.fsdp.fsdp_plan import Plan, check_uses
-from mxfp8_jax._src.fsdp.fsdp_state import StateLayout, TrainState, UnitPlanes
+from mxfp8_jax._src.fsdp.fsdp_planes import UnitPlanes
+from mxfp8_jax._src.fsdp.fsdp_state import StateLayout, TrainState
 from mxfp8_jax._src.fsdp.fsdp_trace import View, analyse, trace
 
 
@@ -151,7 +152,7 @@ class Steps:
 
             return grads_fn
         master_specs = {p.name: layout.tp_spec(p) for p in plan.trained}
-        planes_specs = {p.name: UnitPlanes(*(layout.tp_spec(p),) * 4) for p in plan.mxfp8_units}
+        planes_specs = {p.name: UnitPlanes.like(layout.tp_spec(p)) for p in plan.mxfp8_units}
         frozen_specs = {p.name: layout.tp_spec(p) for p in plan.frozen}
         rest_specs = tuple(PartitionSpec() for _ in plan.rest_avals)
 

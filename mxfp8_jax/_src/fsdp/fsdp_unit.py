@@ -56,11 +56,11 @@ import numpy as np
 from jax import lax
 
 from mxfp8_jax._src.core import spmd
+from mxfp8_jax._src.fsdp.fsdp_dots import backward_dots, forward_dot
+from mxfp8_jax._src.fsdp.fsdp_planes import Plane, UnitPlanes, decode
 from mxfp8_jax._src.fsdp.fsdp_trace import P, product
 from mxfp8_jax._src.numerics.format import BLOCK
-from mxfp8_jax._src.numerics.tensor import MXFP8Tensor
 from mxfp8_jax._src.ops import mxfp8_gemm
-from mxfp8_jax._src.ops.quantize import dequantize
 
 PRECISIONS = ("mxfp8", "bf16")
 BACKWARD_GEMMS = ("auto", "fp32", "layer")
@@ -325,8 +325,8 @@ def unit_gemm(op: UnitOp, act: jax.Array, leaves: tuple, given=None, pick: tuple
             given = None
         order = None if given is None else given.order
         arrays = None if given is None else given.arrays
-        return _mx_gemm(op, canon, order, act, leaves[0], tuple(leaves[1:]), arrays, pick, token)
-    return _gemm(op, act, leaves[0], tuple(leaves[1:]), pick, token)
+        return _mx_gemm(op, canon, order, act, *_as_shards(leaves), arrays, pick, token)
+    return _gemm(op, act, *_as_shards(leaves), pick, token)
 
 
 def unit_lookup(op: UnitOp, others: tuple, leaves: tuple, pick: tuple = (), token=OWN) -> jax.Array:
@@ -335,7 +335,11 @@ def unit_lookup(op: UnitOp, others: tuple, leaves: tuple, pick: tuple = (), toke
     ``pick``, ``token``: as for ``unit_gemm`` (``OWN``: the first index operand)."""
     pick = tuple(jnp.asarray(i, jnp.int32) for i in pick)
     token = (others[0] if others else None) if token is OWN else token
-    return _lookup(op, tuple(others), leaves[0], tuple(leaves[1:]), pick, token)
+    return _lookup(op, tuple(others), *_as_shards(leaves), pick, token)
+
+
+def _as_shards(leaves):  # TRANSITIONAL: replaced by UnitShards once the evaluator holds them
+    return leaves[0], (UnitPlanes(*leaves[1:]) if len(leaves) > 1 else None)
 
 
 def pick_layer(a: jax.Array, pick) -> jax.Array:
@@ -362,14 +366,14 @@ def _local(op: UnitOp, master, planes, *, backward: bool, pick=()):
     if op.geometry.precision != "mxfp8":
         return pick_layer(master, pick)
     rowwise = op.transposed == backward  # forward of a K-contracting GEMM: rowwise
-    return tuple(pick_layer(p, pick) for p in (planes[:2] if rowwise else planes[2:]))
+    return jax.tree.map(lambda a: pick_layer(a, pick), planes.along(columnwise=not rowwise))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _gemm(op: UnitOp, act, master, planes, pick, token):
     local = after(_local(op, master, planes, backward=False, pick=pick), token)
     w = gathered(op.geometry, local, columnwise=op.transposed, ready=_ready(act, token))
-    return _forward_dot(op, act, op.value(w))
+    return forward_dot(op, act, op.value(w))
 
 
 def _gemm_fwd(op: UnitOp, act, master, planes, pick, token):
@@ -382,7 +386,7 @@ def _gemm_bwd(op: UnitOp, residuals, dy):
     local = jax.tree.map(lambda p: pick_layer(p, pick), local)
     local = after(local, None if op.early else dy)  # the gather waits for the gradient that needs it
     v = op.value(gathered(op.geometry, local, columnwise=not op.transposed, ready=dy if op.early else None))
-    d_act, d_v = _backward_dots(op, act, v, dy)
+    d_act, d_v = backward_dots(op, act, v, dy)
     return d_act.astype(act.dtype), _unpick(op, _to_local_grad(op, d_v), pick), None, None, None
 
 
@@ -628,82 +632,6 @@ def _to_local_grad(op: UnitOp, d_v: jax.Array) -> jax.Array:
     return lax.psum_scatter(dw, g.axes, scatter_dimension=dw.ndim - 2, tiled=True)
 
 
-def _backward_dots(op: UnitOp, act, v, dy) -> tuple[jax.Array, jax.Array]:
-    """The dgrad and wgrad of the layer's ``dot_general`` at ``act`` and the unit's operand ``v``:
-    ``(d_act, d_v)``, both fp32 (accumulated in fp32), on operands as ``op.gemm.backward`` says:
-    fp32 (exact products), or the forward's dtype with ``dy`` rounded to it (a bf16 layer's
-    backward GEMMs are bf16 GEMMs, as in XLA's own backward); ``"auto"``: fp32 where the step is
-    lowered for CPUs, the layer's dtype elsewhere. XLA:CPU multiplies the layer's rounded values
-    as fp32 (the same numbers: its GEMMs of 16-bit operands into fp32 are not all implemented)."""
-    layer = jnp.promote_types(act.dtype, v.dtype)
-    dims, precision = op.params["dimension_numbers"], op.params.get("precision")
-
-    def grads(dtype, widen: bool = False):
-        def run(act, v, dy):
-            act, v, dy = (x.astype(dtype) for x in (act, v, dy))
-            if widen:
-                act, v, dy = (x.astype(jnp.float32) for x in (act, v, dy))
-            lhs, rhs = _in_order(op, act, v)
-            d_lhs, d_rhs = dot_general_grads(lhs, rhs, dy, dims, precision)
-            return (d_rhs, d_lhs) if op.position == 0 else (d_lhs, d_rhs)
-
-        return run
-
-    if op.gemm.backward == "fp32":
-        return grads(jnp.float32)(act, v, dy)
-    cpu = grads(jnp.float32) if op.gemm.backward == "auto" else grads(layer, widen=True)
-    return lax.platform_dependent(act, v, dy, cpu=cpu, default=grads(layer))
-
-
-def dot_general_grads(lhs, rhs, dy, dimension_numbers, precision=None) -> tuple[jax.Array, jax.Array]:
-    """``(d lhs, d rhs)`` of ``y = dot_general(lhs, rhs, dimension_numbers)`` at cotangent ``dy``:
-    each one ``dot_general`` of ``dy`` with the other operand, in the operands' dtype, accumulated
-    and returned in fp32 (jax's own transpose multiplies an fp32 cotangent by a bf16 operand,
-    which XLA widens to an fp32 GEMM)."""
-    (lc, rc), (lb, rb) = dimension_numbers
-
-    def grad(mine, other, my_c, other_c, my_b, other_b, mine_first: bool):
-        my_free = [a for a in range(mine.ndim) if a not in my_c and a not in my_b]
-        other_free = [a for a in range(other.ndim) if a not in other_c and a not in other_b]
-        nb = len(my_b)
-        start = nb + (len(my_free) if mine_first else 0)  # where other's free axes sit in dy
-        dy_other = tuple(range(start, start + len(other_free)))
-        out = lax.dot_general(
-            dy,
-            other,
-            ((dy_other, tuple(other_free)), (tuple(range(nb)), tuple(other_b))),
-            precision=precision,
-            preferred_element_type=jnp.float32,
-        )  # [batch, my free, other's contracting axes in their order]
-        order = list(my_b) + my_free + [my_c[k] for k in np.argsort(other_c)]
-        return jnp.transpose(out, np.argsort(order))
-
-    d_lhs = grad(lhs, rhs, list(lc), list(rc), list(lb), list(rb), True)
-    d_rhs = grad(rhs, lhs, list(rc), list(lc), list(rb), list(lb), False)
-    return d_lhs, d_rhs
-
-
-def _forward_dot(op: UnitOp, act, v):
-    """The layer's own ``dot_general``; where the step is lowered for CPUs its 16-bit operands
-    are multiplied as fp32 (exact products, fp32 accumulation, the result cast back: XLA:CPU
-    does not implement every GEMM of 16-bit operands into fp32)."""
-    narrow = lambda a: jnp.issubdtype(a.dtype, jnp.floating) and jnp.dtype(a.dtype).itemsize < 4
-    as_written = lambda act, v: op.prim.bind(*_in_order(op, act, v), **op.params)
-    if not (narrow(act) and narrow(v)):
-        return as_written(act, v)
-
-    def widened(act, v):
-        out = op.params.get("preferred_element_type") or jnp.result_type(act, v)
-        params = dict(op.params, preferred_element_type=jnp.float32)
-        return op.prim.bind(*_in_order(op, act.astype(jnp.float32), v.astype(jnp.float32)), **params).astype(out)
-
-    return lax.platform_dependent(act, v, cpu=widened, default=as_written)
-
-
-def _in_order(op: UnitOp, act, v):
-    return (act, v) if op.position == 1 else (v, act)
-
-
 # ------------------------------------------------------------------------------------------------
 # Gathers
 
@@ -720,23 +648,8 @@ def gathered(g: UnitGeometry, local, *, columnwise: bool, ready=None) -> jax.Arr
     started earlier: the early gather holds 8-bit planes, not fp32 weights)."""
     if g.precision != "mxfp8":
         return after(all_gather_rows(local.astype(jnp.bfloat16), g.axes), ready)[..., : g.out_features, :]
-    codes, scales = after(tuple(all_gather_rows(p, g.axes) for p in local), ready)
-    batch = codes.shape[:-2]
-    n, k = g.out_features, g.in_features
-    codes = lax.bitcast_convert_type(codes[..., :n, :], jnp.float8_e4m3fn).reshape(-1, k)
-    scales = scales[..., : n // BLOCK, :] if columnwise else scales[..., :n, :]
-    scales = scales.reshape(-1, scales.shape[-1])
-    shape = (*batch, n, k)
-    planes = (
-        dict(columnwise_data=codes, columnwise_scale=scales)
-        if columnwise
-        else dict(rowwise_data=codes, rowwise_scale=scales)
-    )
-    t = MXFP8Tensor(
-        **{name: planes.get(name) for name in ("rowwise_data", "rowwise_scale", "columnwise_data", "columnwise_scale")},
-        shape=shape,
-    )
-    return dequantize(t, columnwise=columnwise, dtype=jnp.float32)
+    plane = after(Plane(*(all_gather_rows(p, g.axes) for p in local)), ready)
+    return decode(plane, g.out_features, columnwise=columnwise)
 
 
 def _ready(own, token):
