@@ -66,7 +66,6 @@ class StateLayout:
 
     def __init__(self, plan: Plan) -> None:
         self.plan = plan
-        self.params, self.mesh = plan.params, plan.topology.mesh
 
     def master_sharding(self, info: ParamInfo) -> NamedSharding:
         """A unit's master (and planes): the row axis (second to last) split over the mesh.
@@ -82,7 +81,7 @@ class StateLayout:
           its columns over the tp axis. A frozen unit's rows (``TrainState.frozen``) are split
           like a master's; any other frozen parameter is replicated.
         """
-        return NamedSharding(self.mesh, self.spec(info))
+        return NamedSharding(self.plan.topology.mesh, self.spec(info))
 
     def logical_sharding(self, info: ParamInfo) -> NamedSharding:
         """A parameter in its own shape (a checkpoint's tensor): split along the first axis the
@@ -100,8 +99,8 @@ class StateLayout:
             return self.master_sharding(info)
         axis = split_axis(info.shape, self.plan.topology.size)
         if axis is None:
-            return NamedSharding(self.mesh, PartitionSpec())
-        return NamedSharding(self.mesh, PartitionSpec(*(None,) * axis, self.plan.topology.axes))
+            return NamedSharding(self.plan.topology.mesh, PartitionSpec())
+        return NamedSharding(self.plan.topology.mesh, PartitionSpec(*(None,) * axis, self.plan.topology.axes))
 
     def param_tree(self, arrays: dict[str, Any]) -> dict:
         """``{name: array}`` (like ``TrainState.master``) as nested dicts keyed by the parameter
@@ -189,7 +188,7 @@ class StateLayout:
             quantized[p.name] = UnitPlanes(
                 rowwise_data=codes, rowwise_scale=row_scale, columnwise_data=codes, columnwise_scale=col_scale
             )
-        rep = NamedSharding(self.mesh, PartitionSpec())
+        rep = NamedSharding(self.plan.topology.mesh, PartitionSpec())
         frozen = {p.name: sds(p.stored_shape, p.dtype, sharding=self.master_sharding(p)) for p in self.plan.frozen}
         rest = tuple(sds(a.shape, a.dtype, sharding=rep) for a in self.plan.rest_avals)
         shapes = jax.eval_shape(tx.init, self.param_tree(master))
@@ -338,7 +337,7 @@ class StateLayout:
     def place_fn(self):
         trained, frozen_params = self.plan.trained, self.plan.frozen
         shardings = {p.name: self.master_sharding(p) for p in trained}
-        rep = NamedSharding(self.mesh, PartitionSpec())
+        rep = NamedSharding(self.plan.topology.mesh, PartitionSpec())
         frozen_shardings = {p.name: self.master_sharding(p) for p in frozen_params}
 
         def place(values, frozen, rest):  # the step counter too: made on the devices, not sent
@@ -353,18 +352,18 @@ class StateLayout:
     def logical_fn(self):
         """``(master, frozen) -> values`` in parameter order, each whole (replicated), in the
         parameter's dtype."""
-        rep = NamedSharding(self.mesh, PartitionSpec())
+        rep = NamedSharding(self.plan.topology.mesh, PartitionSpec())
 
         def logical(master, frozen):
             values = []
-            for p in self.params:
+            for p in self.plan.params:
                 if not p.trained:
                     values.append(self.to_logical(p, frozen[p.name]))
                 else:
                     values.append(self.to_logical(p, master[p.name]).astype(p.dtype))
             return values
 
-        return jax.jit(logical, out_shardings=[rep] * len(self.params))
+        return jax.jit(logical, out_shardings=[rep] * len(self.plan.params))
 
     def quantize_local(self, units: tuple[ParamInfo, ...] | None = None) -> Callable:
         """``arrays -> {name: UnitPlanes}`` for the MXFP8 ``units`` (default: the trained ones,
@@ -380,7 +379,7 @@ class StateLayout:
             return {p.name: UnitPlanes.encode(master[p.name], rule) for p in units}
 
         planes_specs = {name: UnitPlanes.like(s) for name, s in specs.items()}
-        fn = spmd.shard_map(local, self.mesh, (specs,), planes_specs)
+        fn = spmd.shard_map(local, self.plan.topology.mesh, (specs,), planes_specs)
         return lambda master: fn({p.name: master[p.name] for p in units})
 
     @functools.cached_property
@@ -402,7 +401,7 @@ class StateLayout:
     def opt_shardings(self, shapes):
         """Optimizer leaves that belong to a parameter (``owner_of``) are sharded like it; the
         rest (step counts, scalars) replicated. Init and step agree, so the step compiles once."""
-        replicated = NamedSharding(self.mesh, PartitionSpec())
+        replicated = NamedSharding(self.plan.topology.mesh, PartitionSpec())
 
         def sharding(key_path, leaf):
             p = self.owner_of(key_path, leaf)
@@ -413,7 +412,7 @@ class StateLayout:
     def shardings(self, state: TrainState):
         master = {p.name: self.master_sharding(p) for p in self.plan.trained}
         quantized = {p.name: UnitPlanes.like(self.master_sharding(p)) for p in self.plan.mxfp8_units}
-        replicated = NamedSharding(self.mesh, PartitionSpec())
+        replicated = NamedSharding(self.plan.topology.mesh, PartitionSpec())
         frozen = {p.name: self.master_sharding(p) for p in self.plan.frozen}
         rest = tuple(replicated for _ in state.rest)
         return TrainState(master, quantized, frozen, rest, self.opt_shardings(state.opt_state), replicated)
