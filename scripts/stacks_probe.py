@@ -86,8 +86,8 @@ def main() -> None:
     import optax
     from flax import nnx
 
-    from mxfp8_jax.bench.styles import stacked_styles as ss
     from mxfp8_jax._src.tooling import hlo
+    from mxfp8_jax.bench.styles import stacked_styles as ss
     from mxfp8_jax.flax import FSDP
 
     n = len(jax.devices())
