@@ -14,8 +14,8 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
+from mxfp8_jax._src.buffers.directions import check_mxfp8_shapes, columnwise_scale_layout, rowwise_scale_layout
 from mxfp8_jax._src.buffers.layout import GlobalLayout, ShardLayout
-from mxfp8_jax._src.buffers.quantized import check_mxfp8_shapes, columnwise_scale_layout, rowwise_scale_layout
 from mxfp8_jax._src.core import checks
 from mxfp8_jax._src.numerics.format import BLOCK
 

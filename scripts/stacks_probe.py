@@ -1,7 +1,7 @@
 """Layer stacks read by index, and frozen weights: what FSDP makes of them, and what the compiled
 step costs as the model deepens.
 
-For every model and ``loop=`` form of ``mxfp8_jax._src.models.stacked_styles`` (weights stacked
+For every model and ``loop=`` form of ``mxfp8_jax.bench.styles.stacked_styles`` (weights stacked
 and read by index under ``lax.fori_loop`` / a Python loop / ``lax.scan``; blocks skipped by
 ``lax.cond``; ``nnx.LoRA`` adapters; base kernels in a custom ``nnx.Variable``; one block shared
 by every layer), at two depths, on simulated CPU devices (``--devices``, default 8):
@@ -86,8 +86,8 @@ def main() -> None:
     import optax
     from flax import nnx
 
-    from mxfp8_jax._src.models import stacked_styles as ss
     from mxfp8_jax._src.tooling import hlo
+    from mxfp8_jax.bench.styles import stacked_styles as ss
     from mxfp8_jax.flax import FSDP
 
     n = len(jax.devices())

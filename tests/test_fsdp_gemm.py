@@ -237,17 +237,17 @@ SEQUENCES = 64  # per step: the demo's 8 per device on 8 devices
 def test_transformer_learns_text_with_mxfp8_gemms_as_with_bf16(devices):
     """The demo's transformer on held-out standard-library text: MXFP8 GEMMs (and gathers) vs
     bf16 FSDP, same weights, batches and schedule; validation losses within 1%. The demo's
-    training (``demo.train``, as ``demo.run`` calls it) with 64 sequences a step whatever the
+    training (``training.train``, as ``demo.run`` calls it) with 64 sequences a step whatever the
     device count (the demo's on 8 devices), on as many of the run's devices as split them
     evenly (all of 2, 4 or 8): the same training on any of them."""
-    from mxfp8_jax import demo
+    from mxfp8_jax import training
 
     n = math.gcd(len(devices), SEQUENCES)
     mesh = Mesh(np.array(devices[:n]), ("data",))
-    work = demo.Workload("transformer", hidden=128, layers=1, seed=0, steps=24, data="text")
+    work = training.Workload("transformer", hidden=128, layers=1, seed=0, steps=24, data="text")
     work.per_device_batch = SEQUENCES // n
-    m = demo.train(work, "mxfp8", mesh=mesh, gemm="mxfp8", label="mxfp8 gemm")
-    b = demo.train(work, "bf16", mesh=mesh, gemm="dequantized")
+    m = training.train(work, "mxfp8", mesh=mesh, gemm="mxfp8", label="mxfp8 gemm")
+    b = training.train(work, "bf16", mesh=mesh, gemm="dequantized")
     assert m["gemm"] == "mxfp8" and b["gemm"] == "dequantized"
     assert len(b["losses"]) == 24 and b["validation_loss"] is not None
     first = b["losses"][0]

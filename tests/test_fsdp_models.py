@@ -1,4 +1,4 @@
-"""FSDP on models written the ways Flax users write them (``mxfp8_jax._src.models.model_styles``), on all
+"""FSDP on models written the ways Flax users write them (``mxfp8_jax.bench.styles.model_styles``), on all
 of the run's devices (``n``), adam; one sequence per device.
 
 The styles: (mha) ``nnx.MultiHeadAttention`` + ``nnx.Linear`` MLP, scanned; (gemma) ``nnx.Einsum``
@@ -28,8 +28,8 @@ import pytest
 from flax import nnx
 from jax.sharding import Mesh
 
-from mxfp8_jax._src.models import model_styles as ms
 from mxfp8_jax._src.tooling import hlo
+from mxfp8_jax.bench.styles import model_styles as ms
 from mxfp8_jax.flax import FSDP
 
 from conftest import cpu_only

@@ -19,7 +19,7 @@ import pytest
 from flax import nnx
 from jax.sharding import Mesh
 
-from mxfp8_jax._src.models import model_styles as ms
+from mxfp8_jax.bench.styles import model_styles as ms
 from mxfp8_jax.flax import FSDP, tensor_parallel
 
 import numpy_oracle as npo

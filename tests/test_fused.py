@@ -13,6 +13,7 @@ The cases are written for the run's device count n (MXFP8_TEST_DEVICES): besides
 
 import dataclasses
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -198,6 +199,25 @@ def _hlo(case: Case, strategy, devices, *, grad=False):
     return jax.jit(f).lower(x, gamma).compile().as_text()
 
 
+def _gather_groups(text: str) -> list[list[tuple[int, ...]]]:
+    """The device groups of each all-gather in ``text``. XLA writes them as a list
+    (``replica_groups={{0,1,2,3},{4,5,6,7}}``), or, for a gather over a whole axis of a 1-D mesh,
+    by the axis (``replica_groups=mesh['x'=2] {'x'}``: one group of every device)."""
+    out = []
+    for line in text.splitlines():
+        if " all-gather(" not in line and " all-gather-start(" not in line:
+            continue
+        listed = re.search(r"replica_groups=\{(\{[\d,]*\}(?:,\{[\d,]*\})*)\}", line)
+        by_axis = re.search(r"replica_groups=mesh\['(\w+)'=(\d+)\] \{'(\w+)'\}", line)
+        if listed:
+            out.append([tuple(int(d) for d in g.split(",") if d) for g in re.findall(r"\{([\d,]*)\}", listed[1])])
+        elif by_axis and by_axis[1] == by_axis[3]:
+            out.append([tuple(range(int(by_axis[2])))])
+        else:
+            raise AssertionError(f"an all-gather whose replica groups this test does not read: {line.strip()}")
+    return out
+
+
 def test_hlo_collectives(devices):
     """Two groups of n // 2 devices (one group of both at n = 2: a group of one gathers nothing)."""
     n = len(devices) // 2 * 2
@@ -205,8 +225,8 @@ def test_hlo_collectives(devices):
     case = Case(n, _two_groups((3, 1, 2, 0), n) if g < n else (3, 1), 64, group_size=g)
     xla = _hlo(case, "xla", devices)
     assert "all-gather" in xla and "mxfp8_rmsnorm_quantize" in xla
-    groups = ",".join("{" + ",".join(str(d) for d in range(k, k + g)) + "}" for k in range(0, n, g))
-    assert f"replica_groups={{{groups}}}" in xla  # at 8 devices: {{0,1,2,3},{4,5,6,7}}
+    groups = [tuple(range(k, k + g)) for k in range(0, n, g)]
+    assert _gather_groups(xla) == [groups]  # at 8 devices: {{0,1,2,3},{4,5,6,7}}
     # the bf16 rows travel as 16-bit words (XLA:CPU would widen a bf16 gather to f32)
     assert [c.dtypes for c in hlo.collectives(xla) if c.op == "all-gather"] == [("u16",)]
     p2p = _hlo(case, "p2p", devices)

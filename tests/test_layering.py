@@ -102,6 +102,20 @@ def test_the_sub_packages_are_floors_of_the_table():
     assert len(runs) == len(set(runs)), f"sub-packages interleaved along docs/design.md §1: {runs}"
 
 
+MAX_LINES = 700
+
+
+def test_no_module_over_700_lines():
+    """Every module of ``mxfp8_jax/_src`` holds one concern that a reader can take in whole: none
+    runs past ``MAX_LINES`` lines (split one by responsibility before it does)."""
+    long = {}
+    for p in sorted((PACKAGE / "_src").rglob("*.py")):
+        n = len(p.read_text().splitlines())
+        if n > MAX_LINES:
+            long[str(p.relative_to(ROOT))] = n
+    assert not long, f"modules over {MAX_LINES} lines: {long}"
+
+
 def header_order() -> list[str]:
     """The kernels' headers in the order xla_ffi/README.md's "Sources" names them (bottom first)."""
     text = (ROOT / "xla_ffi" / "README.md").read_text()

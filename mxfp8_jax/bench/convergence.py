@@ -46,12 +46,12 @@ def run(
     import numpy as np
     from jax.sharding import Mesh
 
-    from mxfp8_jax import demo
+    from mxfp8_jax import training
     from mxfp8_jax._src.core import platforms
     from mxfp8_jax._src.kernels import _ffi
     from mxfp8_jax._src.ops import mxfp8_gemm
 
-    devs = demo.select_devices(devices)
+    devs = training.select_devices(devices)
     platform = platforms.of_device(devs[0])  # 'cuda'/'rocm', not jax's 'gpu'
     if not _ffi.has_target("mxfp8_quantize", platform) and not allow_reference:
         raise RuntimeError(
@@ -61,19 +61,19 @@ def run(
     mesh = Mesh(np.array(devs), ("data",))
     plan = [(f"bf16 seed {s}", "bf16", "dequantized", s) for s in range(seeds)]
     plan += [("mxfp8 gather", "mxfp8", "dequantized", 0), ("mxfp8 gemm", "mxfp8", "mxfp8", 0)]
-    progress = demo.progress_bar(width=12) if show_progress else None
-    works: dict[int, demo.Workload] = {}
+    progress = training.progress_bar(width=12) if show_progress else None
+    works: dict[int, training.Workload] = {}
     runs = []
     try:
         for label, precision, gemm, seed in plan:
             if seed not in works:
-                works[seed] = demo.Workload(
+                works[seed] = training.Workload(
                     "transformer", hidden=hidden, layers=layers, seed=seed, steps=steps, data="text"
                 )
-            r = demo.train(
+            r = training.train(
                 works[seed], precision, mesh=mesh, progress=progress, gemm=gemm, label=label, eval_every=eval_every
             )
-            tokens = works[seed].per_device_batch * mesh.size * demo.SEQ_LEN
+            tokens = works[seed].per_device_batch * mesh.size * training.SEQ_LEN
             runs.append(
                 {
                     "label": label,
@@ -205,9 +205,9 @@ def main(argv=None) -> int:
     for name in ("steps", "seeds", "eval_every"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')}={getattr(args, name)} must be at least 1")
-    from mxfp8_jax import demo
+    from mxfp8_jax import training
 
-    demo.configure_devices(args.devices)
+    training.configure_devices(args.devices)
     report = run(
         args.steps,
         args.seeds,

@@ -5,7 +5,7 @@
 
 ``--model stack`` (default): ``depth`` residual blocks ``x + tanh(nnx.Linear(width, width)(x))``
 (bf16 compute, fp32 parameters, no bias), created with ``nnx.vmap`` and run with ``nnx.scan``,
-8 rows per device. ``--model`` one of the Flax model styles of ``mxfp8_jax._src.models.model_styles``
+8 rows per device. ``--model`` one of the Flax model styles of ``mxfp8_jax.bench.styles.model_styles``
 (``mha``, ``gemma``, ``maxtext``, ``einsum``, ``moe``, ``dropout``: decoder LMs written the ways
 public Flax NNX code writes them; ``--width`` their model width, default 256) with ``--tokens``
 tokens per device (sequences of 16). Trained with ``optax.adam``. In one run, for every depth:
@@ -90,7 +90,7 @@ def loss_fn(model, batch):
 
 
 def models() -> tuple[str, ...]:
-    from mxfp8_jax._src.models import model_styles
+    from mxfp8_jax.bench.styles import model_styles
 
     return ("stack", *model_styles.STYLES)
 
@@ -108,7 +108,7 @@ def workload(name: str, width: int, depth: int, devices: int, tokens: int, abstr
         make = lambda shape, dtype: rng.standard_normal(shape, np.float32)
         fn = loss_fn
     else:
-        from mxfp8_jax._src.models import model_styles as ms
+        from mxfp8_jax.bench.styles import model_styles as ms
 
         if width % 64:
             raise SystemExit(f"--width {width} must be a multiple of 64 for --model {name} (heads of 64)")

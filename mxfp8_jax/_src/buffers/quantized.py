@@ -25,171 +25,34 @@ after ``redistribute``/``allgather`` of one direction only.
 from __future__ import annotations
 
 import dataclasses
-import functools
 from collections.abc import Iterable, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import Mesh
 
-from mxfp8_jax._src.buffers import checkpoint, segments
+from mxfp8_jax._src.buffers import checkpoint
 from mxfp8_jax._src.buffers import placement as pl
 from mxfp8_jax._src.buffers.dbuffer import DBuffer
+from mxfp8_jax._src.buffers.directions import (
+    COLUMNWISE,
+    ROWWISE,
+    Direction,
+    check_mxfp8_layout,
+    check_mxfp8_shapes,
+    check_placements,
+    quantize_program,
+    zeros_program,
+)
 from mxfp8_jax._src.buffers.layout import GlobalLayout, ShardLayout
-from mxfp8_jax._src.core import checks, spmd
+from mxfp8_jax._src.core import checks
 from mxfp8_jax._src.kernels import backend as backends
-from mxfp8_jax._src.kernels import ffi_calls
 from mxfp8_jax._src.numerics import format as fmt
 from mxfp8_jax._src.numerics.format import BLOCK
 from mxfp8_jax._src.numerics.tensor import MXFP8Tensor, PaddedMXFP8Tensor
 from mxfp8_jax._src.ops.quantize import INPUT_DTYPES
-
-_TARGET = "mxfp8_quantize_segments"
-
-
-# ------------------------------------------------------------------------------------------------
-# Scale layouts and placements: the data layout with coordinates divided by 32
-
-
-@functools.cache
-def rowwise_scale_layout(layout: GlobalLayout) -> GlobalLayout:
-    """``[M, K]`` at ``o`` -> ``[M, K/32]`` at ``o/32``; still 32-row blocks."""
-    return _divided(layout, [(m, k // BLOCK) for m, k in layout.tensor_shapes], BLOCK)
-
-
-@functools.cache
-def columnwise_scale_layout(layout: GlobalLayout) -> GlobalLayout:
-    """``[M, K]`` at ``o`` -> ``[M/32, K]`` at ``o/32``; one scale row per 32-row block."""
-    return _divided(layout, [(m // BLOCK, k) for m, k in layout.tensor_shapes], 1)
-
-
-def _divided(layout: GlobalLayout, shapes, block_size: int) -> GlobalLayout:
-    return GlobalLayout(
-        tensor_shapes=tuple(shapes),
-        tensor_to_offset=tuple(o // BLOCK for o in layout.tensor_to_offset),
-        size=layout.size // BLOCK,
-        rank_segment_offsets=tuple(b // BLOCK for b in layout.rank_segment_offsets),
-        block_size=block_size,
-        shard_layout=layout.shard_layout,
-    )
-
-
-def columnwise_scale_placements(placements: Sequence[pl.Placement]) -> tuple[pl.Placement, ...]:
-    """``BlockAtomic(n)`` -> ``RowAtomic()``: a scale row already stands for a 32-row block."""
-    return tuple(pl.RowAtomic() if isinstance(p, pl.BlockAtomic) else p for p in placements)
-
-
-def check_mxfp8_layout(layout: GlobalLayout, argname: str = "layout") -> None:
-    """The layout rules under which local quantization equals global quantization."""
-    if not isinstance(layout, GlobalLayout):
-        raise TypeError(f"{argname} must be a GlobalLayout, got {type(layout).__name__}")
-    if layout.block_size != BLOCK:
-        raise ValueError(
-            f"{argname}.block_size={layout.block_size}: an MXFP8 buffer needs block_size == 32 so "
-            f"every device holds whole 32x1 columnwise blocks (BlockAtomic(n) placements need n "
-            f"dividing 32)"
-        )
-    check_mxfp8_shapes(layout.tensor_shapes, f"{argname}.tensor_shapes")
-    bad = [b for b in layout.rank_segment_offsets if b % BLOCK]
-    if bad:
-        raise ValueError(
-            f"{argname}.rank_segment_offsets={layout.rank_segment_offsets}: bounds {bad} are not "
-            f"multiples of 32, so scale coordinates (divided by 32) would not be whole"
-        )
-
-
-def check_mxfp8_shapes(tensor_shapes, argname: str = "tensor_shapes") -> None:
-    for i, s in enumerate(tensor_shapes):
-        s = tuple(s)
-        if len(s) != 2:
-            raise ValueError(f"{argname}[{i}]={s}: a QuantizedDBuffer holds 2-D tensors [M, K]")
-        m, k = s
-        if m % BLOCK or k % BLOCK:
-            raise ValueError(
-                f"{argname}[{i}]={s}: M={m} and K={k} must both be multiples of 32 (MXFP8 blocks are "
-                f"1x32 rowwise and 32x1 columnwise)"
-            )
-
-
-@functools.cache
-def _quantize_fn(mesh, placements, layout, rule, rowwise, columnwise, backend, x64):
-    """The jitted SPMD quantize: local segment -> allocated planes, no collective."""
-    table = segments.descriptor_table(mesh, placements, layout)
-    axes = pl.shard_axes(mesh, placements)
-    desc_dtype = np.int64 if x64 else np.int32  # jax without x64 has no int64 arrays
-    local_size = layout.local_size(pl.num_shards(mesh, placements))
-    if local_size > np.iinfo(desc_dtype).max:
-        raise ValueError(
-            f"local buffers of {local_size} elements do not fit int32 descriptors; enable "
-            f"jax_enable_x64 for buffers this large"
-        )
-    table = table.astype(desc_dtype)
-
-    def reference(x, desc):
-        return segments.quantize_segments_reference(x, desc, rule, rowwise, columnwise)
-
-    def kernel(x, desc):
-        (rq, rs), (cq, cs) = ffi_calls.quantize_segments(
-            x, desc, scale_rule=rule.code, rowwise=rowwise, columnwise=columnwise
-        )
-        return tuple(p for p in (rq, rs, cq, cs) if p is not None)
-
-    def local(x):
-        desc = jnp.asarray(table)[spmd.shard_position(mesh, axes)]  # this device's row of the table
-        return backends.run(_TARGET, backend, kernel, reference, x, desc)
-
-    spec = pl.partition_spec(mesh, placements)
-    n_out = 2 * (int(rowwise) + int(columnwise))
-    return jax.jit(spmd.shard_map(local, mesh, spec, (spec,) * n_out))
-
-
-@functools.cache
-def _zeros_fn(mesh: Mesh, geometries: tuple):
-    """One jitted program making zero-filled uint8 planes for ``(layout, placements)`` pairs."""
-    shardings = tuple(NamedSharding(mesh, pl.partition_spec(mesh, p)) for _, p in geometries)
-    sizes = tuple(lay.physical_size for lay, _ in geometries)
-    return jax.jit(lambda: tuple(jnp.zeros((n,), jnp.uint8) for n in sizes), out_shardings=shardings)
-
-
-# ------------------------------------------------------------------------------------------------
-# One direction's planes
-
-
-ROWWISE, COLUMNWISE = "rowwise", "columnwise"
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class Direction:
-    """One direction's planes: E4M3 codes (``data``) and E8M0 scales (``scale``), uint8
-    ``DBuffer``s, both present or both ``None`` (released); ``placements`` are the data's, kept
-    while released. ``kind`` (``"rowwise"`` or ``"columnwise"``) fixes where the scales go."""
-
-    data: DBuffer | None
-    scale: DBuffer | None
-    kind: str = dataclasses.field(metadata=dict(static=True))
-    placements: tuple = dataclasses.field(metadata=dict(static=True))
-
-    @property
-    def allocated(self) -> bool:
-        return self.data is not None and self.scale is not None
-
-    def geometry(self, layout: GlobalLayout, placements=None):
-        """``((layout, placements) of data, (layout, placements) of scale)`` over the data layout
-        ``layout``, at ``placements`` (default: the direction's own)."""
-        p = self.placements if placements is None else placements
-        if self.kind == ROWWISE:
-            return (layout, p), (rowwise_scale_layout(layout), p)
-        return (layout, p), (columnwise_scale_layout(layout), columnwise_scale_placements(p))
-
-    def released(self) -> Direction:
-        return dataclasses.replace(self, data=None, scale=None)
-
-
-# ------------------------------------------------------------------------------------------------
-# The buffer
 
 
 @jax.tree_util.register_dataclass
@@ -215,7 +78,7 @@ class QuantizedDBuffer:
         for kind, d in ((ROWWISE, self.rowwise), (COLUMNWISE, self.columnwise)):
             if not isinstance(d, Direction) or d.kind != kind:
                 raise TypeError(f"{kind} must be a Direction of kind {kind!r}, got {d!r}")
-            placements = _check_placements(self.mesh, d.placements, f"{kind}_placements")
+            placements = check_placements(self.mesh, d.placements, f"{kind}_placements")
             object.__setattr__(self, kind, dataclasses.replace(d, placements=placements))
         self._validate()
 
@@ -284,7 +147,7 @@ class QuantizedDBuffer:
         """
         tensor_shapes = [tuple(s) for s in tensor_shapes]
         check_mxfp8_shapes(tensor_shapes)
-        placements = _check_placements(mesh, placements, "placements")
+        placements = check_placements(mesh, placements, "placements")
         for j, p in enumerate(placements):
             if isinstance(p, pl.BlockAtomic) and BLOCK % p.n:
                 raise ValueError(
@@ -318,7 +181,7 @@ class QuantizedDBuffer:
           The new ``QuantizedDBuffer``, its allocated planes uint8 zeros.
         """
         check_mxfp8_layout(layout)
-        placements = _check_placements(mesh, placements, "placements")
+        placements = check_placements(mesh, placements, "placements")
         released = cls(
             rowwise=Direction(data=None, scale=None, kind=ROWWISE, placements=placements),
             columnwise=Direction(data=None, scale=None, kind=COLUMNWISE, placements=placements),
@@ -469,7 +332,7 @@ class QuantizedDBuffer:
         if not missing:
             return self
         geometries = tuple(g for d in missing for g in d.geometry(self.layout))
-        arrays = iter(_zeros_fn(self.mesh, geometries)())
+        arrays = iter(zeros_program(self.mesh, geometries)())
         return dataclasses.replace(self, **{d.kind: self._filled(d, arrays) for d in missing})
 
     # -- quantization --------------------------------------------------------------------------
@@ -518,7 +381,7 @@ class QuantizedDBuffer:
         dt = jnp.dtype(main_weight.dtype)
         if dt not in [jnp.dtype(d) for d in INPUT_DTYPES]:
             raise TypeError(f"main_weight has dtype {dt}; MXFP8 quantize takes bfloat16, float16 or float32")
-        fn = _quantize_fn(
+        fn = quantize_program(
             self.mesh,
             main_weight.placements,
             self.layout,
@@ -713,7 +576,7 @@ class QuantizedDBuffer:
           A new ``QuantizedDBuffer`` with both directions at ``placements``; released planes stay
           ``None``.
         """
-        new = _check_placements(self.mesh, placements, "placements")
+        new = check_placements(self.mesh, placements, "placements")
         return self._move(new, rowwise=True, columnwise=True, move=DBuffer.view)
 
     def redistribute(
@@ -729,7 +592,7 @@ class QuantizedDBuffer:
         Returns:
           A new ``QuantizedDBuffer`` with the selected directions at ``placements``.
         """
-        new = _check_placements(self.mesh, placements, "placements")
+        new = check_placements(self.mesh, placements, "placements")
         self._require(rowwise, columnwise, "redistribute")
         return self._move(new, rowwise=rowwise, columnwise=columnwise, move=DBuffer.redistribute)
 
@@ -793,14 +656,3 @@ class QuantizedDBuffer:
     def _chosen(self, rowwise: bool, columnwise: bool) -> list[Direction]:
         """The directions selected by the two flags."""
         return [d for d, sel in zip(self.directions, (rowwise, columnwise)) if sel]
-
-
-def _check_placements(mesh: Mesh, placements, argname: str) -> tuple[pl.Placement, ...]:
-    placements = pl.validate_placements(mesh, placements)
-    for j, p in enumerate(placements):
-        if pl.is_partial(p):
-            raise ValueError(
-                f"{argname}[{j}]={p}: MXFP8 planes hold bytes, not addends; reduce the master "
-                f"weight before quantizing and use Replicate or a Shard placement"
-            )
-    return placements
