@@ -28,6 +28,7 @@ from mxfp8_jax._src.fsdp import fsdp_specs
 from mxfp8_jax._src.fsdp.fsdp_eval import Islands, PlainValue, UnitValue, evaluate
 from mxfp8_jax._src.fsdp.fsdp_plan import check_uses
 from mxfp8_jax._src.fsdp.fsdp_state import StateLayout, TrainState, UnitPlanes
+from mxfp8_jax._src.fsdp.fsdp_topology import Topology
 from mxfp8_jax._src.fsdp.fsdp_trace import View, analyse, trace
 from mxfp8_jax._src.fsdp.fsdp_unit import Gemms
 
@@ -199,7 +200,7 @@ class Steps:
         rank evaluates its part, global over the FSDP axes, and the loss, aux and floating state
         are averaged over tp."""
         traceable = self.traceable(loss_fn)
-        islands = Islands(self.mesh, self.fsdp_axes, self.prefetch)
+        islands = Islands(Topology.of(self.mesh, self.tp_axis), self.prefetch)
         tp = self.tp_axis
 
         def loss_and_grads(master, planes, frozen, rest, batch):
@@ -213,7 +214,7 @@ class Steps:
             keys = self.step_keys(rest)
             batch_leaves = jax.tree.leaves(batch)
             specs = [None] * (len(self.layout.params) + len(keys))
-            specs += [fsdp_specs.batch_spec(np.ndim(x), (self.fsdp_axes,)) for x in batch_leaves]
+            specs += [fsdp_specs.batch_leaf_spec(np.ndim(x), (self.fsdp_axes,)) for x in batch_leaves]
 
             def loss_of(master):
                 args = [*self.step_values(master, planes, frozen), *keys, *batch_leaves]
