@@ -7,7 +7,8 @@ must split the activation the way XLA already has it, or XLA reshuffles it into 
 op, silently and at the cost of an all-to-all. This module follows the batch split through the
 loss's jaxpr with the simple rules XLA's propagation agrees with on the ops models use
 (elementwise ops, broadcasts, reshapes that keep the split axis major, transposes, GEMMs,
-reductions, scans), so that each island can ask for the split its input has.
+reductions, scans), so that each island can ask for the split its input has. ``Propagation``
+is these rules as tables over ``fsdp_walk``'s traversal.
 
 A spec is a tuple with one entry per axis of the value: None (not split) or the mesh axes the
 axis is split over, as a ``PartitionSpec`` entry. ``None`` for the whole value means nothing is
@@ -55,13 +56,6 @@ SAME_SHAPE_COLLECTIVES = frozenset({"psum", "pmax", "pmin", "ppermute", "psum_in
 GATHERS = frozenset({"all_gather", "all_gather_invariant"})
 SCATTERS = frozenset({"reduce_scatter"})
 COLLECTIVES = SAME_SHAPE_COLLECTIVES | GATHERS | SCATTERS
-
-
-def is_collective(prim) -> bool:
-    """A collective primitive (over any mesh axis)."""
-    return prim.name in COLLECTIVES
-
-
 CUMULATIVE = primitives("cumsum_p", "cumprod_p", "cummax_p", "cummin_p", "cumlogsumexp_p")
 
 

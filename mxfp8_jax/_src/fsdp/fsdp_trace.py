@@ -23,6 +23,9 @@ many times each use runs per step (``trips``: the lengths of the enclosing scans
 Besides the uses, one dataflow fact: which parameters' GEMM outputs reach another parameter's
 GEMM. A parameter whose GEMMs feed none is an output head (the logits), kept in bf16 by default
 as MXFP8 recipes do.
+
+The walk is ``fsdp_walk``'s traversal with the rules of ``_Walker``: views through ``VIEWS``,
+indices, lookups and GEMMs by primitive, loops and branches by kind.
 """
 
 from __future__ import annotations
