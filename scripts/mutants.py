@@ -225,7 +225,7 @@ MUTANTS = (
         "per-device loss's reduction over the batch)",
         (
             (
-                "mxfp8_jax/_src/fsdp/fsdp_eval.py",
+                "mxfp8_jax/_src/fsdp/fsdp_islands.py",
                 "    return lax.psum_scatter(ct, entry, scatter_dimension=axis, tiled=True), None",
                 "    return lax.psum_scatter(ct, entry, scatter_dimension=axis, tiled=True) / lax.psum(1, entry), None",
             ),
@@ -316,7 +316,7 @@ MUTANTS = (
         "a rematerialised region's recompute does not wait for the cotangent (XLA:CPU merges it away)",
         (
             (
-                "mxfp8_jax/_src/fsdp/fsdp_eval.py",
+                "mxfp8_jax/_src/fsdp/fsdp_islands.py",
                 "moved = after([a for a, ok in zip(args, numeric) if ok], token)",
                 "moved = after([a for a, ok in zip(args, numeric) if ok], None)",
             ),

@@ -1,8 +1,9 @@
 """Reading jaxprs the same way on every supported jax.
 
 The FSDP plan and step read the loss's jaxpr: which primitive reads a parameter, and the bodies
-of ``jit``, ``remat`` and ``scan``. The parameters of those primitives change between jax
-releases, and this module is the one place that knows how each supported release spells them:
+of ``jit``, ``custom_vjp``, ``remat``, ``scan``, ``cond`` and ``while`` (``KINDS``). The
+parameters of those primitives change between jax releases, and this module is the one place
+that knows how each supported release spells them:
 
 - a sub-jaxpr is a ``ClosedJaxpr`` (jaxpr + consts) up to jax 0.10, and from 0.11 on a
   ``Jaxpr`` that carries its own consts (``body`` returns ``(open jaxpr, consts)`` for both);
@@ -102,10 +103,32 @@ def primitives(*names: str) -> frozenset:
 
 # Calls whose body runs once, as is: inlined by the trace and the step.
 INLINED_CALLS = primitives("jit_p", "pjit_p", "closed_call_p", "call_p", "core_call_p")
+# Functions with a custom derivative: their primal body runs once, as is.
+CUSTOM_CALLS = primitives("custom_jvp_call_p", "custom_vjp_call_p")
 SCAN = primitive("scan_p")
 REMAT = primitive("remat_p")
 COND = primitive("cond_p")
 WHILE = primitive("while_p")
+
+# The higher-order primitives whose bodies the FSDP readers walk, by kind: ``"call"`` (an
+# inlined call), ``"custom"`` (a custom_jvp / custom_vjp function), ``"remat"``, ``"scan"``,
+# ``"cond"`` and ``"while"``.
+KINDS = {
+    **dict.fromkeys(INLINED_CALLS, "call"),
+    **dict.fromkeys(CUSTOM_CALLS, "custom"),
+    **{p: k for p, k in ((REMAT, "remat"), (SCAN, "scan"), (COND, "cond"), (WHILE, "while")) if p is not None},
+}
+
+
+def kind(eqn) -> str | None:
+    """The kind of higher-order primitive ``eqn`` is (a key of ``KINDS``' values), None for any
+    other primitive."""
+    return KINDS.get(eqn.primitive)
+
+
+def call_name(eqn) -> str | None:
+    """The name of an inlined call (the function ``jit`` wrapped), None for any other equation."""
+    return eqn.params.get("name") if eqn.primitive in INLINED_CALLS else None
 
 
 def is_jaxpr(x) -> bool:
@@ -143,6 +166,18 @@ def remat_body(eqn) -> tuple[jcore.Jaxpr, list]:
     if "jaxpr" not in eqn.params:
         raise unsupported(eqn.primitive.name, eqn.params, "its body as 'jaxpr'")
     return body(eqn.params["jaxpr"])
+
+
+def remat_policy(eqn) -> tuple[Any, bool]:
+    """A ``remat`` region's ``(policy, prevent_cse)`` (None: no policy, everything recomputed)."""
+    return eqn.params.get("policy"), bool(eqn.params.get("prevent_cse", True))
+
+
+def custom_body(eqn) -> tuple[jcore.Jaxpr, list]:
+    """The primal body of a ``custom_jvp_call`` / ``custom_vjp_call`` (what it computes)."""
+    if "call_jaxpr" not in eqn.params:
+        raise unsupported(eqn.primitive.name, eqn.params, "its primal body as 'call_jaxpr'")
+    return body(eqn.params["call_jaxpr"])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -209,6 +244,36 @@ def while_parts(eqn) -> WhileParts:
     return WhileParts(body(p["cond_jaxpr"]), body(p["body_jaxpr"]), int(p["cond_nconsts"]), int(p["body_nconsts"]))
 
 
+@dataclasses.dataclass(frozen=True)
+class SliceParts:
+    """A ``slice`` or ``dynamic_slice`` equation's parts: ``sizes``, the size it takes of each
+    axis; ``starts``, its static start indices (a ``slice``), or None where the starts are the
+    operands after the first (a ``dynamic_slice``); ``strided``: a ``slice`` with a stride
+    other than 1."""
+
+    sizes: tuple[int, ...]
+    starts: tuple[int, ...] | None
+    strided: bool = False
+
+
+def _static_slice(params) -> SliceParts:
+    starts, limits = params["start_indices"], params["limit_indices"]
+    strided = any(s != 1 for s in params.get("strides") or ())
+    return SliceParts(tuple(hi - lo for lo, hi in zip(starts, limits)), tuple(starts), strided)
+
+
+_SLICES = {
+    primitive("slice_p"): _static_slice,
+    primitive("dynamic_slice_p"): lambda params: SliceParts(tuple(params["slice_sizes"]), None),
+}
+
+
+def slice_parts(eqn) -> SliceParts | None:
+    """The parts of a ``slice`` / ``dynamic_slice`` equation, None for any other."""
+    parts = _SLICES.get(eqn.primitive)
+    return None if parts is None else parts(eqn.params)
+
+
 def sub_jaxprs(eqn) -> list:
     """The jaxprs an equation carries in its parameters (a higher-order primitive's bodies)."""
     found = []
@@ -216,6 +281,15 @@ def sub_jaxprs(eqn) -> list:
         items = value if isinstance(value, (tuple, list)) else (value,)
         found.extend(x for x in items if is_jaxpr(x))
     return found
+
+
+def all_eqns(jaxpr: jcore.Jaxpr):
+    """The equations of ``jaxpr`` and, after each, those of the bodies it carries, nested
+    bodies included, in order."""
+    for eqn in jaxpr.eqns:
+        yield eqn
+        for sub in sub_jaxprs(eqn):
+            yield from all_eqns(body(sub)[0])
 
 
 def bind(eqn, ins) -> list:

@@ -7,7 +7,8 @@ must split the activation the way XLA already has it, or XLA reshuffles it into 
 op, silently and at the cost of an all-to-all. This module follows the batch split through the
 loss's jaxpr with the simple rules XLA's propagation agrees with on the ops models use
 (elementwise ops, broadcasts, reshapes that keep the split axis major, transposes, GEMMs,
-reductions, scans), so that each island can ask for the split its input has.
+reductions, scans), so that each island can ask for the split its input has. ``Propagation``
+is these rules as tables over ``fsdp_walk``'s traversal.
 
 A spec is a tuple with one entry per axis of the value: None (not split) or the mesh axes the
 axis is split over, as a ``PartitionSpec`` entry. ``None`` for the whole value means nothing is
@@ -18,13 +19,15 @@ activation along a free axis itself (correct either way; only the data movement 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Mapping, Sequence
+from typing import Any, ClassVar
 
 from jax.extend import core as jcore
+from jax.sharding import PartitionSpec
 
 from mxfp8_jax._src.core import jaxprs
-from mxfp8_jax._src.core.jaxprs import INLINED_CALLS, primitives
+from mxfp8_jax._src.core.jaxprs import primitives
+from mxfp8_jax._src.fsdp.fsdp_walk import Body, Rule, Scan, Traversal
 
 P = jcore.primitives
 Spec = tuple | None
@@ -46,7 +49,6 @@ REDUCTIONS = primitives(
     "reduce_sum_p", "reduce_max_p", "reduce_min_p", "reduce_prod_p", "reduce_and_p", "reduce_or_p", "reduce_xor_p"
 )
 ARG_REDUCTIONS = primitives("argmax_p", "argmin_p")
-CUSTOM_CALLS = primitives("custom_jvp_call_p", "custom_vjp_call_p")
 # Collectives over a manual axis (a model's own tensor-parallel communication): they move data
 # along that axis only, so the batch split of their operands carries through.
 # By name: not every jax exports them all (reduce_scatter is not in jax.extend).
@@ -54,13 +56,6 @@ SAME_SHAPE_COLLECTIVES = frozenset({"psum", "pmax", "pmin", "ppermute", "psum_in
 GATHERS = frozenset({"all_gather", "all_gather_invariant"})
 SCATTERS = frozenset({"reduce_scatter"})
 COLLECTIVES = SAME_SHAPE_COLLECTIVES | GATHERS | SCATTERS
-
-
-def is_collective(prim) -> bool:
-    """A collective primitive (over any mesh axis)."""
-    return prim.name in COLLECTIVES
-
-
 CUMULATIVE = primitives("cumsum_p", "cumprod_p", "cummax_p", "cummin_p", "cumlogsumexp_p")
 
 
@@ -72,7 +67,7 @@ def axes_count(entry, sizes: dict[str, int]) -> int:
     return math.prod(sizes[a] for a in names)
 
 
-def batch_spec(ndim: int, entries: Sequence) -> Spec:
+def batch_leaf_spec(ndim: int, entries: Sequence) -> Spec:
     """A batch leaf's spec: its leading axes split as ``entries`` say, the rest not."""
     if ndim == 0:
         return None
@@ -80,114 +75,146 @@ def batch_spec(ndim: int, entries: Sequence) -> Spec:
     return out if any(e is not None for e in out) else None
 
 
-class Propagation:
-    """The batch-split rules over a mesh whose axis sizes are ``sizes``."""
+class Propagation(Traversal):
+    """The batch-split rules over a mesh whose axis sizes are ``sizes``: a ``Traversal`` whose
+    values are specs. An op whose operands are all unsplit gives unsplit results; a call,
+    remat region or custom_jvp / custom_vjp function is walked as is (its primal computation);
+    an op these rules do not know gives None."""
 
     def __init__(self, sizes: dict[str, int]) -> None:
         self.sizes = dict(sizes)
 
-    # -- one equation -------------------------------------------------------------------------
+    def literal(self, lit) -> Spec:
+        return None
+
+    def constant(self, value) -> Spec:
+        return None
+
+    def default(self, eqn, ins: list[Spec]) -> list[Spec]:
+        return [None] * len(eqn.outvars)
 
     def eqn(self, eqn, ins: list[Spec]) -> list[Spec]:
-        """The specs of ``eqn``'s outputs from its operands' (a higher-order primitive's body is
-        walked; an op these rules do not know gives None)."""
-        prim, params = eqn.primitive, eqn.params
-        shapes = [getattr(v.aval, "shape", ()) for v in eqn.invars]
-        outs = [getattr(v.aval, "shape", ()) for v in eqn.outvars]
+        """The specs of ``eqn``'s outputs from its operands'."""
         if all(s is None for s in ins):  # nothing split goes in: nothing split comes out
-            return [None] * len(outs)
-        if prim in INLINED_CALLS:
-            inner, consts = jaxprs.call_body(eqn)
-            return self.walk(inner, [None] * len(consts), ins)
-        if prim is jaxprs.REMAT:
-            inner, consts = jaxprs.remat_body(eqn)
-            return self.walk(inner, [None] * len(consts), ins)
-        if prim is jaxprs.SCAN:
-            return self.scan(eqn, ins)
-        if prim in CUSTOM_CALLS and "call_jaxpr" in params:  # the primal computation
-            inner, consts = jaxprs.body(params["call_jaxpr"])
-            return self.walk(inner, [None] * len(consts), ins)
-        if prim in ELEMENTWISE:
-            return [self._elementwise(ins, shapes, o) for o in outs]
-        if is_collective(prim):
-            return self._collective(prim.name, params, ins, outs)
-        if prim is P.broadcast_in_dim_p:
-            return [self._broadcast(ins[0], shapes[0], outs[0], params["broadcast_dimensions"])]
-        if prim is P.reshape_p:
-            if params.get("dimensions") is not None:
-                return [None]
-            return [self._reshape(ins[0], shapes[0], outs[0])]
-        if prim is P.transpose_p:
-            s = ins[0]
-            return [None if s is None else tuple(s[p] for p in params["permutation"])]
-        if prim is P.squeeze_p:
-            s = ins[0]
-            drop = {d % len(shapes[0]) for d in params["dimensions"]}
-            return [None if s is None else _nonempty(tuple(e for i, e in enumerate(s) if i not in drop))]
-        if prim is P.dot_general_p:
-            return [self._dot(ins, shapes, params["dimension_numbers"])]
-        if prim in REDUCTIONS or prim in ARG_REDUCTIONS:
-            s = ins[0]
-            dims = set(params["axes"])
-            return [None if s is None else _nonempty(tuple(e for i, e in enumerate(s) if i not in dims))]
-        if prim in CUMULATIVE:
-            s, axis = ins[0], params["axis"]
-            return [None if s is None else _nonempty(tuple(None if i == axis else e for i, e in enumerate(s)))]
-        if prim in (P.slice_p, P.pad_p, P.rev_p, P.dynamic_slice_p, P.dynamic_update_slice_p, P.concatenate_p):
-            # the axes whose size the op keeps keep their split (a concatenate: where all agree)
-            same = [s for s, shape in zip(ins, shapes) if s is not None and len(shape) == len(outs[0])]
-            merged = (
-                self._merge(same) if prim is P.concatenate_p else (ins[0] if len(shapes[0]) == len(outs[0]) else None)
-            )
-            if merged is None:
-                return [None]
-            keep = tuple(e if shapes[0][i] == outs[0][i] else None for i, e in enumerate(merged))
-            return [_nonempty(keep)]
-        if prim is P.gather_p:
-            return [self._gather(ins, shapes, outs[0], params)]
-        if prim is P.iota_p:
-            return [None]
-        return [None] * len(outs)
+            return [None] * len(eqn.outvars)
+        return super().eqn(eqn, ins)
 
-    # -- bodies -------------------------------------------------------------------------------
+    # -- loops --------------------------------------------------------------------------------
 
-    def walk(self, jaxpr, consts: list[Spec], args: list[Spec]) -> list[Spec]:
-        """The specs of ``jaxpr``'s outputs from its consts' and inputs'."""
-        env: dict = {}
-
-        def read(v):
-            return None if isinstance(v, jcore.Literal) else env.get(v)
-
-        for v, s in zip(jaxpr.constvars, consts):
-            env[v] = s
-        for v, s in zip(jaxpr.invars, args):
-            env[v] = s
-        for e in jaxpr.eqns:
-            for v, s in zip(e.outvars, self.eqn(e, [read(v) for v in e.invars])):
-                if not isinstance(v, jcore.DropVar):
-                    env[v] = s
-        return [read(v) for v in jaxpr.outvars]
-
-    def scan_carry(self, parts: jaxprs.ScanParts, consts: list[Spec], carry: list[Spec], xs: list[Spec]) -> list[Spec]:
-        """The carries' specs at a fixed point: a carry keeps an entry only where every
-        iteration's output agrees with its input."""
+    def scan_carry(self, body: Body, consts: list[Spec], carry: list[Spec], xs: list[Spec]) -> list[Spec]:
+        """The carries' specs at a fixed point of a scan's ``body`` (walked here): a carry keeps
+        an entry only where every iteration's output agrees with its input."""
+        body = body.on(self)
         for _ in range(8):
-            outs = self.walk(parts.jaxpr, [None] * len(parts.consts), [*consts, *carry, *xs])
+            outs = body([*consts, *carry, *xs])
             new = [self._merge([c, o]) if c is not None and o is not None else None for c, o in zip(carry, outs)]
             if new == carry:
                 break
             carry = new
         return carry
 
-    def scan(self, eqn, ins: list[Spec]) -> list[Spec]:
-        parts = jaxprs.scan_parts(eqn)
-        nc, ncar = parts.num_consts, parts.num_carry
-        consts, carry, xs = ins[:nc], ins[nc : nc + ncar], ins[nc + ncar :]
+    def _scan(self, eqn, loop: Scan, ins: list[Spec]) -> list[Spec]:
+        consts, carry, xs = loop.split(ins)
         xs = [sliced(s) for s in xs]
-        carry = self.scan_carry(parts, consts, list(carry), xs)
-        outs = self.walk(parts.jaxpr, [None] * len(parts.consts), [*consts, *carry, *xs])
-        ys = [None if s is None else (None, *s) for s in outs[ncar:]]
+        carry = self.scan_carry(loop.body, consts, carry, xs)
+        outs = loop.body([*consts, *carry, *xs])
+        ys = [None if s is None else (None, *s) for s in outs[loop.parts.num_carry :]]
         return [*carry, *ys]
+
+    # -- one equation -------------------------------------------------------------------------
+
+    def _elementwise_rule(self, eqn, ins) -> list[Spec]:
+        shapes, outs = _shapes(eqn)
+        return [self._elementwise(ins, shapes, o) for o in outs]
+
+    def _same_shape_rule(self, eqn, ins) -> list[Spec]:
+        """A collective over a manual axis that keeps the shape: each output split as its operand."""
+        return list(ins[: len(eqn.outvars)])
+
+    def _gather_collective_rule(self, eqn, ins) -> list[Spec]:
+        """An all-gather over a manual axis: split as its operand, but along the axis it gathers
+        (which must not be split); untiled, the group's members become a new axis there."""
+        s, d = ins[0], eqn.params["all_gather_dimension"]
+        if s is None or s[d] is not None:
+            return [None]
+        return [s if eqn.params.get("tiled", False) else nonempty((*s[:d], None, *s[d:]))]
+
+    def _scatter_rule(self, eqn, ins) -> list[Spec]:
+        """A reduce-scatter over a manual axis: split as its operand, but along the axis it
+        scatters (which must not be split); untiled, that axis goes."""
+        s, d = ins[0], eqn.params["scatter_dimension"]
+        if s is None or s[d] is not None:
+            return [None]
+        return [s if eqn.params.get("tiled", False) else nonempty(s[:d] + s[d + 1 :])]
+
+    def _broadcast_rule(self, eqn, ins) -> list[Spec]:
+        shapes, outs = _shapes(eqn)
+        return [self._broadcast(ins[0], shapes[0], outs[0], eqn.params["broadcast_dimensions"])]
+
+    def _reshape_rule(self, eqn, ins) -> list[Spec]:
+        if eqn.params.get("dimensions") is not None:
+            return [None]
+        shapes, outs = _shapes(eqn)
+        return [self._reshape(ins[0], shapes[0], outs[0])]
+
+    def _transpose_rule(self, eqn, ins) -> list[Spec]:
+        s = ins[0]
+        return [None if s is None else tuple(s[p] for p in eqn.params["permutation"])]
+
+    def _squeeze_rule(self, eqn, ins) -> list[Spec]:
+        s, (shape, *_) = ins[0], _shapes(eqn)[0]
+        drop = {d % len(shape) for d in eqn.params["dimensions"]}
+        return [None if s is None else nonempty(tuple(e for i, e in enumerate(s) if i not in drop))]
+
+    def _dot_rule(self, eqn, ins) -> list[Spec]:
+        return [self._dot(ins, _shapes(eqn)[0], eqn.params["dimension_numbers"])]
+
+    def _reduction_rule(self, eqn, ins) -> list[Spec]:
+        s, dims = ins[0], set(eqn.params["axes"])
+        return [None if s is None else nonempty(tuple(e for i, e in enumerate(s) if i not in dims))]
+
+    def _cumulative_rule(self, eqn, ins) -> list[Spec]:
+        s, axis = ins[0], eqn.params["axis"]
+        return [None if s is None else nonempty(tuple(None if i == axis else e for i, e in enumerate(s)))]
+
+    def _resize_rule(self, eqn, ins) -> list[Spec]:
+        """A slice, pad, reversal or dynamic (update) slice: the axes whose size the op keeps
+        keep their split."""
+        shapes, outs = _shapes(eqn)
+        return [_kept(ins[0] if len(shapes[0]) == len(outs[0]) else None, shapes[0], outs[0])]
+
+    def _concatenate_rule(self, eqn, ins) -> list[Spec]:
+        """A concatenation: the axes whose size it keeps split where all operands agree."""
+        shapes, outs = _shapes(eqn)
+        same = [s for s, shape in zip(ins, shapes) if s is not None and len(shape) == len(outs[0])]
+        return [_kept(self._merge(same), shapes[0], outs[0])]
+
+    def _gather_rule(self, eqn, ins) -> list[Spec]:
+        shapes, outs = _shapes(eqn)
+        return [self._gather(ins, shapes, outs[0], eqn.params)]
+
+    kind_rules: ClassVar[Mapping[str, Rule]] = {
+        "call": Traversal.inline,
+        "remat": Traversal.inline_region,
+        "custom": Traversal.inline,
+        "scan": _scan,
+    }
+    rules: ClassVar[Mapping[Any, Rule]] = {
+        **dict.fromkeys(ELEMENTWISE, _elementwise_rule),
+        **dict.fromkeys(SAME_SHAPE_COLLECTIVES, _same_shape_rule),
+        **dict.fromkeys(GATHERS, _gather_collective_rule),
+        **dict.fromkeys(SCATTERS, _scatter_rule),
+        P.broadcast_in_dim_p: _broadcast_rule,
+        P.reshape_p: _reshape_rule,
+        P.transpose_p: _transpose_rule,
+        P.squeeze_p: _squeeze_rule,
+        P.dot_general_p: _dot_rule,
+        **dict.fromkeys(REDUCTIONS | ARG_REDUCTIONS, _reduction_rule),
+        **dict.fromkeys(CUMULATIVE, _cumulative_rule),
+        **dict.fromkeys((P.slice_p, P.pad_p, P.rev_p, P.dynamic_slice_p, P.dynamic_update_slice_p), _resize_rule),
+        P.concatenate_p: _concatenate_rule,
+        P.gather_p: _gather_rule,
+    }
 
     # -- rules ----------------------------------------------------------------------------------
 
@@ -208,22 +235,7 @@ class Propagation:
                 used.extend(e if isinstance(e, tuple) else (e,))
         if len(used) != len(set(used)):
             return None
-        return _nonempty(tuple(out))
-
-    def _collective(self, name: str, params, ins, outs) -> list[Spec]:
-        """A collective over a manual axis: each output split as its operand, but along the axis
-        it gathers or scatters (which must not be split)."""
-        if name in SAME_SHAPE_COLLECTIVES:
-            return list(ins[: len(outs)])
-        s = ins[0]
-        d = params["all_gather_dimension"] if name in GATHERS else params["scatter_dimension"]
-        if s is None or s[d] is not None:
-            return [None]
-        if params.get("tiled", False):
-            return [s]
-        if name in GATHERS:  # a new axis of the group's members at d
-            return [_nonempty((*s[:d], None, *s[d:]))]
-        return [_nonempty(s[:d] + s[d + 1 :])]
+        return nonempty(tuple(out))
 
     def _elementwise(self, ins, shapes, out) -> Spec:
         """Operands of the output's rank (size-1 axes broadcast: they split nothing) -> the
@@ -242,7 +254,7 @@ class Propagation:
         for i, d in enumerate(dims):
             if s[i] is not None and shape[i] == out[d]:
                 new[d] = s[i]
-        return _nonempty(tuple(new))
+        return nonempty(tuple(new))
 
     def _reshape(self, s: Spec, shape, out) -> Spec:
         """Groups of input and output axes with equal products: a group whose only split axis is
@@ -255,7 +267,7 @@ class Propagation:
             split = [k for k in gi if s[k] is not None]
             if split == [gi[0]] and out[gj[0]] % axes_count(s[gi[0]], self.sizes) == 0:
                 new[gj[0]] = s[gi[0]]
-        return _nonempty(tuple(new))
+        return nonempty(tuple(new))
 
     def _dot(self, ins, shapes, dims) -> Spec:
         (lc, rc), (lb, rb) = dims
@@ -286,15 +298,16 @@ class Propagation:
             else:
                 new.append(batch_entries[k] if k < len(batch_entries) else None)
                 k += 1
-        return _nonempty(tuple(new))
+        return nonempty(tuple(new))
 
 
 def sliced(s: Spec) -> Spec:
     """A stacked value's spec -> its slices' (a scan's xs: the leading axis goes)."""
-    return None if s is None else _nonempty(s[1:])
+    return None if s is None else nonempty(s[1:])
 
 
-def _nonempty(s: tuple) -> Spec:
+def nonempty(s: tuple) -> Spec:
+    """``s``, or None where it splits no axis."""
     return s if any(e is not None for e in s) else None
 
 
@@ -303,7 +316,19 @@ def entries_of(spec: Spec, ndim: int) -> tuple:
     return (None,) * ndim if spec is None else tuple(spec)
 
 
-def as_partition(spec: Spec, ndim: int) -> Any:
-    from jax.sharding import PartitionSpec
-
+def partition(spec: Spec, ndim: int) -> PartitionSpec:
+    """A spec of a value with ``ndim`` axes as a ``PartitionSpec``."""
     return PartitionSpec(*entries_of(spec, ndim))
+
+
+def _shapes(eqn) -> tuple[list, list]:
+    """The shapes of ``eqn``'s operands and results."""
+    shape = lambda v: getattr(v.aval, "shape", ())
+    return [shape(v) for v in eqn.invars], [shape(v) for v in eqn.outvars]
+
+
+def _kept(s: Spec, in_shape, out_shape) -> Spec:
+    """``s`` on the axes an op keeps the size of (the others not split)."""
+    if s is None:
+        return None
+    return nonempty(tuple(e if in_shape[i] == out_shape[i] else None for i, e in enumerate(s)))

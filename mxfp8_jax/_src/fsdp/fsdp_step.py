@@ -111,7 +111,7 @@ class Steps:
         are averaged over tp."""
         plan, layout, topology = self.plan, self.layout, self.topology
         fn = traceable(loss_fn, plan.partition)
-        islands = Islands(topology.mesh, topology.fsdp_axes, plan.prefetch)
+        islands = Islands(topology, plan.prefetch)
         tp = topology.tp_axis
 
         def loss_and_grads(master, planes, frozen, rest, batch):
@@ -125,7 +125,7 @@ class Steps:
             keys = self.step_keys(rest)
             batch_leaves = jax.tree.leaves(batch)
             specs = [None] * (len(plan.params) + len(keys))
-            specs += [fsdp_specs.batch_spec(np.ndim(x), (topology.fsdp_axes,)) for x in batch_leaves]
+            specs += [fsdp_specs.batch_leaf_spec(np.ndim(x), (topology.fsdp_axes,)) for x in batch_leaves]
 
             def loss_of(master):
                 args = [*self.step_values(master, planes, frozen), *keys, *batch_leaves]

@@ -23,35 +23,27 @@ many times each use runs per step (``trips``: the lengths of the enclosing scans
 Besides the uses, one dataflow fact: which parameters' GEMM outputs reach another parameter's
 GEMM. A parameter whose GEMMs feed none is an output head (the logits), kept in bf16 by default
 as MXFP8 recipes do.
+
+The walk is ``fsdp_walk``'s traversal with the rules of ``_Walker``: views through ``VIEWS``,
+indices, lookups and GEMMs by primitive, loops and branches by kind.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Sequence
-from typing import Any
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, ClassVar
 
 import jax
 import numpy as np
 from jax.extend import core as jcore
 
 from mxfp8_jax._src.core import jaxprs
-from mxfp8_jax._src.core.jaxprs import INLINED_CALLS, primitives
+from mxfp8_jax._src.core.jaxprs import primitives
+from mxfp8_jax._src.fsdp.fsdp_walk import Body, Remat, Rule, Scan, Traversal, While, first
 
 P = jcore.primitives
 
-# Ops that only move or retype the elements of their first operand: a parameter read through
-# them is still the parameter (a view).
-VIEW_PRIMITIVES = primitives(
-    "convert_element_type_p",
-    "transpose_p",
-    "reshape_p",
-    "squeeze_p",
-    "broadcast_in_dim_p",
-    "copy_p",
-    "sharding_constraint_p",
-)
-RETYPE_PRIMITIVES = primitives("convert_element_type_p", "copy_p", "sharding_constraint_p")
 LOOKUP_PRIMITIVES = primitives("gather_p", "dynamic_slice_p")
 INDEX_PRIMITIVES = primitives("slice_p", "dynamic_slice_p")
 
@@ -150,18 +142,12 @@ def collectives_over(closed, names: set) -> set[str]:
     """The primitives of ``closed`` (nested bodies included) that name one of the mesh axes
     ``names`` (``psum``, ``all_gather``, ``axis_index``, ...)."""
     found = set()
-
-    def walk(jaxpr):
-        for eqn in jaxpr.eqns:
-            for key in _AXIS_PARAMS:
-                value = eqn.params.get(key)
-                values = value if isinstance(value, (tuple, list, set, frozenset)) else (value,)
-                if any(isinstance(v, str) and v in names for v in values):
-                    found.add(eqn.primitive.name)
-            for sub in jaxprs.sub_jaxprs(eqn):
-                walk(jaxprs.body(sub)[0])
-
-    walk(jaxprs.body(closed)[0])
+    for eqn in jaxprs.all_eqns(jaxprs.body(closed)[0]):
+        for key in _AXIS_PARAMS:
+            value = eqn.params.get(key)
+            values = value if isinstance(value, (tuple, list, set, frozenset)) else (value,)
+            if any(isinstance(v, str) and v in names for v in values):
+                found.add(eqn.primitive.name)
     return found
 
 
@@ -175,10 +161,10 @@ def analyse(closed: jcore.ClosedJaxpr, num_params: int) -> Uses:
             args.append(View(i, tuple((a,) for a in range(len(v.aval.shape)))))
         else:
             args.append(frozenset())
-    outs = walker.walk(jaxpr, [frozenset()] * len(consts), args, remat=False)
+    outs = walker.run(jaxpr, consts, args)
     for out in outs:
         if isinstance(out, View):
-            walker.use(out, "other", "returned by the loss function", remat=False)
+            walker.use(out, "other", "returned by the loss function")
     return Uses([sorted(walker.uses[j], key=lambda u: u.site) for j in range(num_params)], walker.fed)
 
 
@@ -186,46 +172,60 @@ def analyse(closed: jcore.ClosedJaxpr, num_params: int) -> Uses:
 # Views through layout ops
 
 
-def view_through(prim, params, view: View, in_shape, out_shape) -> View | None:
-    """The view after ``prim``, or None when the op is not a pure move of the parameter's
-    elements (a real broadcast)."""
-    axes = view.axes
-    if prim in RETYPE_PRIMITIVES:
-        return view
-    if prim is P.transpose_p:
-        return dataclasses.replace(view, axes=tuple(axes[p] for p in params["permutation"]), moved=True)
-    if prim is P.squeeze_p:
-        drop = {d % len(in_shape) for d in params["dimensions"]}
-        return dataclasses.replace(view, axes=tuple(a for i, a in enumerate(axes) if i not in drop), moved=True)
-    if prim is P.broadcast_in_dim_p:
-        dims = params["broadcast_dimensions"]
-        new = [()] * len(out_shape)
-        for i, d in enumerate(dims):
-            if in_shape[i] != out_shape[d]:
-                return None  # a size-1 axis broadcast: a real broadcast
-            new[d] = axes[i]
-        if any(out_shape[d] != 1 for d in range(len(out_shape)) if d not in dims):
-            return None
-        return dataclasses.replace(view, axes=tuple(new), moved=True)
-    if prim is P.reshape_p:
-        if params.get("dimensions") is not None:
-            return None
-        return dataclasses.replace(view, axes=reshape_axes(axes, in_shape, out_shape), moved=True)
-    raise AssertionError(prim)
+def _transposed(params, view: View, in_shape, out_shape) -> View:
+    return dataclasses.replace(view, axes=tuple(view.axes[p] for p in params["permutation"]), moved=True)
 
 
-def index_view(prim, params, view: View, in_shape) -> View | None:
-    """The view after a ``slice`` / ``dynamic_slice`` that takes one index of the parameter's
-    leading axes (from ``view.level`` on, not moved) and every element of the others: those
-    axes become layer axes (``level`` grows by their number). None for any other slice."""
-    if prim is P.slice_p:
-        if any(s != 1 for s in params.get("strides") or ()):
-            return None
-        sizes = [hi - lo for lo, hi in zip(params["start_indices"], params["limit_indices"])]
-    else:
-        sizes = list(params["slice_sizes"])
-    if view.moved:
+def _squeezed(params, view: View, in_shape, out_shape) -> View:
+    drop = {d % len(in_shape) for d in params["dimensions"]}
+    return dataclasses.replace(view, axes=tuple(a for i, a in enumerate(view.axes) if i not in drop), moved=True)
+
+
+def _broadcast(params, view: View, in_shape, out_shape) -> View | None:
+    dims = params["broadcast_dimensions"]
+    new = [()] * len(out_shape)
+    for i, d in enumerate(dims):
+        if in_shape[i] != out_shape[d]:
+            return None  # a size-1 axis broadcast: a real broadcast
+        new[d] = view.axes[i]
+    if any(out_shape[d] != 1 for d in range(len(out_shape)) if d not in dims):
         return None
+    return dataclasses.replace(view, axes=tuple(new), moved=True)
+
+
+def _reshaped(params, view: View, in_shape, out_shape) -> View | None:
+    if params.get("dimensions") is not None:
+        return None
+    return dataclasses.replace(view, axes=reshape_axes(view.axes, in_shape, out_shape), moved=True)
+
+
+# Ops that only move or retype the elements of their first operand: a parameter read through
+# them is still the parameter (a view), as each rule here says (None: not a pure move).
+RETYPE_PRIMITIVES = primitives("convert_element_type_p", "copy_p", "sharding_constraint_p")
+VIEWS = {
+    **dict.fromkeys(RETYPE_PRIMITIVES, lambda params, view, in_shape, out_shape: view),
+    P.transpose_p: _transposed,
+    P.squeeze_p: _squeezed,
+    P.broadcast_in_dim_p: _broadcast,
+    P.reshape_p: _reshaped,
+}
+VIEW_PRIMITIVES = frozenset(VIEWS)
+
+
+def view_through(prim, params, view: View, in_shape, out_shape) -> View | None:
+    """The view after ``prim`` (one of ``VIEW_PRIMITIVES``), or None when the op is not a pure
+    move of the parameter's elements (a real broadcast)."""
+    return VIEWS[prim](params, view, in_shape, out_shape)
+
+
+def index_view(parts: jaxprs.SliceParts, view: View, in_shape) -> View | None:
+    """The view after a ``slice`` / ``dynamic_slice`` (``parts``) that takes one index of the
+    parameter's leading axes (from ``view.level`` on, not moved) and every element of the
+    others: those axes become layer axes (``level`` grows by their number). None for any other
+    slice."""
+    if parts.strided or view.moved:
+        return None
+    sizes = parts.sizes
     m = 0
     while m < len(sizes) and sizes[m] == 1 and view.axes[m] == (view.level + m,):
         m += 1
@@ -264,10 +264,11 @@ def dot_roles(view: View, dims, position: int) -> tuple[tuple[int, ...], tuple[i
 # The walk
 
 
-class _Walker:
+class _Walker(Traversal):
     """Abstract evaluation of a jaxpr: each value is a ``View`` of a parameter or the set of
-    parameters whose GEMM outputs it depends on. ``trips`` / ``branch``: the loop and branch
-    context of the equations being walked (``Use.trips``, ``Use.branch``)."""
+    parameters whose GEMM outputs it depends on. ``trips`` / ``branch`` / ``remat``: the loop,
+    branch and remat context of the equations being walked (``Use.trips``, ``Use.branch``,
+    ``Use.remat``)."""
 
     def __init__(self, num_params: int) -> None:
         self.uses: list[set[Use]] = [set() for _ in range(num_params)]
@@ -275,156 +276,138 @@ class _Walker:
         self._sites: dict[int, int] = {}
         self.trips: int | None = 1
         self.branch = False
+        self.remat = False
+
+    def literal(self, lit) -> frozenset:
+        return frozenset()
+
+    def constant(self, value) -> frozenset:
+        return frozenset()
 
     def site(self, eqn) -> int:
         return self._sites.setdefault(id(eqn), len(self._sites))
 
-    def use(self, view: View, kind: str, what: str, *, remat: bool, site: int = 0, roles=((), (), ())) -> None:
+    def use(self, view: View, kind: str, what: str, *, site: int = 0, roles=((), (), ())) -> None:
         contract, free, batch = roles
         self.uses[view.param].add(
-            Use(kind, view.level, what, contract, free, batch, remat, site, self.trips, self.branch)
+            Use(kind, view.level, what, contract, free, batch, self.remat, site, self.trips, self.branch)
         )
 
-    def walk(self, jaxpr: jcore.Jaxpr, consts, args, *, remat: bool) -> list:
-        env: dict = {}
-
-        def read(v):
-            return frozenset() if isinstance(v, jcore.Literal) else env[v]
-
-        for v, x in zip(jaxpr.constvars, consts):
-            env[v] = x
-        for v, x in zip(jaxpr.invars, args):
-            env[v] = x
-        for eqn in jaxpr.eqns:
-            outs = self.eqn(eqn, [read(v) for v in eqn.invars], remat=remat)
-            for v, x in zip(eqn.outvars, outs):
-                if not isinstance(v, jcore.DropVar):
-                    env[v] = x
-        return [read(v) for v in jaxpr.outvars]
-
-    def inside(self, jaxpr, consts, args, *, remat: bool, trips: int | None = 1, branch: bool = False) -> list:
-        """``walk`` of a body that runs ``trips`` times per run of the enclosing one (None: a
-        ``while`` body), or in a branch."""
-        saved = self.trips, self.branch
+    def within(self, body: Body, args, *, trips: int | None = 1, branch: bool = False, remat: bool = False) -> list:
+        """``body`` walked on ``args`` where it runs ``trips`` times per run of the enclosing
+        one (None: a ``while`` body), in a branch, or rematerialised."""
+        saved = self.trips, self.branch, self.remat
         self.trips = None if trips is None or self.trips is None else self.trips * trips
         self.branch = self.branch or branch
+        self.remat = self.remat or remat
         try:
-            return self.walk(jaxpr, consts, args, remat=remat)
+            return body(args)
         finally:
-            self.trips, self.branch = saved
+            self.trips, self.branch, self.remat = saved
 
-    def eqn(self, eqn, ins: list, *, remat: bool) -> list:
-        prim, params = eqn.primitive, eqn.params
-        views = [x for x in ins if isinstance(x, View)]
-        n_out = len(eqn.outvars)
-        if prim in INLINED_CALLS:
-            inner, consts = jaxprs.call_body(eqn)
-            return self.walk(inner, [frozenset()] * len(consts), ins, remat=remat)
-        if prim is jaxprs.REMAT:
-            inner, consts = jaxprs.remat_body(eqn)
-            return self.walk(inner, [frozenset()] * len(consts), ins, remat=True)
-        if prim is jaxprs.SCAN:
-            return self.scan(eqn, ins, remat=remat)
-        if prim is jaxprs.COND and views:
-            return self.cond(eqn, ins, remat=remat)
-        if prim is jaxprs.WHILE and views:
-            return self.while_loop(eqn, ins, remat=remat)
-        if not views:
-            deps = frozenset().union(*ins) if ins else frozenset()
-            return [deps] * n_out
-        if prim in VIEW_PRIMITIVES and isinstance(ins[0], View) and len(views) == 1:
-            out = view_through(prim, params, ins[0], eqn.invars[0].aval.shape, eqn.outvars[0].aval.shape)
-            if out is not None:
-                return [out]
-            self.use(ins[0], "other", f"{prim.name} (a broadcast)", remat=remat)
-            return [frozenset()]
-        if prim in INDEX_PRIMITIVES and isinstance(ins[0], View) and len(views) == 1:
-            out = index_view(prim, params, ins[0], eqn.invars[0].aval.shape)
-            if out is not None:
-                return [out]
-        if prim is P.dot_general_p and len(views) == 1:
-            return [self.dot(eqn, ins, remat=remat)]
-        if prim in LOOKUP_PRIMITIVES and isinstance(ins[0], View) and len(views) == 1:
-            self.use(ins[0], "lookup", prim.name, remat=remat, site=self.site(eqn))
-            return [frozenset()]
-        for x in views:
-            if jaxprs.sub_jaxprs(eqn):
-                what = f"passed into {prim.name} (a higher-order primitive FSDP does not follow into)"
-            elif prim is P.dot_general_p:
-                what = "a dot_general of two parameters"
-            else:
-                what = prim.name
-            self.use(x, "other", what, remat=remat, site=self.site(eqn))
+    # -- rules ------------------------------------------------------------------------------------
+
+    def default(self, eqn, ins: list, what: str | None = None) -> list:
+        """Every parameter among the operands read as ``other``; the results depend on what the
+        other operands depend on."""
+        if what is None and jaxprs.sub_jaxprs(eqn):
+            what = f"passed into {eqn.primitive.name} (a higher-order primitive FSDP does not follow into)"
+        for x in ins:
+            if isinstance(x, View):
+                self.use(x, "other", what or eqn.primitive.name, site=self.site(eqn))
         deps = frozenset().union(*(x for x in ins if not isinstance(x, View)))
-        return [deps] * n_out
+        return [deps] * len(eqn.outvars)
 
-    def dot(self, eqn, ins, *, remat: bool):
+    def _view(self, eqn, ins) -> list | None:
+        """A layout op on one parameter: the view it makes (a real broadcast reads it)."""
+        if not _one_view_first(ins):
+            return None
+        out = view_through(eqn.primitive, eqn.params, ins[0], eqn.invars[0].aval.shape, eqn.outvars[0].aval.shape)
+        if out is not None:
+            return [out]
+        self.use(ins[0], "other", f"{eqn.primitive.name} (a broadcast)")
+        return [frozenset()]
+
+    def _index(self, eqn, ins) -> list | None:
+        """``w[i]`` on the leading axes: the view of one layer."""
+        if not _one_view_first(ins):
+            return None
+        out = index_view(jaxprs.slice_parts(eqn), ins[0], eqn.invars[0].aval.shape)
+        return None if out is None else [out]
+
+    def _lookup(self, eqn, ins) -> list | None:
+        if not _one_view_first(ins):
+            return None
+        self.use(ins[0], "lookup", eqn.primitive.name, site=self.site(eqn))
+        return [frozenset()]
+
+    def _dot(self, eqn, ins) -> list | None:
+        views = [x for x in ins if isinstance(x, View)]
+        if len(views) != 1:
+            return self.default(eqn, ins, "a dot_general of two parameters") if views else None
         position = 0 if isinstance(ins[0], View) else 1
         view, act = ins[position], ins[1 - position]
         roles = dot_roles(view, eqn.params["dimension_numbers"], position)
         if roles is None:
-            self.use(view, "other", "a dot_general that contracts part of a reshaped axis", remat=remat)
-            return act
-        self.use(view, "gemm", "dot_general", remat=remat, site=self.site(eqn), roles=roles)
+            self.use(view, "other", "a dot_general that contracts part of a reshaped axis")
+            return [act]
+        self.use(view, "gemm", "dot_general", site=self.site(eqn), roles=roles)
         self.fed.update(act)
-        return act | {view.param}
+        return [act | {view.param}]
 
-    def _returned(self, outs, how: str, *, remat: bool) -> list:
+    def _returned(self, outs, how: str) -> list:
         result = []
         for o in outs:
             if isinstance(o, View):
-                self.use(o, "other", how, remat=remat)
+                self.use(o, "other", how)
                 o = frozenset()
             result.append(o)
         return result
 
-    def cond(self, eqn, ins, *, remat: bool) -> list:
+    def _remat(self, eqn, region: Remat, ins) -> list:
+        return self.within(region.body, ins, remat=True)
+
+    def _cond(self, eqn, branches: list[Body], ins) -> list | None:
         """Every branch walked on the operands (a parameter's uses are those of all branches);
         an output depends on what it depends on in any branch."""
+        if not any(isinstance(x, View) for x in ins):
+            return None
         outs = [frozenset()] * len(eqn.outvars)
-        for inner, consts in jaxprs.cond_branches(eqn):
-            got = self.inside(inner, [frozenset()] * len(consts), ins[1:], remat=remat, branch=True)
-            got = self._returned(got, "returned by a cond branch", remat=remat)
+        for branch in branches:
+            got = self._returned(self.within(branch, ins[1:], branch=True), "returned by a cond branch")
             outs = [a | b for a, b in zip(outs, got)]
         return outs
 
-    def while_loop(self, eqn, ins, *, remat: bool) -> list:
-        parts = jaxprs.while_parts(eqn)
-        nc, nb = parts.cond_nconsts, parts.body_nconsts
-        c_consts, b_consts, carry = ins[:nc], ins[nc : nc + nb], list(ins[nc + nb :])
-        carry = self._returned(carry, "carried through a loop", remat=remat)
-        (cj, cc), (bj, bc) = parts.cond, parts.body
+    def _while(self, eqn, loop: While, ins) -> list | None:
+        if not any(isinstance(x, View) for x in ins):
+            return None
+        c_consts, b_consts, carry = loop.split(ins)
+        carry = self._returned(carry, "carried through a loop")
         for _ in range(16):
-            self.inside(cj, [frozenset()] * len(cc), c_consts + carry, remat=remat, trips=None)
-            outs = self.inside(bj, [frozenset()] * len(bc), b_consts + carry, remat=remat, trips=None)
-            outs = self._returned(outs, "carried through a loop", remat=remat)
+            self.within(loop.cond, c_consts + carry, trips=None)
+            outs = self._returned(self.within(loop.body, b_consts + carry, trips=None), "carried through a loop")
             grown = [c | o for c, o in zip(carry, outs)]
             if grown == carry:
                 break
             carry = grown
         return carry
 
-    def scan(self, eqn, ins, *, remat: bool) -> list:
-        parts = jaxprs.scan_parts(eqn)
-        nc, ncar = parts.num_consts, parts.num_carry
-        consts, carry, xs = ins[:nc], list(ins[nc : nc + ncar]), ins[nc + ncar :]
-        for k, x in enumerate(carry):
-            if isinstance(x, View):
-                self.use(x, "other", "carried through a loop", remat=remat)
-                carry[k] = frozenset()
+    def _scan(self, eqn, loop: Scan, ins) -> list:
+        consts, carry, xs = loop.split(ins)
+        ncar = loop.parts.num_carry
+        carry = self._returned(carry, "carried through a loop")
         body_xs = []
         for x in xs:
             if isinstance(x, View):
                 if x.moved or not x.axes or x.axes[0] != (x.level,):
-                    self.use(x, "other", "sliced by a scan after its axes were moved", remat=remat)
+                    self.use(x, "other", "sliced by a scan after its axes were moved")
                     body_xs.append(frozenset())
                 else:
                     body_xs.append(dataclasses.replace(x, axes=x.axes[1:], level=x.level + 1))
             else:
                 body_xs.append(x)
-        body_consts = [frozenset()] * len(parts.consts)
         for _ in range(16):  # the carries' dependencies, to a fixed point
-            outs = self.inside(parts.jaxpr, body_consts, consts + carry + body_xs, remat=remat, trips=parts.length)
+            outs = self.within(loop.body, consts + carry + body_xs, trips=loop.parts.length)
             grown = [c | o if not isinstance(o, View) else c for c, o in zip(carry, outs[:ncar])]
             if grown == carry:
                 break
@@ -439,9 +422,29 @@ class _Walker:
                 if j is not None:
                     result.append(xs[j])
                     continue
-            self.use(o, "other", "returned by a scan body", remat=remat)
+            self.use(o, "other", "returned by a scan body")
             result.append(frozenset())
         return result
+
+    kind_rules: ClassVar[Mapping[str, Rule]] = {
+        "call": Traversal.inline,
+        "remat": _remat,
+        "scan": _scan,
+        "cond": _cond,
+        "while": _while,
+    }
+    rules: ClassVar[Mapping[Any, Rule]] = {
+        **dict.fromkeys(VIEW_PRIMITIVES, _view),
+        **dict.fromkeys(INDEX_PRIMITIVES - LOOKUP_PRIMITIVES, _index),
+        **dict.fromkeys(LOOKUP_PRIMITIVES - INDEX_PRIMITIVES, _lookup),
+        **dict.fromkeys(INDEX_PRIMITIVES & LOOKUP_PRIMITIVES, first(_index, _lookup)),
+        P.dot_general_p: _dot,
+    }
+
+
+def _one_view_first(ins) -> bool:
+    """The first operand is a parameter's view, and no other operand is one."""
+    return isinstance(ins[0], View) and sum(isinstance(x, View) for x in ins) == 1
 
 
 def describe_shape(shape) -> str:
