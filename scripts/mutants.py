@@ -212,9 +212,9 @@ MUTANTS = (
         "FSDP quantizes its masters with the default rule whatever scale_rule says",
         (
             (
-                "mxfp8_jax/_src/fsdp/fsdp_state.py",
-                "t = quantize(w.reshape(-1, w.shape[-1]), scale_rule=rule)",
-                "t = quantize(w.reshape(-1, w.shape[-1]))",
+                "mxfp8_jax/_src/fsdp/fsdp_planes.py",
+                "t = quantize(w.astype(jnp.float32).reshape(-1, k), scale_rule=scale_rule)",
+                "t = quantize(w.astype(jnp.float32).reshape(-1, k))",
             ),
         ),
         ("tests/test_fsdp_scale.py::test_floor_rule_planes_and_gradients",),
@@ -365,7 +365,7 @@ MUTANTS = (
         "a unit's dgrad and wgrad choose fp32 by this process's default backend, not the lowering platform",
         (
             (
-                "mxfp8_jax/_src/fsdp/fsdp_unit.py",
+                "mxfp8_jax/_src/fsdp/fsdp_dots.py",
                 "    return lax.platform_dependent(act, v, dy, cpu=cpu, default=grads(layer))",
                 '    return (cpu if jax.default_backend() == "cpu" else grads(layer))(act, v, dy)',
             ),
@@ -380,7 +380,7 @@ MUTANTS = (
         "a unit's forward GEMM widens to fp32 by this process's default backend, not the lowering platform",
         (
             (
-                "mxfp8_jax/_src/fsdp/fsdp_unit.py",
+                "mxfp8_jax/_src/fsdp/fsdp_dots.py",
                 "    return lax.platform_dependent(act, v, cpu=widened, default=as_written)",
                 '    return (widened if jax.default_backend() == "cpu" else as_written)(act, v)',
             ),
