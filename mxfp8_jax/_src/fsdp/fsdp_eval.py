@@ -162,7 +162,7 @@ class _Evaluator(Traversal):
             return self.plain(eqn, values, specs)
         unit = units[0]
         if unit.pick and self.branches:  # see ``_cond``
-            unit = dataclasses.replace(unit, leaves=unit.picked_leaves(), pick=())
+            unit = dataclasses.replace(unit, shards=unit.picked_shards(), pick=())
             values = [unit if x is units[0] else x for x in values]
         rule = self.unit_rules.get(eqn.primitive) if len(units) == 1 else None
         out = None if rule is None else rule(self, eqn, unit, values, specs)
@@ -244,7 +244,7 @@ class _Evaluator(Traversal):
         if static and not (isinstance(x, UnitValue) and x.pick):  # a static index
             layer = lambda a: self.layer_of(a, [int(i) for i in parts.starts[:m]])
             if isinstance(x, UnitValue):
-                return dataclasses.replace(x, view=view, ops=ops, leaves=tuple(map(layer, x.leaves)))
+                return dataclasses.replace(x, view=view, ops=ops, shards=jax.tree.map(layer, x.shards))
         else:
             starts = list(parts.starts[:m]) if static else list(ins[1 : 1 + m])
             starts = [jnp.asarray(i, jnp.int32) for i in starts]
@@ -373,7 +373,7 @@ class _Evaluator(Traversal):
                         len(xs_in),
                         len(x.leaves),
                         lambda leaves, x=x, view=view: dataclasses.replace(
-                            x, leaves=tuple(leaves), view=view, sliced=True
+                            x.with_leaves(leaves), view=view, sliced=True
                         ),
                     )
                 )
@@ -438,7 +438,7 @@ class _Evaluator(Traversal):
             found = _static_index(branches, k) if isinstance(x, Symbolic) else None
             picked = None if found is None else self.index(found[0], [x])
             if isinstance(picked, UnitValue):
-                picked = dataclasses.replace(picked, leaves=picked.picked_leaves(), pick=())
+                picked = dataclasses.replace(picked, shards=picked.picked_shards(), pick=())
             if picked is not None:  # every branch reads x[i] for one static i: i picked here
                 operands[k] = picked
                 slicers.update((id(e), k) for e in found)

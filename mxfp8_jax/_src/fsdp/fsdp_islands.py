@@ -67,14 +67,14 @@ def gemm_island(
     wait, token, token_spec = token(act, act_spec)
     op = dataclasses.replace(op, early=wait == "none")
 
-    def body(a, leaves, given_arrays, pick, token):
+    def body(a, shards, given_arrays, pick, token):
         g = None if given_meta is None else given_meta(given_arrays)
-        return unit_gemm(op, a, leaves, g, pick, {"own": OWN, "none": None}.get(wait, token))
+        return unit_gemm(op, a, shards, g, pick, {"own": OWN, "none": None}.get(wait, token))
 
     pick_specs = (PartitionSpec(),) * len(unit.pick)
-    specs = (act_spec, unit.leaf_specs(), given_specs, pick_specs, token_spec)
+    specs = (act_spec, unit.shard_specs(), given_specs, pick_specs, token_spec)
     fn = islands.island(body, specs, out_spec)
-    return fn(act, unit.leaves, arrays, unit.pick, token), fsdp_specs.nonempty(tuple(out))
+    return fn(act, unit.shards, arrays, unit.pick, token), fsdp_specs.nonempty(tuple(out))
 
 
 def lookup_island(islands: Islands, op: UnitOp, others: tuple, other_specs, unit: UnitValue, out_spec, out_ndim):
@@ -82,11 +82,11 @@ def lookup_island(islands: Islands, op: UnitOp, others: tuple, other_specs, unit
     looked up on each device for its indices."""
     specs = tuple(partition(s, np.ndim(x)) for s, x in zip(other_specs, others))
     fn = islands.island(
-        lambda leaves, others, pick: unit_lookup(op, others, leaves, pick),
-        (unit.leaf_specs(), specs, (PartitionSpec(),) * len(unit.pick)),
+        lambda shards, others, pick: unit_lookup(op, others, shards, pick),
+        (unit.shard_specs(), specs, (PartitionSpec(),) * len(unit.pick)),
         partition(out_spec, out_ndim),
     )
-    return fn(unit.leaves, others, unit.pick)
+    return fn(unit.shards, others, unit.pick)
 
 
 def plain_island(islands: Islands, eqn, ins: list, in_specs: list[Spec], out_spec: Spec, token: int):

@@ -26,7 +26,7 @@ from mxfp8_jax._src.fsdp import fsdp_specs
 from mxfp8_jax._src.fsdp.fsdp_discover import check_loss_shape, traceable
 from mxfp8_jax._src.fsdp.fsdp_eval import Islands, PlainValue, UnitValue, evaluate
 from mxfp8_jax._src.fsdp.fsdp_plan import Plan, check_uses
-from mxfp8_jax._src.fsdp.fsdp_planes import UnitPlanes
+from mxfp8_jax._src.fsdp.fsdp_planes import UnitPlanes, UnitShards
 from mxfp8_jax._src.fsdp.fsdp_state import StateLayout, TrainState
 from mxfp8_jax._src.fsdp.fsdp_trace import View, analyse, trace
 
@@ -179,13 +179,10 @@ class Steps:
             if p.kind == "frozen":
                 values.append(frozen[p.name])
             elif p.unit is not None:
-                leaves = (master[p.name] if p.trained else frozen[p.name],)
-                if p.kind == "mxfp8":
-                    q = planes[p.name]
-                    leaves += (q.rowwise_data, q.rowwise_scale, q.columnwise_data, q.columnwise_scale)
+                shards = UnitShards(master[p.name] if p.trained else frozen[p.name], planes.get(p.name))
                 view = View(j, tuple((a,) for a in range(len(p.step_shape))))
                 gemm = self.plan.gemms if p.kind == "mxfp8" else dataclasses.replace(self.plan.gemms, mxfp8=None)
-                values.append(UnitValue(p.name, p.unit, p.dtype, leaves, view, gemm=gemm))
+                values.append(UnitValue(p.name, p.unit, p.dtype, shards, view, gemm=gemm, path=p.path))
             else:
                 values.append(PlainValue(p.name, master[p.name], p.shard_axis, p.dtype))
         return values

@@ -57,7 +57,7 @@ from jax import lax
 
 from mxfp8_jax._src.core import spmd
 from mxfp8_jax._src.fsdp.fsdp_dots import backward_dots, forward_dot
-from mxfp8_jax._src.fsdp.fsdp_planes import Plane, UnitPlanes, decode
+from mxfp8_jax._src.fsdp.fsdp_planes import Plane, UnitShards, decode
 from mxfp8_jax._src.fsdp.fsdp_trace import P, product
 from mxfp8_jax._src.numerics.format import BLOCK
 from mxfp8_jax._src.ops import mxfp8_gemm
@@ -308,9 +308,9 @@ class UnitOp:
 OWN = "own"  # a gather waits for the op's own input (``unit_gemm``'s ``token``)
 
 
-def unit_gemm(op: UnitOp, act: jax.Array, leaves: tuple, given=None, pick: tuple = (), token=OWN) -> jax.Array:
+def unit_gemm(op: UnitOp, act: jax.Array, shards: UnitShards, given=None, pick: tuple = (), token=OWN) -> jax.Array:
     """The ``dot_general`` of ``op`` with the unit as one operand and ``act`` the other, run on
-    this device's shards ``leaves`` (``(master, *planes)``): one ``custom_vjp``. ``given``: the
+    this device's ``shards`` (its master rows and planes): one ``custom_vjp``. ``given``: the
     MXFP8 planes of ``act`` when it is one (``mxfp8_gemm.GivenOperand``), used by MXFP8 GEMMs
     whose activation is the marked value itself, rows by tokens and K last. ``pick``: one
     int32 index per axis of ``op.picked`` (the layer the op reads of stacked shards).
@@ -325,21 +325,17 @@ def unit_gemm(op: UnitOp, act: jax.Array, leaves: tuple, given=None, pick: tuple
             given = None
         order = None if given is None else given.order
         arrays = None if given is None else given.arrays
-        return _mx_gemm(op, canon, order, act, *_as_shards(leaves), arrays, pick, token)
-    return _gemm(op, act, *_as_shards(leaves), pick, token)
+        return _mx_gemm(op, canon, order, act, shards.master, shards.planes, arrays, pick, token)
+    return _gemm(op, act, shards.master, shards.planes, pick, token)
 
 
-def unit_lookup(op: UnitOp, others: tuple, leaves: tuple, pick: tuple = (), token=OWN) -> jax.Array:
+def unit_lookup(op: UnitOp, others: tuple, shards: UnitShards, pick: tuple = (), token=OWN) -> jax.Array:
     """A ``gather`` / ``dynamic_slice`` of the unit (``others``: its index operands), on this
     device's shards: the table gathered for the lookup, the gradient reduce-scattered.
     ``pick``, ``token``: as for ``unit_gemm`` (``OWN``: the first index operand)."""
     pick = tuple(jnp.asarray(i, jnp.int32) for i in pick)
     token = (others[0] if others else None) if token is OWN else token
-    return _lookup(op, tuple(others), *_as_shards(leaves), pick, token)
-
-
-def _as_shards(leaves):  # TRANSITIONAL: replaced by UnitShards once the evaluator holds them
-    return leaves[0], (UnitPlanes(*leaves[1:]) if len(leaves) > 1 else None)
+    return _lookup(op, tuple(others), shards.master, shards.planes, pick, token)
 
 
 def pick_layer(a: jax.Array, pick) -> jax.Array:

@@ -21,6 +21,7 @@ import jax
 from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec
 
+from mxfp8_jax._src.fsdp.fsdp_planes import UnitShards
 from mxfp8_jax._src.fsdp.fsdp_topology import Topology
 from mxfp8_jax._src.fsdp.fsdp_trace import View
 from mxfp8_jax._src.fsdp.fsdp_unit import Gemms, UnitGeometry, pick_layer
@@ -28,8 +29,8 @@ from mxfp8_jax._src.fsdp.fsdp_unit import Gemms, UnitGeometry, pick_layer
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class UnitValue:
-    """A unit as the evaluated loss holds it: ``leaves`` = ``(master, *planes)``, global arrays
-    ``[*stack, rows, K]`` split by rows over ``geometry.axes``, the layer axes of enclosing scans
+    """A unit as the evaluated loss holds it: ``shards``, its master rows and planes as global
+    arrays ``[*stack, rows, K]`` split by rows over ``geometry.axes``, the layer axes of enclosing scans
     sliced off; ``ops`` the layout ops applied since the parameter, ``view`` their effect on its
     axes; ``pick`` the layer an index (``w[i]``) chose, one index per leading axis of the leaves,
     picked by the op that reads it."""
@@ -37,25 +38,35 @@ class UnitValue:
     name: str
     geometry: UnitGeometry
     dtype: Any
-    leaves: tuple
+    shards: UnitShards
     view: View
     ops: tuple = ()
     gemm: Gemms = dataclasses.field(default_factory=Gemms)  # how its GEMMs multiply (``gemm.mxfp8``: in MXFP8)
     pick: tuple = ()  # indices of the leaves' leading layer axes the value reads (``w[i]``)
     sliced: bool = False  # a scan's slice of it (one layer per iteration)
+    path: tuple = ()  # the parameter's nnx path (a list's index an int)
 
-    def leaf_specs(self) -> tuple[PartitionSpec, ...]:
-        """The islands' ``in_specs`` of the leaves: rows split over the unit's axes."""
-        return tuple(PartitionSpec(*(None,) * (x.ndim - 2), self.geometry.axes, None) for x in self.leaves)
+    @property
+    def leaves(self) -> tuple:
+        """The arrays of ``shards``, as ``jax.tree.leaves`` lists them."""
+        return tuple(jax.tree.leaves(self.shards))
+
+    def with_leaves(self, leaves) -> UnitValue:
+        """The same unit on other arrays (as ``leaves`` lists them: a scan's slices, a layer)."""
+        return dataclasses.replace(self, shards=jax.tree.unflatten(jax.tree.structure(self.shards), leaves))
+
+    def shard_specs(self) -> UnitShards:
+        """The islands' ``in_specs`` of ``shards``: rows split over the unit's axes."""
+        return jax.tree.map(lambda x: PartitionSpec(*(None,) * (x.ndim - 2), self.geometry.axes, None), self.shards)
 
     @property
     def picked(self) -> tuple[int, ...]:
         """The sizes of the leaves' leading axes that ``pick`` indexes."""
-        return tuple(self.leaves[0].shape[: len(self.pick)])
+        return tuple(self.shards.master.shape[: len(self.pick)])
 
-    def picked_leaves(self) -> tuple:
-        """The leaves of the layer ``pick`` names (a copy of that layer's shards)."""
-        return tuple(pick_layer(a, self.pick) for a in self.leaves)
+    def picked_shards(self) -> UnitShards:
+        """The shards of the layer ``pick`` names (a copy of that layer's shards)."""
+        return jax.tree.map(lambda a: pick_layer(a, self.pick), self.shards)
 
     def arrays(self) -> tuple:
         """The arrays it stands for: its leaves, then its pick indices."""
@@ -64,17 +75,16 @@ class UnitValue:
     def with_arrays(self, arrays) -> UnitValue:
         """The same unit on ``arrays`` (as ``arrays()`` lists them, e.g. inside a region)."""
         n = len(self.leaves)
-        return dataclasses.replace(self, leaves=tuple(arrays[:n]), pick=tuple(arrays[n:]))
+        return dataclasses.replace(self.with_leaves(arrays[:n]), pick=tuple(arrays[n:]))
 
     @property
     def layer(self) -> tuple[str, ...] | None:
         """The element of a list of layers (``nnx.List``, a Python list) the unit belongs to, as
-        its path up to and including the list index: ``blocks/3/attn/q/kernel`` (the name is the
-        nnx path, ``/``-joined, a list's index an integer) -> ``("blocks", "3")``. None outside
-        such a list: the unit is in no layer of a Python loop over layers."""
-        path = self.name.split("/")
-        index = next((k for k, key in enumerate(path) if key.isdecimal()), None)
-        return None if index is None else tuple(path[: index + 1])
+        its path up to and including the list index (an int): ``("blocks", 3, "attn", "q",
+        "kernel")`` -> ``("blocks", 3)``. None outside such a list: the unit is in no layer of a
+        Python loop over layers."""
+        index = next((k for k, key in enumerate(self.path) if isinstance(key, int)), None)
+        return None if index is None else tuple(self.path[: index + 1])
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
