@@ -25,6 +25,7 @@ from mxfp8_jax._src.fsdp.flax_fsdp import FSDP
 from mxfp8_jax._src.fsdp.flax_layers import Kernel, Linear, tensor_parallel
 from mxfp8_jax._src.fsdp.fsdp_plan import KINDS, ROLES, ParamInfo
 from mxfp8_jax._src.fsdp.fsdp_planes import UnitPlanes
+from mxfp8_jax._src.fsdp.fsdp_specs import MODEL_CONSTRAINTS, Constraint, ModelConstraintWarning
 from mxfp8_jax._src.fsdp.fsdp_state import TrainState
 from mxfp8_jax._src.fsdp.fsdp_unit import PRECISIONS, UnitGeometry
 from mxfp8_jax._src.ops.mxfp8_gemm import GEMM_PATHS, GEMMS, gemm_operand, gemm_paths
@@ -34,11 +35,14 @@ __all__ = [
     "GEMMS",
     "GEMM_PATHS",
     "KINDS",
+    "MODEL_CONSTRAINTS",
     "PRECISIONS",
     "ROLES",
     "TESTED_JAX",
+    "Constraint",
     "Kernel",
     "Linear",
+    "ModelConstraintWarning",
     "ParamInfo",
     "TrainState",
     "UnitGeometry",

@@ -216,10 +216,10 @@ def unsharded_step(model: nnx.Module, loss_fn, batch, *, has_aux: bool, mesh: Me
     return jax.jit(step)(*args)
 
 
-def fsdp_step(model: nnx.Module, mesh: Mesh, loss_fn, batch, *, has_aux: bool):
+def fsdp_step(model: nnx.Module, mesh: Mesh, loss_fn, batch, *, has_aux: bool, **options):
     """One ``FSDP.train_step`` with ``sgd(LR)``: ``(loss, aux, params after, other state after)``,
-    the last two as the gathered model holds them."""
-    fsdp = FSDP(model, mesh, loss_fn=loss_fn, example_batch=batch)
+    the last two as the gathered model holds them. ``options``: more arguments of ``FSDP``."""
+    fsdp = FSDP(model, mesh, loss_fn=loss_fn, example_batch=batch, **options)
     assert fsdp.mxfp8_units, str(fsdp)  # the step reads MXFP8 weight gathers
     tx = optax.sgd(LR)
     state = fsdp.init(model, tx)

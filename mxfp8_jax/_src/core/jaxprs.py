@@ -283,6 +283,17 @@ def sub_jaxprs(eqn) -> list:
     return found
 
 
+def where(eqn) -> str:
+    """Where the user's code made ``eqn``: ``file:line (function)`` of the innermost frame outside
+    jax and this package, as jax's own error messages name it ("" where jax keeps no record)."""
+    try:
+        from jax._src import source_info_util
+
+        return source_info_util.summarize(eqn.source_info)
+    except (ImportError, AttributeError):  # a jax without this module or record: no place given
+        return ""
+
+
 def all_eqns(jaxpr: jcore.Jaxpr):
     """The equations of ``jaxpr`` and, after each, those of the bodies it carries, nested
     bodies included, in order."""

@@ -157,6 +157,13 @@ class FSDP:
         rounded to it), fp32 accumulation, as XLA's own backward; ``"fp32"``: fp32 operands
         (exact products of bf16 and dequantized MXFP8 values); ``"auto"`` (default): fp32
         where the step is lowered for CPUs, ``"layer"`` for GPUs.
+      model_constraints: the model's own sharding constraints on activations
+        (``with_sharding_constraint``, MaxText's logical constraints) that replicate what the
+        step splits over the batch: ``"keep"`` (default: honoured, as ``jax.jit`` would: XLA
+        all-gathers the activation there and the ops after it run on the whole batch on every
+        device) or ``"drop"`` (ignored: the batch split carries through them). The plan's table
+        lists them, and a ``keep`` plan warns once when it finds any. Constraints that split,
+        or that name only other axes, are always kept.
 
     Platform-dependent choices follow the program, never this process's default backend: they
     are made where the step is lowered for its platform (``lax.platform_dependent``), or from
@@ -188,6 +195,7 @@ class FSDP:
         trainable: Any = nnx.Param,
         prefetch: int = 1,
         backward_gemm: str = "auto",
+        model_constraints: str = "keep",
     ) -> None:
         self._plan: Plan = make_plan(
             model,
@@ -203,6 +211,7 @@ class FSDP:
             trainable=trainable,
             prefetch=prefetch,
             backward_gemm=backward_gemm,
+            model_constraints=model_constraints,
         )
         self._layout = StateLayout(self._plan)
         self._steps = Steps(self._plan, self._layout)
@@ -220,6 +229,8 @@ class FSDP:
     precision_by_path = _field("precision_by_path", "The per-parameter precision rule, as given.")
     trainable = _field("trainable", "The nnx filter naming the trained variables, as given.")
     prefetch = _field("prefetch", "How many layers ahead each unit's forward gather starts.")
+    model_constraints = _field("model_constraints", "Whether the step keeps or drops the model's own constraints.")
+    constraints = _field("constraints", "The model's sharding constraints that replicate the batch split.")
     traced = _field("traced", "Whether the units were found by tracing the loss (else by layer class).")
     rest_names = _field("rest_names", "The paths of the model's other state (RNG streams, statistics).")
     units = _forward("_plan", Plan.units)

@@ -18,6 +18,7 @@ The discovery, in order:
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -28,10 +29,13 @@ from flax import nnx
 from flax.nnx import filterlib
 
 from mxfp8_jax._src.core import jaxprs
+from mxfp8_jax._src.fsdp import fsdp_specs
 from mxfp8_jax._src.fsdp.flax_layers import unit_kernel_shape
 from mxfp8_jax._src.fsdp.fsdp_plan import Plan, check_rule, check_rule_matches, plan_from_uses, uses_from_layers
+from mxfp8_jax._src.fsdp.fsdp_specs import MODEL_CONSTRAINTS, ModelConstraintWarning
+from mxfp8_jax._src.fsdp.fsdp_table import constraints_line
 from mxfp8_jax._src.fsdp.fsdp_topology import Topology
-from mxfp8_jax._src.fsdp.fsdp_trace import Uses, analyse, trace
+from mxfp8_jax._src.fsdp.fsdp_trace import analyse, trace
 from mxfp8_jax._src.fsdp.fsdp_unit import PRECISIONS, Gemms
 from mxfp8_jax._src.numerics.format import BLOCK, ScaleRule
 from mxfp8_jax._src.ops import mxfp8_gemm
@@ -118,6 +122,7 @@ def make_plan(
     trainable: Any = nnx.Param,
     prefetch: int = 1,
     backward_gemm: str = "auto",
+    model_constraints: str = "keep",
 ) -> Plan:
     """The FSDP plan of ``model`` over ``mesh``; the arguments are ``mxfp8_jax.flax.FSDP``'s (its
     docstring says what each means), checked here.
@@ -129,25 +134,27 @@ def make_plan(
     if not isinstance(model, nnx.Module):
         raise TypeError(f"model must be a flax.nnx.Module, got {type(model).__name__}")
     topology = Topology.of(mesh, tp_axis)
-    _check_options(precision, loss_fn, example_batch, precision_by_path, prefetch)
+    _check_options(precision, loss_fn, example_batch, precision_by_path, prefetch, model_constraints)
     jaxprs.warn_if_untested()
     scale = ScaleRule.parse(scale_rule).value
     mode = mxfp8_gemm.check_mode(gemm, gemm_path, scale_rule, topology.platform, topology.capability)
     trained_paths, params_paths, candidates, loose = _select(model, trainable, traced=loss_fn is not None)
     partition = Partition(model, params_paths | candidates)
     found, rest_avals, rest_names = partition.found(model)
+    constraints = ()
     if loss_fn is None:
         uses = uses_from_layers(found, _unit_kernels(model))
     else:
         topology.check_batch(example_batch, "example_batch")
         batch = jax.tree.map(lambda a: jax.ShapeDtypeStruct(np.shape(a), dtype_of(a)), example_batch)
         assigned: list[bool] = []
-        uses = _uses(loss_fn, partition, found, rest_avals, batch, topology, assigned)
+        uses, closed = _uses(loss_fn, partition, found, rest_avals, batch, topology, assigned)
         kept = _read_as_weights(found, uses, assigned, trainable, loose, candidates)
         if kept != candidates:  # the other candidates are the model's other state: plan without them
             partition = Partition(model, params_paths | kept)
             found, rest_avals, rest_names = partition.found(model)
-            uses = _uses(loss_fn, partition, found, rest_avals, batch, topology)
+            uses, closed = _uses(loss_fn, partition, found, rest_avals, batch, topology)
+        constraints = _constraints(closed, len(found) + len(rest_avals), batch, topology, model_constraints)
     params = plan_from_uses(
         found,
         uses,
@@ -172,6 +179,8 @@ def make_plan(
         traced=loss_fn is not None,
         trainable=trainable,
         precision_by_path=precision_by_path,
+        constraints=constraints,
+        model_constraints=model_constraints,
     )
     if not plan.units:
         raise _no_unit(plan)
@@ -226,7 +235,7 @@ def is_variable(x) -> bool:
     return isinstance(x, nnx.Variable)
 
 
-def _check_options(precision, loss_fn, example_batch, precision_by_path, prefetch) -> None:
+def _check_options(precision, loss_fn, example_batch, precision_by_path, prefetch, model_constraints) -> None:
     if precision not in PRECISIONS:
         raise ValueError(f"precision={precision!r} must be one of {PRECISIONS}")
     if (loss_fn is None) != (example_batch is None):
@@ -237,15 +246,29 @@ def _check_options(precision, loss_fn, example_batch, precision_by_path, prefetc
     check_rule(precision_by_path)
     if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
         raise ValueError(f"prefetch={prefetch!r} must be an int >= 0 (layers ahead; 0: each gather waits for its op)")
+    if model_constraints not in MODEL_CONSTRAINTS:
+        raise ValueError(f"model_constraints={model_constraints!r} must be one of {MODEL_CONSTRAINTS}")
 
 
-def _uses(loss_fn, partition: Partition, found, rest_avals, batch, topology: Topology, assigned=None) -> Uses:
-    """How the loss reads each parameter of ``partition``, from a trace on ``batch``."""
+def _uses(loss_fn, partition: Partition, found, rest_avals, batch, topology: Topology, assigned=None):
+    """How the loss reads each parameter of ``partition``, from a trace on ``batch``: the
+    ``Uses`` and the traced jaxpr."""
     avals = [jax.ShapeDtypeStruct(shape, dtype) for _, shape, dtype in found]
     fn = traceable(loss_fn, partition, assigned)
     closed, out_shape = trace(fn, avals, list(rest_avals), batch, forbidden=topology.fsdp_axis_sizes)
     check_loss_shape(out_shape[0])
-    return analyse(closed, len(avals))
+    return analyse(closed, len(avals)), closed
+
+
+def _constraints(closed, num_state: int, batch, topology: Topology, mode: str) -> tuple:
+    """The model's sharding constraints in the traced loss that replicate what the batch split
+    reaches; a ``"keep"`` plan warns once, naming the first and what they cost."""
+    specs = [None] * num_state
+    specs += [fsdp_specs.batch_leaf_spec(np.ndim(x), (topology.fsdp_axes,)) for x in jax.tree.leaves(batch)]
+    found = fsdp_specs.find_constraints(closed, specs, topology.sizes)
+    if found and mode == "keep":
+        warnings.warn(constraints_line(found, mode), ModelConstraintWarning, stacklevel=4)
+    return found
 
 
 def _no_unit(plan: Plan) -> ValueError:

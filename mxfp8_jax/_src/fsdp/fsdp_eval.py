@@ -62,6 +62,7 @@ from mxfp8_jax._src.fsdp.fsdp_trace import (
     View,
     dot_roles,
     index_view,
+    scan_slice,
     view_through,
 )
 from mxfp8_jax._src.fsdp.fsdp_unit import UnitOp, pick_layer
@@ -81,11 +82,13 @@ from mxfp8_jax._src.ops import mxfp8_gemm
 __all__ = ["Islands", "PlainValue", "UnitValue", "evaluate"]
 
 
-def evaluate(closed, args: list, specs: list[Spec], islands: Islands) -> list:
+def evaluate(closed, args: list, specs: list[Spec], islands: Islands, *, drop_constraints: bool = False) -> list:
     """``closed`` evaluated on ``args`` (arrays, ``UnitValue``s, ``PlainValue``s); ``specs``: how
-    the mesh splits each array argument (``fsdp_specs``; None for the others)."""
+    the mesh splits each array argument (``fsdp_specs``; None for the others).
+    ``drop_constraints``: the model's sharding constraints that replicate what the batch split
+    reaches are skipped (``FSDP(model_constraints="drop")``)."""
     jaxpr, consts = jaxprs.body(closed)
-    evaluator = _Evaluator(islands)
+    evaluator = _Evaluator(islands, drop_constraints)
     outs = evaluator.run(jaxpr, consts, list(zip(args, specs)))
     return [evaluator.output(x, "returned by the loss function") for x, _ in outs]
 
@@ -102,8 +105,9 @@ class _Evaluator(Traversal):
     parameter's view or island (``plain_rules``), a call, region, loop or branch evaluated here
     (``kind_rules``)."""
 
-    def __init__(self, islands: Islands) -> None:
+    def __init__(self, islands: Islands, drop_constraints: bool = False) -> None:
         self.islands = islands
+        self.drop_constraints = drop_constraints
         self.propagation = Propagation(islands.sizes)
         self.operands: dict = {}  # values marked by mxfp8_gemm.gemm_operand: their planes
         self.branches = 0  # how many cond branches the equations being evaluated are inside
@@ -144,7 +148,10 @@ class _Evaluator(Traversal):
     def traced(self, eqn, values, specs) -> list:
         """An op on values only, run as traced; a collective over an axis the islands are not
         manual over (tensor parallelism's, in the model) runs in an island
-        (``collective_island``)."""
+        (``collective_island``). A model's sharding constraint that replicates what the batch
+        split reaches is skipped when the plan drops them."""
+        if self.drop_constraints and fsdp_specs.replicated_dims(eqn, specs[0] if specs else None):
+            return [(values[0], specs[0])]
         out_specs = self.propagation.eqn(eqn, specs)
         island = self.traced_rules.get(eqn.primitive.name)
         if island is None or self.islands.owns_all or any(s is None for s in out_specs) or specs[0] is None:
@@ -365,22 +372,11 @@ class _Evaluator(Traversal):
         xs_in, slicers = [], []  # the scan's stacked inputs, and how the body sees each slice
         for x in xs:
             if isinstance(x, UnitValue):
-                if x.view.moved or not x.view.axes or x.view.axes[0] != (x.view.level,):
-                    raise misused(x, "a scan over it after its axes were moved")
-                view = dataclasses.replace(x.view, axes=x.view.axes[1:], level=x.view.level + 1)
-                slicers.append(
-                    (
-                        len(xs_in),
-                        len(x.leaves),
-                        lambda leaves, x=x, view=view: dataclasses.replace(
-                            x.with_leaves(leaves), view=view, sliced=True
-                        ),
-                    )
-                )
+                one = self.scan_slice(x)
+                slicers.append((len(xs_in), len(x.leaves), lambda leaves, one=one: one.with_leaves(leaves)))
                 xs_in.extend(x.leaves)
             elif isinstance(x, PlainValue):
-                if x.ops or x.shard_axis == 0:
-                    raise AssertionError(f"{x.name}: a scan slices a plain parameter along its split or viewed axes")
+                x = self.stacked_plain(x)
                 axis = None if x.shard_axis is None else x.shard_axis - 1
                 slicers.append(
                     (
@@ -422,6 +418,52 @@ class _Evaluator(Traversal):
         outs = [*carry_out, *(xs[forwarded[k]] if k in forwarded else next(ys) for k in range(n_ys))]
         stacked = [None if s is None else (None, *s) for s in y_specs]
         return list(zip(outs, [*k_specs, *stacked]))
+
+    def scan_slice(self, x: UnitValue) -> UnitValue:
+        """What a scan body reads of the stacked unit ``x`` each iteration (its leaves still
+        the stack's: the scan slices them): the next of its layer axes sliced off its view. A
+        stack the loss moved to lead before the scan (``transpose``, ``jnp.moveaxis``,
+        ``nnx.scan`` over axis 1) is read through one ``transpose`` of the layer's value, its
+        casts kept; its shards are stacked along their leading axis whatever the parameter's
+        layout, so the scan slices them the same way."""
+        view = scan_slice(x.view)
+        g = x.geometry
+        if view is None or view.layers != g.layer_axes[: view.level]:
+            axis = "?" if view is None else view.layers[-1]
+            raise misused(x, f"a scan over its axis {axis} (the plan has layer axes {g.layer_axes})")
+        ops = x.ops
+        if x.view.moved:
+            kept = [a for (a,) in view.axes]
+            order = sorted(kept)
+            perm = tuple(order.index(a) for a in kept)
+            ops = tuple((prim, params) for prim, params in x.ops if prim is P.convert_element_type_p)
+            if perm != tuple(range(len(perm))):
+                ops = (*ops, (P.transpose_p, {"permutation": perm}))
+        return dataclasses.replace(x, view=view, ops=ops, sliced=True)
+
+    def stacked_plain(self, x: PlainValue) -> PlainValue:
+        """A plain parameter a scan slices along its leading axis, its recorded layout ops run on
+        its shards (a stack moved to lead: its split axis moves with it, no communication). Where
+        the ops merge its split axis into others, or bring it to the front, it is gathered whole
+        first (the plan splits none of a parameter's layer axes)."""
+        if not x.ops:
+            if x.shard_axis == 0:
+                return dataclasses.replace(x, array=self.islands.whole(x.array), shard_axis=None)
+            return x
+        v = x.array.astype(x.dtype)
+        view = View(0, tuple((a,) for a in range(v.ndim)))
+        for prim, params in x.ops:
+            out = prim.bind(v, **params)
+            view = None if view is None else view_through(prim, params, view, v.shape, out.shape)
+            v = out
+        axis = None
+        if x.shard_axis is not None and view is not None:
+            axis = next((d for d, axes in enumerate(view.axes) if axes == (x.shard_axis,)), None)
+        if x.shard_axis is not None and axis in (None, 0):
+            return dataclasses.replace(
+                x, array=x.value(self.islands.whole(x.array)), shard_axis=None, ops=(), dtype=v.dtype
+            )
+        return dataclasses.replace(x, array=v, shard_axis=axis, ops=(), dtype=v.dtype)
 
     def _cond(self, eqn, branches: list[Body], ins: list) -> list:
         """A ``cond`` / ``switch`` whose branches read parameters: every branch evaluated here

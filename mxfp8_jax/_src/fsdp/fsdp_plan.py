@@ -54,12 +54,13 @@ class ParamInfo:
     """One model parameter as the plan sees it; ``path`` as in ``nnx.to_flat_state``.
 
     ``kind`` is one of ``KINDS``; a unit (``"mxfp8"``/``"bf16"``) has its ``unit`` geometry and
-    ``role``; a plain parameter its ``shard_axis`` (None: whole on every device) and ``level``
-    (leading layer axes that scans slice). ``reason`` says why a unit is bf16 or why a
-    parameter is not a unit. Under tensor parallelism a unit's ``tp`` is ``"column"`` (``N``
-    split over the ``tp_size`` devices of the tp axis) or ``"row"`` (``K`` split); its ``unit``
-    geometry is then that of one tp slice. ``gemm_sites`` / ``lookup_sites`` / ``remat_sites``:
-    the ops of the loss that read it, and those of them inside rematerialised regions.
+    ``role``; a plain parameter its ``shard_axis`` (None: whole on every device).
+    ``layer_axes``: the axes scans or indices slice off (``level`` of them), leading or not.
+    ``reason`` says why a unit is bf16 or why a parameter is not a unit. Under tensor
+    parallelism a unit's ``tp`` is ``"column"`` (``N`` split over the ``tp_size`` devices of the
+    tp axis) or ``"row"`` (``K`` split); its ``unit`` geometry is then that of one tp slice.
+    ``gemm_sites`` / ``lookup_sites`` / ``remat_sites``: the ops of the loss that read it, and
+    those of them inside rematerialised regions.
     ``trained``: the optimizer updates it (False: a frozen unit, or kind ``"frozen"``).
     ``gathers``: how many times a step gathers the whole parameter (each read weighted by its
     trips through loops and divided by the layers it reads one of; a unit's GEMM counts twice,
@@ -73,7 +74,7 @@ class ParamInfo:
     unit: UnitGeometry | None = None
     role: str | None = None
     shard_axis: int | None = None
-    level: int = 0
+    layer_axes: tuple[int, ...] = ()
     tp: str | None = None
     tp_size: int = 1
     reason: str = ""
@@ -91,6 +92,11 @@ class ParamInfo:
     @property
     def is_unit(self) -> bool:
         return self.unit is not None
+
+    @property
+    def level(self) -> int:
+        """How many layer axes scans or indices slice off."""
+        return len(self.layer_axes)
 
     @property
     def stack(self) -> tuple[int, ...]:
@@ -141,7 +147,10 @@ class Plan:
     parameters (shown by the table). The model's structure: ``partition`` (how its variables
     split into the parameters and its other state: ``fsdp_discover.Partition``),
     ``rest_avals`` and ``rest_names`` (the other state's shapes and paths) and ``example_tree``
-    (the structure of the batch the loss was traced on; None without one).
+    (the structure of the batch the loss was traced on; None without one). ``constraints``: the
+    model's own sharding constraints that replicate activations the batch split reaches
+    (``fsdp_specs.Constraint``), found in the traced loss; ``model_constraints``: ``"keep"``
+    (the step honours them) or ``"drop"`` (it ignores those).
     """
 
     params: tuple[ParamInfo, ...]
@@ -157,6 +166,8 @@ class Plan:
     traced: bool = False
     trainable: Any = None
     precision_by_path: Any = None
+    constraints: tuple = ()
+    model_constraints: str = "keep"
 
     @property
     def units(self) -> tuple[ParamInfo, ...]:
@@ -201,9 +212,10 @@ class Plan:
         return sum(int(np.prod(p.stored_shape)) for p in self.units)
 
 
-def split_axis(shape: tuple[int, ...], n: int, first: int = 0) -> int | None:
-    """The first axis from ``first`` on that ``n`` devices split evenly (None: none does)."""
-    return next((a for a in range(first, len(shape)) if shape[a] > 0 and shape[a] % n == 0), None)
+def split_axis(shape: tuple[int, ...], n: int, skip=()) -> int | None:
+    """The first axis not in ``skip`` (layer axes) that ``n`` devices split evenly (None: none
+    does)."""
+    return next((a for a in range(len(shape)) if a not in skip and shape[a] > 0 and shape[a] % n == 0), None)
 
 
 def resolve_rule(rule, name: str, role: str) -> str | None:
@@ -311,7 +323,10 @@ def _classify(path, shape, dtype, uses: list[Use], head, topology: Topology, pre
         return ParamInfo(path, shape, dtype, "frozen", reason="not floating: kept as it is, not trained")
     gemms = [u for u in uses if u.kind == "gemm"]
     lookups = [u for u in uses if u.kind == "lookup"]
-    level = min((u.level for u in uses), default=0)
+    # a plain parameter's layers: those every read slices off; it is split along none of the
+    # axes any read slices (a scan or index then reads every device's part of a layer)
+    layers = min((u.layers for u in uses), key=len, default=())
+    sliced = {a for u in uses for a in u.layers}
 
     def plain(reason: str) -> ParamInfo:
         return ParamInfo(
@@ -319,8 +334,8 @@ def _classify(path, shape, dtype, uses: list[Use], head, topology: Topology, pre
             shape,
             dtype,
             "plain",
-            shard_axis=split_axis(shape, topology.fsdp_size, level),
-            level=level,
+            shard_axis=split_axis(shape, topology.fsdp_size, sliced),
+            layer_axes=layers,
             reason=reason,
             remat_sites=sum(u.remat for u in uses),
             gathers=_gathers(uses, shape, plain=True),
@@ -332,8 +347,10 @@ def _classify(path, shape, dtype, uses: list[Use], head, topology: Topology, pre
     other = next((u for u in uses if u.kind == "other"), None)
     if other is not None:
         return plain(f"read by {other.what}")
-    if len({u.level for u in uses}) > 1:
-        return plain("read both inside and outside the loop over its layers")
+    if len({u.layers for u in uses}) > 1:
+        if len({u.level for u in uses}) > 1:
+            return plain("read both inside and outside the loop over its layers")
+        return plain("sliced into layers along different axes by different loops")
     if gemms:
         first = gemms[0]
         batch, k_axes, n_axes = first.batch, first.contract, first.free
@@ -341,7 +358,8 @@ def _classify(path, shape, dtype, uses: list[Use], head, topology: Topology, pre
             if g.batch != batch or set(g.contract) not in (set(k_axes), set(n_axes)):
                 return plain("contracted in two different ways")
     else:  # a table that is only looked up: its rows are its first axis after the layers
-        batch, n_axes, k_axes = (), (level,), tuple(range(level + 1, len(shape)))
+        rest = [a for a in range(len(shape)) if a not in layers]
+        batch, n_axes, k_axes = (), tuple(rest[:1]), tuple(rest[1:])
     if not n_axes or not k_axes:
         return plain("a vector: nothing to split into rows")
     role = "embedding" if lookups else "head" if head else "projection"
@@ -366,11 +384,11 @@ def _classify(path, shape, dtype, uses: list[Use], head, topology: Topology, pre
     geometry_shape = shape
     if role_tp is not None:
         geometry_shape = _tp_slice(
-            name, shape, level, batch, n_axes, k_axes, role_tp, topology.tp_axis, topology.tp_size
+            name, shape, layers, batch, n_axes, k_axes, role_tp, topology.tp_axis, topology.tp_size
         )
     unit = UnitGeometry.build(
         geometry_shape,
-        level=level,
+        layer_axes=layers,
         batch_axes=batch,
         n_axes=n_axes,
         k_axes=k_axes,
@@ -385,7 +403,7 @@ def _classify(path, shape, dtype, uses: list[Use], head, topology: Topology, pre
         chosen,
         unit=unit,
         role=role,
-        level=level,
+        layer_axes=layers,
         tp=role_tp,
         tp_size=topology.tp_size if role_tp is not None else 1,
         reason=reason,
@@ -404,17 +422,18 @@ def _gathers(uses: list[Use], shape, *, plain: bool) -> float:
     gathered once per read (its gradient leaves by a reduce-scatter)."""
     total = 0.0
     for u in uses:
-        share = (u.trips or 1) / product(shape[: u.level])
+        share = (u.trips or 1) / product([shape[a] for a in u.layers])
         reads = 1 if plain or u.kind != "gemm" else 2
         total += share * (reads + u.remat)
     return total
 
 
-def _tp_slice(name, shape, level, batch, n_axes, k_axes, role, axis_name, t) -> tuple[int, ...]:
+def _tp_slice(name, shape, layers, batch, n_axes, k_axes, role, axis_name, t) -> tuple[int, ...]:
     """A tensor-parallel kernel ``[*layers, in, out]`` -> its shape on one device of the tp axis."""
     if role not in ("column", "row"):
         raise ValueError(f"{name}: tensor_parallel={role!r} must be 'column' or 'row'")
-    if batch or n_axes != (len(shape) - 1,) or k_axes != (len(shape) - 2,) or level != len(shape) - 2:
+    leading = tuple(range(len(shape) - 2))
+    if batch or n_axes != (len(shape) - 1,) or k_axes != (len(shape) - 2,) or tuple(layers) != leading:
         raise ValueError(
             f"{name}: tensor_parallel applies to a Linear-like kernel [*layers, in, out] contracted over in; "
             f"this {describe_shape(shape)} parameter is contracted over its axes {k_axes} (batch axes {batch})"
@@ -445,6 +464,8 @@ def check_uses(infos, uses: Uses, *, traced: bool) -> None:
                 problem = f"read with {u.level} layer axes sliced off by scans, where the plan has {g.level}" + (
                     " (a stacked layer called without nnx.scan?)" if u.level < g.level else ""
                 )
+            elif u.layers != g.layer_axes:
+                problem = f"sliced into layers along its axes {u.layers}, where the plan has {g.layer_axes}"
             elif u.kind == "gemm" and (
                 u.batch != g.batch_axes
                 or {frozenset(u.contract), frozenset(u.free)} != {frozenset(g.k_axes), frozenset(g.n_axes)}
@@ -460,7 +481,8 @@ def check_uses(infos, uses: Uses, *, traced: bool) -> None:
             )
             raise ValueError(
                 f"{p.name} {list(p.step_shape)}: the FSDP plan keeps it as a {p.kind} unit contracted over its "
-                f"axes {g.k_axes} (batch {g.batch_axes}, {g.level} layer axes), but this loss has it {problem}; {fix}"
+                f"axes {g.k_axes} (batch {g.batch_axes}, layer axes {g.layer_axes}), but this loss has it {problem}; "
+                f"{fix}"
             )
 
 
@@ -481,12 +503,18 @@ def uses_from_layers(params, unit_kernels: Mapping[tuple, tuple[tuple[int, ...],
         if spec is None:
             level = next((k for root, k in roots.items() if tuple(path[: len(root)]) == root), 0)
             by_param.append(
-                [Use("other", level, "no GEMM of an nnx.Linear or mxfp8_jax.flax.Linear (units by layer class)")]
+                [
+                    Use(
+                        "other",
+                        tuple(range(level)),
+                        "no GEMM of an nnx.Linear or mxfp8_jax.flax.Linear (units by layer class)",
+                    )
+                ]
             )
             continue
         stack, _, _ = spec
         level = len(stack)
-        by_param.append([Use("gemm", level, "dot_general", contract=(level,), free=(level + 1,))])
+        by_param.append([Use("gemm", tuple(range(level)), "dot_general", contract=(level,), free=(level + 1,))])
     return Uses(by_param, feeds_gemm=set(range(len(params))))
 
 

@@ -18,10 +18,12 @@ activation along a free axis itself (correct either way; only the data movement 
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar
 
+import numpy as np
 from jax.extend import core as jcore
 from jax.sharding import PartitionSpec
 
@@ -57,6 +59,7 @@ GATHERS = frozenset({"all_gather", "all_gather_invariant"})
 SCATTERS = frozenset({"reduce_scatter"})
 COLLECTIVES = SAME_SHAPE_COLLECTIVES | GATHERS | SCATTERS
 CUMULATIVE = primitives("cumsum_p", "cumprod_p", "cummax_p", "cummin_p", "cumlogsumexp_p")
+(SHARDING_CONSTRAINT,) = primitives("sharding_constraint_p")
 
 
 def axes_count(entry, sizes: dict[str, int]) -> int:
@@ -299,6 +302,97 @@ class Propagation(Traversal):
                 new.append(batch_entries[k] if k < len(batch_entries) else None)
                 k += 1
         return nonempty(tuple(new))
+
+
+# ------------------------------------------------------------------------------------------------
+# The model's own sharding constraints
+
+
+MODEL_CONSTRAINTS = ("keep", "drop")
+
+
+class ModelConstraintWarning(UserWarning):
+    """The model's own sharding constraints replicate activations the FSDP step splits over the
+    batch (``FSDP(model_constraints=)``)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Constraint:
+    """A sharding constraint of the model's (``with_sharding_constraint``, MaxText's logical
+    constraints) that replicates axes of an activation the batch split reaches: ``where`` the
+    model applies it, the value's ``shape`` and ``dtype``, the ``spec`` it asks for and the axes
+    (``dims``) it replicates that the step splits. Kept, XLA all-gathers the activation to every
+    device there, and the ops after it run on the whole batch on every device until an op that
+    reads a unit splits it again."""
+
+    where: str
+    shape: tuple[int, ...]
+    dtype: str
+    spec: str
+    dims: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        """The activation's bytes (what each device holds of it once gathered)."""
+        return math.prod(self.shape) * np.dtype(self.dtype).itemsize
+
+    def describe(self) -> str:
+        """The constraint in words, for the plan's table and its warning.
+
+        Returns:
+          ``"at <where>, pins <dtype>[<shape>] to <spec> (axis <dims> replicated)"`` (without
+          the place where jax keeps no record of it).
+        """
+        place = f"at {self.where}, " if self.where else ""
+        axes = ", ".join(map(str, self.dims))
+        shape = ",".join(map(str, self.shape))
+        return f"{place}pins {self.dtype}[{shape}] to {self.spec} (axis {axes} replicated)"
+
+
+def replicated_dims(eqn, spec: Spec) -> tuple[int, ...]:
+    """The axes of a ``sharding_constraint`` equation's operand that the batch split reaches
+    (``spec``) and the constraint replicates (its spec has None there, or its sharding is
+    replicated); () for any other equation, or a constraint that splits or leaves them free."""
+    if eqn.primitive is not SHARDING_CONSTRAINT or spec is None:
+        return ()
+    sharding = eqn.params.get("sharding")
+    free = eqn.params.get("unconstrained_dims") or frozenset()
+    entries = getattr(sharding, "spec", None)
+    if entries is None:
+        if not getattr(sharding, "is_fully_replicated", False):
+            return ()
+        entries = ()
+    entries = tuple(entries) + (None,) * max(0, len(spec) - len(tuple(entries)))
+    return tuple(d for d, (s, c) in enumerate(zip(spec, entries)) if s is not None and c is None and d not in free)
+
+
+class _ConstraintFinder(Propagation):
+    """The batch split followed through a loss, noting each of the model's sharding constraints
+    that replicates what the split reaches (the split is followed on past it, as if dropped, so
+    that every such constraint is found, not only the first)."""
+
+    def __init__(self, sizes: dict[str, int]) -> None:
+        super().__init__(sizes)
+        self.found: dict[int, Constraint] = {}
+
+    def _constraint_rule(self, eqn, ins) -> list[Spec]:
+        dims = replicated_dims(eqn, ins[0])
+        if dims and id(eqn) not in self.found:
+            aval = eqn.invars[0].aval
+            spec = getattr(eqn.params.get("sharding"), "spec", "replicated")
+            self.found[id(eqn)] = Constraint(jaxprs.where(eqn), tuple(aval.shape), str(aval.dtype), str(spec), dims)
+        return self._elementwise_rule(eqn, ins)
+
+    rules: ClassVar[Mapping[Any, Rule]] = {**Propagation.rules, SHARDING_CONSTRAINT: _constraint_rule}
+
+
+def find_constraints(closed, specs: Sequence[Spec], sizes: dict[str, int]) -> tuple[Constraint, ...]:
+    """The model's sharding constraints in ``closed`` (nested bodies included) that replicate
+    axes the batch split reaches, in program order; ``specs``: the inputs' splits."""
+    finder = _ConstraintFinder(sizes)
+    jaxpr, consts = jaxprs.body(closed)
+    finder.run(jaxpr, consts, list(specs))
+    return tuple(finder.found.values())
 
 
 def sliced(s: Spec) -> Spec:

@@ -129,7 +129,8 @@ class Steps:
 
             def loss_of(master):
                 args = [*self.step_values(master, planes, frozen), *keys, *batch_leaves]
-                out, after = jax.tree.unflatten(out_tree, evaluate(closed, args, specs, islands))
+                outs = evaluate(closed, args, specs, islands, drop_constraints=plan.model_constraints == "drop")
+                out, after = jax.tree.unflatten(out_tree, outs)
                 loss, aux = split_loss(out, has_aux, averaged=tp is not None)
                 return loss.astype(jnp.float32) / topology.tp_size, (aux, after)  # under tp: a share of the mean
 

@@ -29,7 +29,27 @@ def summary(plan: Plan) -> str:
     if plan.gemms.mxfp8 is not None:
         path = plan.gemms.mxfp8.path
         line += f"; MXFP8 units' GEMMs in MXFP8, path {path}" + (" (by lowering platform)" if path == "auto" else "")
-    return f"{table}\n{line}"
+    lines = [table, line]
+    if plan.constraints:
+        lines.append(constraints_line(plan.constraints, plan.model_constraints))
+    return "\n".join(lines)
+
+
+def constraints_line(constraints, mode: str) -> str:
+    """What the model's own sharding constraints that replicate the batch split cost, or that the
+    step drops them (``model_constraints``)."""
+    n = len(constraints)
+    head = (
+        f"model sharding constraints: {n} replicate activations the step splits over the batch; the first "
+        f"{constraints[0].describe()}"
+    )
+    if mode == "drop":
+        return head + ". Dropped (model_constraints='drop'): the batch split carries through them"
+    total = sum(c.nbytes for c in constraints)
+    return (
+        head + f". Kept: each all-gathers its activation to every device ({_fmt(total)} for one run of each), and "
+        "the ops after it run on the whole batch on every device; FSDP(..., model_constraints='drop') ignores them"
+    )
 
 
 def describe(infos, mesh_size: int, *, traced: bool, trainable=None) -> str:

@@ -13,7 +13,9 @@ that only move or retype its elements (``convert_element_type``, ``transpose``, 
 - anything else (a norm's scale multiplied in, a bias added, a custom_vjp): ``other``.
 
 A parameter that a ``scan`` slices (the stacked weights of ``nnx.vmap`` + ``nnx.scan``) is read
-one layer at a time: the leading axes the scans slice off are its stack axes (``level``). So is
+one layer at a time: the parameter axes the scans slice off are its layer axes (``layers``),
+the leading ones or any other a ``transpose`` moved to lead before the scan (MaxText's stacks on
+axis 1, ``nnx.scan`` over ``in_axes=1``, ``jnp.moveaxis`` before ``lax.scan``). So is
 a parameter indexed on its leading axes (``w[i]``: a ``dynamic_slice`` by a ``fori_loop``
 counter, a static ``slice`` in a Python loop) before it is read: the indexed axes are layer
 axes too. The trace follows ``cond`` / ``switch`` branches and ``while`` bodies, and counts how
@@ -54,14 +56,22 @@ class View:
 
     ``axes[i]`` are the parameter axes that axis ``i`` of the value spans (several after a
     reshape merges them; one parameter axis may be split over several value axes; a size-1 axis
-    spans none). ``level``: the leading parameter axes enclosing scans have sliced off.
-    ``moved``: an op other than a retype changed the axes (a scan can then no longer slice it).
+    spans none). ``layers``: the parameter axes enclosing scans and indices have sliced off
+    (layer axes), in the order they were sliced: the leading ones for a stack on axis 0, any
+    others for a stack moved to lead before its scan (MaxText's ``param_scan_axis=1``).
+    ``moved``: an op other than a retype changed the axes (an index ``w[i]`` then no longer
+    reads its leading axes).
     """
 
     param: int
     axes: tuple[tuple[int, ...], ...]
-    level: int = 0
+    layers: tuple[int, ...] = ()
     moved: bool = False
+
+    @property
+    def level(self) -> int:
+        """How many layer axes are sliced off."""
+        return len(self.layers)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,7 +80,8 @@ class Use:
 
     ``kind``: ``"gemm"``, ``"lookup"`` or ``"other"``. For a GEMM, ``contract`` / ``free`` /
     ``batch`` are the parameter axes it contracts, keeps, and batches over (in the dot's batch
-    order). ``level``: the parameter's leading axes sliced off by scans at that point.
+    order). ``layers``: the parameter's axes sliced off by scans and indices at that point
+    (``View.layers``; ``level`` their number).
     ``remat``: inside a rematerialised region (its gathers run again in the backward).
     ``what``: the op, for plans and errors. ``trips``: how many times it runs per step (the
     product of the enclosing scans' lengths; None inside a ``while`` loop). ``branch``: inside
@@ -78,7 +89,7 @@ class Use:
     """
 
     kind: str
-    level: int
+    layers: tuple[int, ...]
     what: str
     contract: tuple[int, ...] = ()
     free: tuple[int, ...] = ()
@@ -87,6 +98,11 @@ class Use:
     site: int = 0
     trips: int | None = 1
     branch: bool = False
+
+    @property
+    def level(self) -> int:
+        """How many layer axes are sliced off."""
+        return len(self.layers)
 
 
 @dataclasses.dataclass
@@ -220,18 +236,39 @@ def view_through(prim, params, view: View, in_shape, out_shape) -> View | None:
 
 def index_view(parts: jaxprs.SliceParts, view: View, in_shape) -> View | None:
     """The view after a ``slice`` / ``dynamic_slice`` (``parts``) that takes one index of the
-    parameter's leading axes (from ``view.level`` on, not moved) and every element of the
-    others: those axes become layer axes (``level`` grows by their number). None for any other
-    slice."""
+    value's leading axes (each one parameter axis, the view not moved) and every element of
+    the others: those parameter axes become layer axes (appended to ``layers``). None for any
+    other slice."""
     if parts.strided or view.moved:
         return None
     sizes = parts.sizes
     m = 0
-    while m < len(sizes) and sizes[m] == 1 and view.axes[m] == (view.level + m,):
+    while m < len(sizes) and sizes[m] == 1 and len(view.axes[m]) == 1:
         m += 1
     if m == 0 or any(sizes[d] != in_shape[d] for d in range(m, len(sizes))):
         return None
-    return dataclasses.replace(view, axes=((),) * m + view.axes[m:], level=view.level + m, moved=True)
+    layers = view.layers + tuple(view.axes[d][0] for d in range(m))
+    return dataclasses.replace(view, axes=((),) * m + view.axes[m:], layers=layers, moved=True)
+
+
+def scan_slice(view: View) -> View | None:
+    """The view a ``scan`` body gets of ``view``, a stacked input it slices along the leading
+    axis: that axis's parameter axis becomes a layer axis, wherever it is in the parameter (a
+    stack moved to lead by a ``transpose``, ``jnp.moveaxis``, ``nnx.scan`` over an axis other
+    than 0). None when the leading axis is not exactly one parameter axis (a reshape merged or
+    split it, or the axes were moved by more than a ``transpose``)."""
+    if not view.axes or len(view.axes[0]) != 1:
+        return None
+    if view.moved and not is_permutation(view):
+        return None
+    return dataclasses.replace(view, axes=view.axes[1:], layers=(*view.layers, view.axes[0][0]))
+
+
+def is_permutation(view: View) -> bool:
+    """Each axis of the value is one parameter axis, each at most once: the parameter's axes (less
+    its layer axes) transposed, nothing merged, split, dropped or added."""
+    flat = [a for axes in view.axes for a in axes]
+    return all(len(axes) == 1 for axes in view.axes) and len(set(flat)) == len(flat)
 
 
 def reshape_axes(axes, in_shape, out_shape) -> tuple[tuple[int, ...], ...]:
@@ -290,7 +327,7 @@ class _Walker(Traversal):
     def use(self, view: View, kind: str, what: str, *, site: int = 0, roles=((), (), ())) -> None:
         contract, free, batch = roles
         self.uses[view.param].add(
-            Use(kind, view.level, what, contract, free, batch, self.remat, site, self.trips, self.branch)
+            Use(kind, view.layers, what, contract, free, batch, self.remat, site, self.trips, self.branch)
         )
 
     def within(self, body: Body, args, *, trips: int | None = 1, branch: bool = False, remat: bool = False) -> list:
@@ -399,11 +436,12 @@ class _Walker(Traversal):
         body_xs = []
         for x in xs:
             if isinstance(x, View):
-                if x.moved or not x.axes or x.axes[0] != (x.level,):
-                    self.use(x, "other", "sliced by a scan after its axes were moved")
+                sliced = scan_slice(x)
+                if sliced is None:
+                    self.use(x, "other", "sliced by a scan after a reshape of its axes")
                     body_xs.append(frozenset())
                 else:
-                    body_xs.append(dataclasses.replace(x, axes=x.axes[1:], level=x.level + 1))
+                    body_xs.append(sliced)
             else:
                 body_xs.append(x)
         for _ in range(16):  # the carries' dependencies, to a fixed point

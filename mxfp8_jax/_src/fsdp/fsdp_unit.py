@@ -91,9 +91,12 @@ class UnitGeometry:
     ``N`` rows padded to ``out_padded`` and split evenly over ``num_shards`` devices (``axes``:
     the collective axis name(s), in shard order).
 
-    ``level`` leading parameter axes are sliced off by scans (layers); ``batch_axes`` are
-    parameter axes its GEMMs batch over; ``n_axes`` / ``k_axes`` the kept and contracted ones.
-    ``in_features`` is ``K``, ``out_features`` is ``N`` (a Linear kernel ``[in, out]``).
+    ``layer_axes`` are the parameter axes scans or indices slice off, in the order they do
+    (``level`` of them: the leading axes of a stack on axis 0, any axes of a stack moved to lead
+    before its scan); ``batch_axes`` are parameter axes its GEMMs batch over; ``n_axes`` /
+    ``k_axes`` the kept and contracted ones. ``W``'s stack axes are the layer axes, then the
+    batch axes, whatever their place in the parameter. ``in_features`` is ``K``,
+    ``out_features`` is ``N`` (a Linear kernel ``[in, out]``).
     """
 
     in_features: int
@@ -103,7 +106,7 @@ class UnitGeometry:
     axes: Any
     precision: str
     param_shape: tuple[int, ...]
-    level: int
+    layer_axes: tuple[int, ...]
     batch_axes: tuple[int, ...]
     n_axes: tuple[int, ...]
     k_axes: tuple[int, ...]
@@ -113,7 +116,7 @@ class UnitGeometry:
         cls,
         param_shape: tuple[int, ...],
         *,
-        level: int,
+        layer_axes: tuple[int, ...],
         batch_axes: tuple[int, ...],
         n_axes: tuple[int, ...],
         k_axes: tuple[int, ...],
@@ -125,10 +128,11 @@ class UnitGeometry:
 
         Args:
           param_shape: the parameter's shape (one tp slice under tensor parallelism).
-          level: the number of leading axes that scans slice off (layers).
+          layer_axes: the parameter axes that scans or indices slice off (layers), in the order
+            they slice them.
           batch_axes: the parameter axes its GEMMs batch over (stack axes after the layers).
-          n_axes, k_axes: the parameter axes its GEMMs keep (``N``) and contract (``K``). The
-            ``level`` leading axes, ``batch_axes``, ``n_axes`` and ``k_axes`` together must be a
+          n_axes, k_axes: the parameter axes its GEMMs keep (``N``) and contract (``K``).
+            ``layer_axes``, ``batch_axes``, ``n_axes`` and ``k_axes`` together must be a
             permutation of the parameter's axes (``ValueError`` otherwise).
           num_shards: the devices the rows are split over.
           axes: the collective axis name(s), in shard order.
@@ -143,7 +147,7 @@ class UnitGeometry:
         if precision not in PRECISIONS:
             raise ValueError(f"precision={precision!r} must be one of {PRECISIONS}")
         shape = tuple(int(d) for d in param_shape)
-        roles = tuple(range(level)) + tuple(batch_axes) + tuple(n_axes) + tuple(k_axes)
+        roles = tuple(layer_axes) + tuple(batch_axes) + tuple(n_axes) + tuple(k_axes)
         if sorted(roles) != list(range(len(shape))):
             raise ValueError(f"axes {roles} are not a permutation of the axes of {shape}")
         k, n = product([shape[a] for a in k_axes]), product([shape[a] for a in n_axes])
@@ -159,11 +163,16 @@ class UnitGeometry:
             axes,
             precision,
             shape,
-            level,
+            tuple(layer_axes),
             tuple(batch_axes),
             tuple(n_axes),
             tuple(k_axes),
         )
+
+    @property
+    def level(self) -> int:
+        """How many layer axes scans or indices slice off."""
+        return len(self.layer_axes)
 
     @property
     def rows(self) -> int:
@@ -173,7 +182,7 @@ class UnitGeometry:
     @property
     def stack(self) -> tuple[int, ...]:
         """The stack axes' sizes: the layers (scan), then the GEMM batch axes."""
-        return self.param_shape[: self.level] + tuple(self.param_shape[a] for a in self.batch_axes)
+        return tuple(self.param_shape[a] for a in (*self.layer_axes, *self.batch_axes))
 
     def padded_shape(self, stack: tuple[int, ...] | None = None) -> tuple[int, ...]:
         """The stored master ``[*stack, out_padded, K]`` (all devices' rows).
@@ -205,15 +214,34 @@ class UnitGeometry:
     @property
     def perm(self) -> tuple[int, ...]:
         """Parameter axes in the order of ``W``'s: layers, batch, N, K."""
-        return tuple(range(self.level)) + self.batch_axes + self.n_axes + self.k_axes
+        return self.layer_axes + self.batch_axes + self.n_axes + self.k_axes
 
-    def to_master(self, value: jax.Array, level: int = 0) -> jax.Array:
-        """The parameter's value (its first ``level`` axes already sliced off) as ``W`` with
-        zero padding rows ``[*stack, out_padded, K]``.
+    def sliced_shape(self, level: int = 0) -> tuple[int, ...]:
+        """The parameter's shape with its first ``level`` layer axes sliced off.
 
         Args:
-          value: the parameter's value, shape ``param_shape[level:]``.
-          level: how many leading layer axes are already sliced off (at most ``self.level``).
+          level: how many of ``layer_axes`` are sliced off, in order (at most ``self.level``).
+
+        Returns:
+          The shape of the value a scan body or ``w[i]`` reads, as a tuple: the parameter's
+          other axes in their order.
+        """
+        gone = set(self.layer_axes[:level])
+        return tuple(d for a, d in enumerate(self.param_shape) if a not in gone)
+
+    def _sliced_perm(self, level: int) -> list[int]:
+        """``perm`` without the first ``level`` layer axes, numbered as the axes of the
+        parameter with those axes sliced off."""
+        gone = self.layer_axes[:level]
+        return [a - sum(g < a for g in gone) for a in self.perm[level:]]
+
+    def to_master(self, value: jax.Array, level: int = 0) -> jax.Array:
+        """The parameter's value (its first ``level`` layer axes already sliced off) as ``W``
+        with zero padding rows ``[*stack, out_padded, K]``.
+
+        Args:
+          value: the parameter's value, shape ``sliced_shape(level)``.
+          level: how many layer axes are already sliced off (at most ``self.level``).
 
         Returns:
           ``W`` in ``value``'s dtype; ``stack`` lacks the sliced layer axes.
@@ -226,14 +254,13 @@ class UnitGeometry:
         """The parameter's value as ``W [*stack, N, K]`` (no padding).
 
         Args:
-          value: the parameter's value, shape ``param_shape[level:]``.
-          level: how many leading layer axes are already sliced off (at most ``self.level``).
+          value: the parameter's value, shape ``sliced_shape(level)``.
+          level: how many layer axes are already sliced off (at most ``self.level``).
 
         Returns:
           ``W`` in ``value``'s dtype; ``stack`` lacks the sliced layer axes.
         """
-        perm = [a - level for a in self.perm[level:]]
-        w = jnp.transpose(value, perm)
+        w = jnp.transpose(value, self._sliced_perm(level))
         lead = w.shape[: w.ndim - len(self.n_axes) - len(self.k_axes)]
         return w.reshape(*lead, self.out_features, self.in_features)
 
@@ -243,16 +270,15 @@ class UnitGeometry:
 
         Args:
           w: ``W`` with or without its padding rows.
-          level: how many leading layer axes are already sliced off (at most ``self.level``).
+          level: how many layer axes are already sliced off (at most ``self.level``).
 
         Returns:
-          An array of ``param_shape[level:]`` in ``w``'s dtype.
+          An array of ``sliced_shape(level)`` in ``w``'s dtype.
         """
         w = w[..., : self.out_features, :]
         shape = self.param_shape
-        perm = self.perm[level:]
         w = w.reshape(*w.shape[:-2], *(shape[a] for a in self.n_axes), *(shape[a] for a in self.k_axes))
-        return jnp.transpose(w, np.argsort([a - level for a in perm]))
+        return jnp.transpose(w, np.argsort(self._sliced_perm(level)))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -622,7 +648,7 @@ def _to_local_grad(op: UnitOp, d_v: jax.Array) -> jax.Array:
     """The fp32 cotangent of the op's operand -> this device's rows of ``dW`` (one
     reduce-scatter of the padded ``[*batch, N_padded, K]``)."""
     g = op.geometry
-    param_shape = g.param_shape[g.level :]
+    param_shape = g.sliced_shape(g.level)
     (d_param,) = jax.linear_transpose(op.layout, jax.ShapeDtypeStruct(param_shape, jnp.float32))(d_v)
     dw = g.to_master(d_param, g.level)
     return lax.psum_scatter(dw, g.axes, scatter_dimension=dw.ndim - 2, tiled=True)
