@@ -23,11 +23,11 @@ what each parameter becomes, and ``fsdp_unit`` for one unit's gathers.
 from mxfp8_jax._src.core.jaxprs import TESTED_JAX, UnsupportedJax, UntestedJaxWarning
 from mxfp8_jax._src.fsdp.flax_fsdp import FSDP
 from mxfp8_jax._src.fsdp.flax_layers import Kernel, Linear, tensor_parallel
+from mxfp8_jax._src.fsdp.fsdp_geometry import PRECISIONS, UnitGeometry
 from mxfp8_jax._src.fsdp.fsdp_plan import KINDS, ROLES, ParamInfo
 from mxfp8_jax._src.fsdp.fsdp_planes import UnitPlanes
 from mxfp8_jax._src.fsdp.fsdp_specs import MODEL_CONSTRAINTS, Constraint, ModelConstraintWarning
 from mxfp8_jax._src.fsdp.fsdp_state import TrainState
-from mxfp8_jax._src.fsdp.fsdp_unit import PRECISIONS, UnitGeometry
 from mxfp8_jax._src.ops.mxfp8_gemm import GEMM_PATHS, GEMMS, gemm_operand, gemm_paths
 
 __all__ = [

@@ -31,7 +31,7 @@ from jax.sharding import Mesh
 
 from mxfp8_jax import flax as mxflax
 from mxfp8_jax._src.core import platforms
-from mxfp8_jax._src.fsdp import fsdp_dots, fsdp_unit
+from mxfp8_jax._src.fsdp import fsdp_dots, fsdp_geometry
 from mxfp8_jax._src.ops import mxfp8_gemm
 
 from test_fsdp_gemm import WIDTH, Stack, loss_fn  # two bf16 projections a block, scanned
@@ -224,7 +224,7 @@ def test_layer_backward_is_the_exact_backward_within_one_rounding_of_the_cotange
 
     def run(backward):
         op = types.SimpleNamespace(
-            gemm=fsdp_unit.Gemms(backward), position=position, params={"dimension_numbers": dims}
+            gemm=fsdp_geometry.Gemms(backward), position=position, params={"dimension_numbers": dims}
         )
         return jax.jit(lambda a, w, g: fsdp_dots.backward_dots(op, a, w, g))(act, v, dy)
 

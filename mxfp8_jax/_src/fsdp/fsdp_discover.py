@@ -31,12 +31,12 @@ from flax.nnx import filterlib
 from mxfp8_jax._src.core import jaxprs
 from mxfp8_jax._src.fsdp import fsdp_specs
 from mxfp8_jax._src.fsdp.flax_layers import unit_kernel_shape
+from mxfp8_jax._src.fsdp.fsdp_geometry import PRECISIONS, Gemms
 from mxfp8_jax._src.fsdp.fsdp_plan import Plan, check_rule, check_rule_matches, plan_from_uses, uses_from_layers
 from mxfp8_jax._src.fsdp.fsdp_specs import MODEL_CONSTRAINTS, ModelConstraintWarning
 from mxfp8_jax._src.fsdp.fsdp_table import constraints_line
 from mxfp8_jax._src.fsdp.fsdp_topology import Topology
 from mxfp8_jax._src.fsdp.fsdp_trace import analyse, trace
-from mxfp8_jax._src.fsdp.fsdp_unit import PRECISIONS, Gemms
 from mxfp8_jax._src.numerics.format import BLOCK, ScaleRule
 from mxfp8_jax._src.ops import mxfp8_gemm
 

@@ -40,9 +40,9 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
+from mxfp8_jax._src.fsdp.fsdp_geometry import PRECISIONS, Gemms, UnitGeometry
 from mxfp8_jax._src.fsdp.fsdp_topology import Topology
 from mxfp8_jax._src.fsdp.fsdp_trace import Use, Uses, describe_shape, product
-from mxfp8_jax._src.fsdp.fsdp_unit import PRECISIONS, Gemms, UnitGeometry
 from mxfp8_jax._src.numerics.format import BLOCK
 
 KINDS = ("mxfp8", "bf16", "plain", "frozen")

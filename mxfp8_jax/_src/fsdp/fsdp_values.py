@@ -21,10 +21,11 @@ import jax
 from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec
 
+from mxfp8_jax._src.fsdp.fsdp_geometry import Gemms, UnitGeometry
 from mxfp8_jax._src.fsdp.fsdp_planes import UnitShards
 from mxfp8_jax._src.fsdp.fsdp_topology import Topology
 from mxfp8_jax._src.fsdp.fsdp_trace import View
-from mxfp8_jax._src.fsdp.fsdp_unit import Gemms, UnitGeometry, pick_layer
+from mxfp8_jax._src.fsdp.fsdp_unit import pick_layer
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
