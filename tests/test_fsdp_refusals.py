@@ -177,3 +177,24 @@ def test_a_stacked_plain_parameter_also_read_whole_is_split_off_its_layer_axis(m
     compare_params(m, got_params, want_params, nnx.state(model, nnx.Param), tol)
     m.done()
     assert jax.tree.leaves(got_params)
+
+
+def test_a_context_mesh_is_refused_with_the_way_out(mesh):
+    """Under ``jax.set_mesh`` (MaxText's trainer sets its many-axis mesh so), the steps are a
+    ``ValueError`` naming the context's axes and the fix; outside the block a plan over that
+    many-axis mesh (axes of size 1 included) initialises and steps."""
+    devices = np.array(mesh.devices).reshape(-1)
+    own = Mesh(devices.reshape(1, len(devices), 1), ("data", "fsdp", "tensor"))
+    model, batch = StackLM(nnx.Rngs(0), "scan"), lm_batch(batch_size(mesh.size))
+    tx = optax.sgd(1.0)
+    fsdp = FSDP(model, own, loss_fn=lm_loss, example_batch=batch)
+    with (
+        jax.set_mesh(own),
+        pytest.raises(ValueError, match=r"axes \{'data': 1, 'fsdp': \d+, 'tensor': 1\} the context.*outside"),
+    ):
+        fsdp.init(model, tx)
+    state = fsdp.init(model, tx)
+    with jax.set_mesh(own), pytest.raises(ValueError, match=r"outside the jax.set_mesh block"):
+        fsdp.train_step(lm_loss, tx)(state, batch)
+    state, loss = fsdp.train_step(lm_loss, tx)(state, batch)
+    assert np.isfinite(float(loss)) and int(state.step) == 1

@@ -286,6 +286,7 @@ class FSDP:
           replicated, the optimizer leaves that belong to a parameter (``owner_of``) sharded
           like it and the others replicated, ``step`` 0.
         """
+        self._plan.topology.check_context()
         values, rest = values_of(self._plan, model)
         master, frozen, rest, step = self._layout.place_fn(
             {p.name: values[j] for j, p in enumerate(self.params) if p.trained},
@@ -397,6 +398,7 @@ class FSDP:
         jitted = self._jit(("loss_and_grads", loss_fn, has_aux), make)
 
         def call(state, batch):
+            self._plan.topology.check_context()
             self._layout.check_live(state)
             return jitted(state, self.place_batch(batch))
 
@@ -426,6 +428,7 @@ class FSDP:
         jitted = self._jit(("eval_step", loss_fn), make)
 
         def call(state, batch):
+            self._plan.topology.check_context()
             self._layout.check_live(state)
             return jitted(state, self.place_batch(batch))
 
@@ -452,6 +455,7 @@ class FSDP:
         jitted = self._jit(("train_step", loss_fn, tx, has_aux), lambda: self._steps.train_jit(loss_fn, tx, has_aux))
 
         def call(state, batch):
+            self._plan.topology.check_context()
             self._layout.check_live(state)
             return jitted(state, self.place_batch(batch))
 
@@ -479,6 +483,7 @@ class FSDP:
         Returns:
           The ``jax.stages.Lowered`` step, not yet compiled.
         """
+        self._plan.topology.check_context()
         return self._steps.train_jit(loss_fn, tx, has_aux).lower(state, self.place_batch(batch))
 
     def _jit(self, key: tuple, make: Callable) -> Callable:

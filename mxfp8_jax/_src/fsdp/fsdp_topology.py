@@ -47,6 +47,22 @@ class Topology:
             )
         return cls(Mesh(mesh.devices, mesh.axis_names), tp_axis)
 
+    def check_context(self) -> None:
+        """A ``ValueError`` when a mesh is the context (``jax.set_mesh``, as MaxText's trainer
+        sets its mesh): the step's ``shard_map`` islands place everything on this mesh
+        themselves, and under a context mesh jax traces some of their ops against it and
+        refuses them (a plain parameter's island, even with the same mesh)."""
+        context = jax.sharding.get_abstract_mesh()
+        if context.empty or getattr(context, "manual_axes", ()):
+            return
+        theirs = dict(zip(context.axis_names, context.axis_sizes))
+        raise ValueError(
+            f"jax.set_mesh has made a mesh with axes {theirs} the context; FSDP's steps place their values on "
+            f"the plan's mesh {dict(self.mesh.shape)} themselves and do not run under a context mesh. Call "
+            "FSDP (init, the steps, gather) outside the jax.set_mesh block; a model's own sharding constraints "
+            "that name their mesh (NamedSharding(mesh, spec), as MaxText's do) keep working there"
+        )
+
     @property
     def size(self) -> int:
         """Every device of the mesh."""
