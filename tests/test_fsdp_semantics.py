@@ -178,9 +178,16 @@ def exact_weights(model: nnx.Module, seed: int = 0, tops: dict[str, float] | Non
 
 
 def flat(state) -> dict[str, np.ndarray]:
-    """An nnx ``State`` as ``{path: numpy array}`` (RNG keys as their key data)."""
+    """An nnx ``State`` (or a pytree model: its array leaves) as ``{path: numpy array}`` (RNG
+    keys as their key data)."""
+    if isinstance(state, nnx.State):
+        items = [(path, leaf) for path, leaf in nnx.to_flat_state(state)]
+    else:
+        items = [(tuple(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k))) for k in path), leaf)
+                 for path, leaf in jax.tree_util.tree_flatten_with_path(state)[0]
+                 if hasattr(leaf, "dtype")]  # fmt: skip
     out = {}
-    for path, leaf in nnx.to_flat_state(state):
+    for path, leaf in items:
         value = leaf.get_value() if isinstance(leaf, nnx.Variable) else leaf
         if jax.dtypes.issubdtype(value.dtype, jax.dtypes.prng_key):
             value = jax.random.key_data(value)

@@ -98,7 +98,8 @@ def _field(name: str, doc: str) -> property:
 
 
 class FSDP:
-    """MXFP8 FSDP training of an NNX model over every axis of ``mesh``.
+    """MXFP8 FSDP training of an NNX model, or of a model given as a pytree (an Equinox module,
+    dicts of arrays), over every axis of ``mesh``.
 
     ``FSDP(model, mesh, loss_fn=..., example_batch=...)`` traces the loss on the example to
     find how each parameter is read (its values are not used), and plans what each becomes
@@ -110,7 +111,11 @@ class FSDP:
         model = fsdp.gather(state)             # an ordinary nnx module again
 
     Args:
-      model: the ``nnx.Module`` (concrete or from ``nnx.eval_shape``).
+      model: the ``nnx.Module`` (concrete or from ``nnx.eval_shape``), or a pytree: its floating
+        array leaves are the parameters, named by their key paths (``blocks/up/weight``), its
+        other array leaves its other state (counters, RNG keys), every other leaf static (an
+        Equinox module's functions and numbers), kept as it is. A pytree model needs
+        ``loss_fn`` and ``example_batch``, and takes no ``tp_axis``.
       mesh: every axis is an FSDP axis (but ``tp_axis``); the batch is split over all of them.
       precision: ``"mxfp8"`` or ``"bf16"``: the units' default precision (projections;
         embeddings and output heads are bf16 by default).
@@ -126,9 +131,12 @@ class FSDP:
         ``"mxfp8"``, ``"bf16"`` or ``"plain"`` (the first that matches wins), or a callable
         ``(name, role) -> precision | None`` (role: ``"projection"``, ``"embedding"``,
         ``"head"``).
-      trainable: an nnx filter naming the variables the optimizer trains, as
-        ``nnx.Optimizer(wrt=)`` takes it (a Variable type such as ``nnx.LoRAParam``, a tuple,
-        ``nnx.Any(...)``, a predicate ``(path, variable) -> bool``); it must match a floating
+      trainable: for a pytree model, a predicate ``(path, leaf) -> bool`` (path: a tuple of
+        names and indices) naming the leaves the optimizer trains (default: every floating
+        leaf); the others are frozen as below. For an NNX model, an nnx filter naming the
+        variables the optimizer trains, as ``nnx.Optimizer(wrt=)`` takes it (a Variable type
+        such as ``nnx.LoRAParam``, a tuple, ``nnx.Any(...)``, a predicate ``(path, variable) ->
+        bool``); it must match a floating
         variable. Every other ``nnx.Param``, and every other floating variable that a GEMM or
         lookup of the traced loss reads and the loss does not assign (a frozen base kernel held
         in a custom ``nnx.Variable``), is a frozen parameter: a frozen unit when the loss reads
@@ -181,7 +189,7 @@ class FSDP:
 
     def __init__(
         self,
-        model: nnx.Module,
+        model: Any,
         mesh: Mesh,
         *,
         precision: str = "mxfp8",
@@ -267,7 +275,7 @@ class FSDP:
     from_logical = _forward("_layout", StateLayout.from_logical)
     place_batch = _forward("_steps", Steps.place_batch)
 
-    def init(self, model: nnx.Module, tx: optax.GradientTransformation) -> TrainState:
+    def init(self, model: Any, tx: optax.GradientTransformation) -> TrainState:
         """Shards ``model``'s parameters, quantizes the MXFP8 units, initialises ``tx``.
 
         The parameters may be host arrays or ``jax.Array``s with any sharding (e.g. created
@@ -300,7 +308,7 @@ class FSDP:
         state = TrainState(master, quantized, frozen, tuple(rest), opt_state, step)
         return jax.device_put(state, self._layout.shardings(state))
 
-    def gather(self, state: TrainState) -> nnx.Module:
+    def gather(self, state: TrainState) -> Any:
         """The model with the full fp32 master parameters (one all-gather per array) and the
         state's RNG streams.
 
@@ -308,8 +316,9 @@ class FSDP:
           state: a ``TrainState`` of this plan (``check_state``).
 
         Returns:
-          An ``nnx.Module`` of the plan's model: every parameter in its own shape and dtype,
-          whole (replicated) on every device; the other state from ``state.rest``.
+          The plan's model (an ``nnx.Module``, or the pytree, its static leaves as they were):
+          every parameter in its own shape and dtype, whole (replicated) on every device; the
+          other state from ``state.rest``.
         """
         self.check_state(state, "state")
         return self._plan.partition.merge(self._layout.logical_fn(state.master, state.frozen), list(state.rest))

@@ -70,9 +70,17 @@ class Partition:
             self.graphdef, jax.tree.unflatten(self.treedef, values), jax.tree.unflatten(self.rest_treedef, rest)
         )
 
+    def values(self, model: nnx.Module) -> tuple[list, list]:
+        """The parameters' values and the rest's, in the order ``split`` gives them."""
+        _, params, rest = self.split(model)
+        flat = jax.tree_util.tree_flatten_with_path(params, is_leaf=is_variable)[0]
+        return [v.get_value() for _, v in flat], jax.tree.leaves(rest)
+
     def found(self, model: nnx.Module) -> tuple[list, tuple, tuple[str, ...]]:
         """``(path, shape, dtype)`` of each parameter of ``model``, the avals of its other state and
         that state's paths (names joined by ``/``)."""
+        if not isinstance(model, nnx.Module):
+            raise TypeError(f"model must be a flax.nnx.Module (the plan was built for one), got {type(model).__name__}")
         _, params, rest = self.split(model)
         flat = jax.tree_util.tree_flatten_with_path(params, is_leaf=is_variable)[0]
         found = [(path_names(k), tuple(np.shape(v.get_value())), jnp.dtype(v.get_value().dtype)) for k, v in flat]
@@ -80,6 +88,75 @@ class Partition:
         rest_avals = tuple(jax.ShapeDtypeStruct(np.shape(v), v.dtype) for _, v in rest_flat)
         rest_names = tuple("/".join(map(str, path_names(k))) for k, _ in rest_flat)
         return found, rest_avals, rest_names
+
+
+def is_array(x) -> bool:
+    """An array leaf of a pytree model (a value the step stores), not a static one."""
+    return isinstance(x, (jax.Array, np.ndarray, np.generic, jax.ShapeDtypeStruct))
+
+
+class TreePartition:
+    """A model given as a pytree (an Equinox module, dicts of arrays, any pytree): its leaves by
+    key path are the parameters (the floating arrays at ``paths``), the rest of its state (its
+    other arrays: integer counters, RNG keys) and static values (every leaf that is not an array:
+    Python numbers, functions, strings, kept as they are, as ``eqx.partition(model,
+    eqx.is_array)`` keeps them). The same interface as ``Partition``, for the same plan.
+
+    Args:
+      model: the pytree (concrete, or with ``jax.ShapeDtypeStruct`` leaves).
+      paths: the key paths (tuples of names and indices) of the leaves that are parameters.
+    """
+
+    def __init__(self, model, paths) -> None:
+        self.paths = frozenset(tuple(p) for p in paths)
+        flat, self.treedef = jax.tree_util.tree_flatten_with_path(model)
+        self.names = [path_names(k) for k, _ in flat]
+        self.kinds = [
+            "param" if n in self.paths else "rest" if is_array(v) else "static" for n, (_, v) in zip(self.names, flat)
+        ]
+        self.static = [v if kind == "static" else None for kind, (_, v) in zip(self.kinds, flat)]
+
+    def leaves(self, model) -> list:
+        """``model``'s leaves, checked to have the structure this partition was made from."""
+        leaves, treedef = jax.tree_util.tree_flatten(model)
+        if treedef != self.treedef:
+            raise ValueError(
+                f"model has the pytree structure {treedef}, but this FSDP plan was built for {self.treedef}"
+            )
+        return leaves
+
+    def split(self, model):
+        """``(None, parameter values, rest values)`` of ``model``, as lists in leaf order."""
+        leaves = self.leaves(model)
+        pick = lambda kind: [v for k, v in zip(self.kinds, leaves) if k == kind]
+        return None, pick("param"), pick("rest")
+
+    def merge(self, values, rest):
+        """The model from the parameters' and the rest's values (as ``split`` orders them) and
+        the static leaves."""
+        values, rest = iter(values), iter(rest)
+        leaves = [
+            next(values) if k == "param" else next(rest) if k == "rest" else s for k, s in zip(self.kinds, self.static)
+        ]
+        return jax.tree_util.tree_unflatten(self.treedef, leaves)
+
+    def found(self, model) -> tuple[list, tuple, tuple[str, ...]]:
+        """``(path, shape, dtype)`` of each parameter of ``model``, the avals of its other state and
+        that state's paths (names joined by ``/``)."""
+        leaves = self.leaves(model)
+        found, rest_avals, rest_names = [], [], []
+        for name, kind, v in zip(self.names, self.kinds, leaves):
+            if kind == "param":
+                found.append((name, tuple(np.shape(v)), jnp.dtype(v.dtype)))
+            elif kind == "rest":
+                rest_avals.append(jax.ShapeDtypeStruct(np.shape(v), v.dtype))
+                rest_names.append("/".join(map(str, name)))
+        return found, tuple(rest_avals), tuple(rest_names)
+
+    def values(self, model) -> tuple[list, list]:
+        """The parameters' values and the rest's, in leaf order."""
+        _, values, rest = self.split(model)
+        return values, rest
 
 
 def traceable(loss_fn: Callable, partition: Partition, assigned: list | None = None) -> Callable:
@@ -108,7 +185,7 @@ def traceable(loss_fn: Callable, partition: Partition, assigned: list | None = N
 
 
 def make_plan(
-    model: nnx.Module,
+    model: Any,
     mesh,
     *,
     precision: str = "mxfp8",
@@ -131,15 +208,21 @@ def make_plan(
       The ``Plan``. ``TypeError`` / ``ValueError`` name the argument and the rule it breaks; a
       model without a unit is a ``ValueError`` listing the parameters found.
     """
-    if not isinstance(model, nnx.Module):
-        raise TypeError(f"model must be a flax.nnx.Module, got {type(model).__name__}")
+    tree = not isinstance(model, nnx.Module)
+    if tree and not any(is_array(leaf) for leaf in jax.tree.leaves(model)):
+        raise TypeError(f"model must be a flax.nnx.Module or a pytree of arrays, got {type(model).__name__}")
     topology = Topology.of(mesh, tp_axis)
     _check_options(precision, loss_fn, example_batch, precision_by_path, prefetch, model_constraints)
     jaxprs.warn_if_untested()
     scale = ScaleRule.parse(scale_rule).value
     mode = mxfp8_gemm.check_mode(gemm, gemm_path, scale_rule, topology.platform, topology.capability)
-    trained_paths, params_paths, candidates, loose = _select(model, trainable, traced=loss_fn is not None)
-    partition = Partition(model, params_paths | candidates)
+    if tree:
+        _check_tree(model, loss_fn, tp_axis)
+        trained_paths, params_paths, candidates, loose = _select_leaves(model, trainable)
+        partition = TreePartition(model, params_paths)
+    else:
+        trained_paths, params_paths, candidates, loose = _select(model, trainable, traced=loss_fn is not None)
+        partition = Partition(model, params_paths | candidates)
     found, rest_avals, rest_names = partition.found(model)
     constraints = ()
     if loss_fn is None:
@@ -161,7 +244,7 @@ def make_plan(
         topology,
         precision=precision,
         rule=precision_by_path,
-        tp_roles=_tp_roles(model),
+        tp_roles={} if tree else _tp_roles(model),
         frozen=frozenset(j for j, (path, _, _) in enumerate(found) if path not in trained_paths),
     )
     check_rule_matches(precision_by_path, [p.name for p in params])
@@ -187,28 +270,25 @@ def make_plan(
     return plan
 
 
-def values_of(plan: Plan, model: nnx.Module) -> tuple[list, list]:
+def values_of(plan: Plan, model) -> tuple[list, list]:
     """The values of ``model``'s parameters (in the plan's order) and of its other state.
 
     Raises:
-      TypeError: ``model`` is not an ``nnx.Module``.
-      ValueError: its parameters' paths and shapes, or the count of its other state's values,
-        are not those the plan was built for.
+      TypeError: ``model`` is not an ``nnx.Module`` where the plan was built for one.
+      ValueError: its parameters' paths and shapes, its pytree structure, or the count of its
+        other state's values, are not those the plan was built for.
     """
-    if not isinstance(model, nnx.Module):
-        raise TypeError(f"model must be a flax.nnx.Module, got {type(model).__name__}")
-    _, params, rest = plan.partition.split(model)
-    flat = jax.tree_util.tree_flatten_with_path(params, is_leaf=is_variable)[0]
-    found = tuple((path_names(k), tuple(v.get_value().shape)) for k, v in flat)
+    found, rest_avals, _ = plan.partition.found(model)
+    found = tuple((tuple(path), shape) for path, shape, _ in found)
     want = tuple((p.path, p.shape) for p in plan.params)
     if found != want:
         raise ValueError(f"model has parameters {found}, but this FSDP plan was built for {want}")
-    rest = jax.tree.leaves(rest)
-    if len(rest) != len(plan.rest_avals):
+    if len(rest_avals) != len(plan.rest_avals):
         raise ValueError(
-            f"model has {len(rest)} values of state other than the plan's parameters, the plan {len(plan.rest_avals)}"
+            f"model has {len(rest_avals)} values of state other than the plan's parameters, the plan "
+            f"{len(plan.rest_avals)}"
         )
-    return [v.get_value() for _, v in flat], rest
+    return plan.partition.values(model)
 
 
 def check_loss_shape(loss) -> None:
@@ -311,6 +391,44 @@ def _select(model: nnx.Module, trainable, *, traced: bool) -> tuple[frozenset, f
     candidates = frozenset(path for path, v in variables if traced and path not in params and floating(v))
     loose = frozenset(path for path, v in variables if path in trained and not isinstance(v, nnx.Param))
     return trained, frozenset(params), candidates, loose
+
+
+def _check_tree(model, loss_fn, tp_axis) -> None:
+    """A pytree model's plan needs the loss traced (no layer classes to go by) and takes no
+    tensor parallelism (which layers mark, in NNX)."""
+    if loss_fn is None:
+        raise ValueError(
+            f"a {type(model).__name__} model (a pytree, not an nnx.Module) needs loss_fn= and example_batch=: "
+            "its units are found by tracing loss_fn(model, example_batch)"
+        )
+    if tp_axis is not None:
+        raise NotImplementedError(
+            "tp_axis= needs the tensor-parallel layers marked (mxfp8_jax.flax.tensor_parallel on NNX layers); "
+            "a pytree model trains with FSDP over every mesh axis"
+        )
+
+
+def _select_leaves(model, trainable) -> tuple[frozenset, frozenset, frozenset, frozenset]:
+    """``(trained, parameters, (), ())`` for a pytree model: the key paths of its floating array
+    leaves, and of those the ones ``trainable`` takes (``nnx.Param``, the default: all of them;
+    or a predicate ``(path, leaf) -> bool``, the path a tuple of names and indices)."""
+    flat = jax.tree_util.tree_flatten_with_path(model)[0]
+    params = [(path_names(k), v) for k, v in flat if is_array(v) and jnp.issubdtype(v.dtype, jnp.floating)]
+    if trainable is nnx.Param:
+        trained = [path for path, _ in params]
+    elif callable(trainable) and not isinstance(trainable, type):
+        trained = [path for path, v in params if trainable(path, v)]
+    else:
+        raise TypeError(
+            f"trainable={trainable!r}: for a pytree model, a predicate (path, leaf) -> bool (path a tuple of "
+            "names and indices), or leave it out to train every floating array"
+        )
+    if not trained:
+        raise ValueError(
+            f"trainable={trainable!r} takes no floating array leaf of the model, so the optimizer would train "
+            f"nothing; its floating leaves: {['/'.join(map(str, p)) for p, _ in params][:8]}"
+        )
+    return frozenset(trained), frozenset(path for path, _ in params), frozenset(), frozenset()
 
 
 def _read_as_weights(found, uses, assigned, trainable, variables: frozenset, candidates: frozenset) -> frozenset:
