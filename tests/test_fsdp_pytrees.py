@@ -257,7 +257,7 @@ def test_a_pytree_model_costs_what_its_nnx_twin_costs(devices, kind):
 
 def test_a_pytree_checkpoint_restores_exactly_on_another_mesh(devices, tmp_path):
     """Saved on every device, named by key paths, restored on half of them: the gathered models
-    are equal bit for bit, the optimizer state too."""
+    are equal bit for bit, and the step count carries over."""
     n = len(devices)
     full, half = Mesh(np.array(devices), ("fsdp",)), Mesh(np.array(devices[: max(1, n // 2)]), ("fsdp",))
     model, batch = EqxLM(jax.random.key(1)), lm_batch(batch_size(n))
@@ -271,8 +271,6 @@ def test_a_pytree_checkpoint_restores_exactly_on_another_mesh(devices, tmp_path)
     assert want.keys() == got.keys() and "blocks/up/weight" in want
     for k in want:
         np.testing.assert_array_equal(got[k], want[k], err_msg=k)
-    for a, b in zip(jax.tree.leaves(other.param_tree(restored.master)), jax.tree.leaves(fsdp.param_tree(state.master))):
-        assert a.shape == b.shape or a.ndim == b.ndim
     assert int(restored.step) == 1
 
 
