@@ -43,7 +43,7 @@ from test_fsdp_semantics import (
     masked_lm_loss,
     tolerance,
 )
-from test_fsdp_stacks import StackLM
+from test_fsdp_stacks import StackLM, rms
 
 from mxfp8_jax import fsdp as mxfsdp
 
@@ -53,10 +53,6 @@ LAYERS = 3
 @pytest.fixture(scope="module")
 def mesh(devices):
     return Mesh(np.array(devices), ("fsdp",))
-
-
-def rms(h, scale):
-    return h * lax.rsqrt((h * h).mean(-1, keepdims=True) + 1e-6) * scale
 
 
 class EqxBlock(eqx.Module):

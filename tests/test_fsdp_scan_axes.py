@@ -39,7 +39,7 @@ from test_fsdp_semantics import (
     tolerance,
     unsharded_step,
 )
-from test_fsdp_stacks import StackLM
+from test_fsdp_stacks import StackLM, rms
 
 from mxfp8_jax._src.tooling import hlo
 from mxfp8_jax.flax import FSDP
@@ -52,10 +52,6 @@ LAYERS = 3
 @pytest.fixture(scope="module")
 def mesh(devices):
     return Mesh(np.array(devices), ("fsdp",))
-
-
-def rms(h, scale):
-    return h * lax.rsqrt((h * h).mean(-1, keepdims=True) + 1e-6) * scale
 
 
 class MlpBlock(nnx.Module):
