@@ -252,6 +252,7 @@ def analyse(compiled, fsdp, dump: pathlib.Path, options: dict, log: list[str]) -
             + mem.output_size_in_bytes
             - mem.alias_size_in_bytes,
         },
+        "step_options": (fsdp.compiler_options or {}) if fsdp is not None else {},
         "collectives": collectives,
         "all_gather_8bit_bytes": eight_bit,
         "plan_8bit_bytes": plan,
@@ -496,6 +497,9 @@ def run(args) -> list[dict]:
         f"{work.description}\n{args.devices} GPUs ({args.hosts} host(s)), adamw; jax {jax.__version__}; "
         f"mxfp8 kernels built: {kernels}; extra XLA options: {options or 'none'}"
     )
+    own = next((r["step_options"] for r in results if r.get("step_options")), None)
+    if own:
+        header += f"\nFSDP steps' own XLA options (gspmd: XLA's defaults): {own}"
     print_tables(results, header)
     for note in notes:
         print(note)

@@ -202,3 +202,22 @@ def test_bad_targets_are_clear_errors():
     info = gpu_targets.describe(gpu_targets.target_config("h100"))
     assert (info["compute_capability"], info["sms"]) == ("9.0", 132) and info["memory_bandwidth"] > 3e12
     np.testing.assert_equal(len(gpu_targets.topology_mesh(gpu_targets.target_config("b200"), 16, hosts=2).devices), 16)
+
+
+def test_the_scans_weight_gathers_are_pipelined_beside_gemms(meshes):
+    """On H100 the steps compile with XLA:GPU's collective pipeliner on (``FSDP.compiler_options``):
+    the scanned step's 8-bit weight gathers that have a GEMM scheduled between start and done
+    outnumber those of the same step compiled with the pipeliner off (XLA's default)."""
+    fsdp, on = compiled(meshes, "h100")
+    options = fsdp.compiler_options or {}
+    assert any("pipeline" in k for k in options), options
+    off_options = {k: "COLLECTIVE_PIPELINING_MODE_OFF" if isinstance(v, str) else False for k, v in options.items()}
+    tx = optax.adamw(1e-4)
+    batch = jax.ShapeDtypeStruct((TOKENS // SEQ * DEVICES, SEQ + 1), jnp.int32)
+    off = fsdp.lower_train_step(models.next_token_loss, tx, fsdp.abstract_state(tx), batch).compile(off_options)
+
+    def overlapped(step) -> int:
+        gathers = hlo_schedule.async_collectives(step.as_text(), "all-gather")
+        return sum(c.count or 0 for c in gathers if c.overlapped and c.bytes_of(8))
+
+    assert overlapped(on) > overlapped(off), (overlapped(on), overlapped(off))

@@ -31,7 +31,7 @@ from jax.sharding import Mesh
 
 from mxfp8_jax import flax as mxflax
 from mxfp8_jax._src.core import platforms
-from mxfp8_jax._src.fsdp import fsdp_dots, fsdp_geometry
+from mxfp8_jax._src.fsdp import fsdp_dots, fsdp_geometry, fsdp_step
 from mxfp8_jax._src.ops import mxfp8_gemm
 
 from test_fsdp_gemm import WIDTH, Stack, loss_fn  # two bf16 projections a block, scanned
@@ -237,3 +237,31 @@ def test_layer_backward_is_the_exact_backward_within_one_rounding_of_the_cotange
         tol = (2.0**-8 + 2.01 * terms * 2.0**-24) * bound
         assert np.all(diff <= tol), float(np.max(diff / tol))
         assert np.any(diff > 0)  # the cotangent's rounding shows
+
+
+ON, OFF = "COLLECTIVE_PIPELINING_MODE_ON", "COLLECTIVE_PIPELINING_MODE_OFF"
+AG, RS = "xla_gpu_pipeline_all_gather", "xla_gpu_pipeline_reduce_scatter"
+
+
+@pytest.mark.parametrize(
+    ("jaxlib", "flags", "want"),
+    [
+        ((0, 12, 0), "", {AG: ON, RS: OFF}),
+        ((0, 11, 2), "--xla_gpu_pipeline_reduce_scatter=COLLECTIVE_PIPELINING_MODE_ON", {AG: ON}),
+        ((0, 10, 2), "", {"xla_gpu_enable_pipelined_all_gather": True}),
+        ((0, 12, 0), "--xla_gpu_enable_pipelined_all_gather=false", {RS: OFF}),
+        ((0, 10, 2), "--xla_gpu_pipeline_all_gather=COLLECTIVE_PIPELINING_MODE_OFF", {}),
+    ],
+)
+def test_gpu_steps_turn_the_collective_pipeliner_on_unless_xla_flags_say(jaxlib, flags, want):
+    """On GPU meshes the steps compile with XLA:GPU's collective pipeliner on for all-gathers and
+    off for reduce-scatters, in the option spelling of the installed jaxlib (an enum from 0.11,
+    a bool before, where off is the default); a collective whose option the user's ``XLA_FLAGS``
+    sets, in either spelling, is left to them."""
+    assert fsdp_step.gpu_pipelining_options(jaxlib, flags) == want
+
+
+def test_cpu_steps_keep_xlas_defaults(devices):
+    """On a CPU mesh (no tensor parallelism) the steps add no XLA option."""
+    fsdp = mxflax.FSDP(Stack(2, WIDTH, False, nnx.Rngs(0)), Mesh(np.array(devices), ("fsdp",)))
+    assert fsdp.compiler_options is None

@@ -275,6 +275,13 @@ class FSDP:
     from_logical = _forward("_layout", StateLayout.from_logical)
     place_batch = _forward("_steps", Steps.place_batch)
 
+    @property
+    def compiler_options(self) -> dict | None:
+        """The XLA options the steps are compiled with, chosen by the mesh's platform (on GPUs
+        XLA:GPU's collective pipeliner for all-gathers, but where ``XLA_FLAGS``
+        sets it); None: XLA's defaults."""
+        return self._steps.compiler_options
+
     def init(self, model: Any, tx: optax.GradientTransformation) -> TrainState:
         """Shards ``model``'s parameters, quantizes the MXFP8 units, initialises ``tx``.
 

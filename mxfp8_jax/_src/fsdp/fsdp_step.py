@@ -12,6 +12,9 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import importlib.metadata
+import os
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -22,6 +25,7 @@ import optax
 from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec
 
+from mxfp8_jax._src.core import jaxprs, platforms
 from mxfp8_jax._src.fsdp import fsdp_specs
 from mxfp8_jax._src.fsdp.fsdp_discover import check_loss_shape, traceable
 from mxfp8_jax._src.fsdp.fsdp_eval import Islands, PlainValue, UnitValue, evaluate
@@ -72,9 +76,19 @@ class Steps:
 
     @functools.cached_property
     def compiler_options(self) -> dict | None:
-        """Under tensor parallelism the step is manual over tp only, and XLA:CPU's all-reduce
+        """XLA options of the step's compilation, by the mesh's platform.
+
+        GPUs: XLA:GPU's collective pipeliner on for all-gathers, off for reduce-scatters
+        (``gpu_pipelining_options``): a scan's weight gathers for the next layer start in the
+        iteration before, beside its GEMMs. An option the user sets in ``XLA_FLAGS`` is left to
+        them.
+
+        CPUs under tensor parallelism: the step is manual over tp only, and XLA:CPU's all-reduce
         promotion pass aborts the compilation on the bf16 all-reduces its partitioner makes there
         (a bf16 psum or reduce-scatter over tp, or the transpose of a bf16 all-gather): skip it."""
+        if platforms.is_gpu(self.topology.platform):
+            jaxlib = jaxprs.version_tuple(importlib.metadata.version("jaxlib"))
+            return gpu_pipelining_options(jaxlib, os.environ.get("XLA_FLAGS", "")) or None
         if self.topology.tp_axis is None or self.topology.platform != "cpu":
             return None
         return {"xla_disable_hlo_passes": "all-reduce-promotion"}
@@ -211,6 +225,34 @@ class Steps:
             else:
                 out.append(a)
         return tuple(out)
+
+
+# XLA:GPU's collective pipeliner: from jaxlib 0.11 an enum option per collective, before a bool
+# one (the bool's name is still read from XLA_FLAGS, as an alias of the enum's). On for the
+# all-gathers; off for the reduce-scatters, whose default follows the all-gathers' there:
+# pipelined too, they shorten XLA's estimate further, but the compiled step's temp memory then
+# grows per layer by more than the remat scan's carry.
+PIPELINING = (
+    ("xla_gpu_pipeline_all_gather", "xla_gpu_enable_pipelined_all_gather", True),
+    ("xla_gpu_pipeline_reduce_scatter", "xla_gpu_enable_pipelined_reduce_scatter", False),
+)
+
+
+def gpu_pipelining_options(jaxlib: tuple[int, ...], xla_flags: str) -> dict:
+    """The compiler options for XLA:GPU's collective pipeliner (``PIPELINING``: all-gathers on,
+    reduce-scatters off), spelled as ``jaxlib`` (a version tuple) spells them; a collective whose
+    option ``xla_flags`` (the ``XLA_FLAGS`` value) sets, in either spelling, is left out, so that
+    the user's setting stands (a per-compilation option would override it)."""
+    given = set(re.findall(r"--?(xla_[A-Za-z0-9_]+)", xla_flags))
+    out: dict = {}
+    for name, old, on in PIPELINING:
+        if given & {name, old}:
+            continue
+        if jaxlib >= (0, 11):
+            out[name] = "COLLECTIVE_PIPELINING_MODE_ON" if on else "COLLECTIVE_PIPELINING_MODE_OFF"
+        elif on:
+            out[old] = True
+    return out
 
 
 def refuse_while(params, uses) -> None:
