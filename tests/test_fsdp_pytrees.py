@@ -43,7 +43,7 @@ from test_fsdp_semantics import (
     masked_lm_loss,
     tolerance,
 )
-from test_fsdp_stacks import StackLM, rms
+from test_fsdp_stacks import StackLM, info, rms
 
 from mxfp8_jax import fsdp as mxfsdp
 
@@ -191,10 +191,6 @@ def check_step(mesh, model, label: str):
     return fsdp, got
 
 
-def info(fsdp, name):
-    return next(p for p in fsdp.params if p.name == name)
-
-
 def test_an_equinox_model_trains_as_its_own_step(mesh):
     """The Equinox LM: its stacked ``[out, in]`` kernels are MXFP8 units with one layer axis, the
     embedding and head bf16 units, the norm scales plain; one step is the model's own, and the
@@ -214,7 +210,7 @@ def test_a_dict_model_trains_as_its_own_step(mesh):
     as it is), one step the model's own."""
     model = exact(dict_model(jax.random.key(0)))
     fsdp, got = check_step(mesh, model, "dict LM")
-    twin = FSDPtwin(mesh)
+    twin = nnx_twin(mesh)
     kinds = lambda f, names: [(info(f, n).kind, info(f, n).stack) for n in names]
     assert kinds(fsdp, ["blocks/up", "blocks/down", "embed", "head"]) == kinds(
         twin, ["up", "down", "embed/embedding", "head/kernel"]
@@ -223,7 +219,7 @@ def test_a_dict_model_trains_as_its_own_step(mesh):
     assert set(fsdp.param_tree(fsdp.abstract_state(optax.sgd(LR)).master)) == {"blocks", "embed", "head"}
 
 
-def FSDPtwin(mesh, layers: int = LAYERS, d: int = D, h: int = H):
+def nnx_twin(mesh, layers: int = LAYERS, d: int = D, h: int = H):
     model = StackLM(nnx.Rngs(0), "scan", layers=layers, d=d, h=h)
     batch = lm_batch(batch_size(mesh.size))
     return mxfsdp.FSDP(model, mesh, loss_fn=lambda m, b: masked_lm_loss(m, b)[0], example_batch=batch)

@@ -39,7 +39,7 @@ from test_fsdp_semantics import (
     tolerance,
     unsharded_step,
 )
-from test_fsdp_stacks import StackLM, rms
+from test_fsdp_stacks import StackLM, info, rms
 
 from mxfp8_jax._src.tooling import hlo
 from mxfp8_jax.flax import FSDP
@@ -132,10 +132,6 @@ def moved_to_axis_0(model: nnx.Module, like: nnx.Module) -> nnx.Module:
             value = np.moveaxis(value, axis, 0)
         var.set_value(jnp.asarray(value))
     return like
-
-
-def info(fsdp, name):
-    return next(p for p in fsdp.params if p.name == name)
 
 
 def check_step(mesh, model, model0, label: str) -> None:
