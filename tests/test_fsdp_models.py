@@ -131,12 +131,13 @@ def test_the_plan_reads_as_a_table(compiled):
 @pytest.mark.xdist_group("style-mha")
 def test_stacked_plain_parameters_split_within_a_layer(compiled):
     """A scanned stack's norm scale [L, D] is split along D, not L: one layer's slice is spread
-    over the devices and gathered inside the loop."""
+    over the devices. Being small, the stack is gathered whole once, before the loop, not per
+    iteration (``test_fsdp_overlap``: the per-iteration path)."""
     fsdp, _, text = compiled("mha", DEPTHS[-1])
     stacked = [p for p in fsdp.plain if p.name.startswith("blocks/")]
     assert stacked and all(p.level == 1 and p.shard_axis >= 1 for p in stacked)
     f32 = [c for c in hlo.collectives(text) if c.op == "all-gather" and c.dtypes == ("f32",)]
-    assert {c.loop_depth for c in f32} == {0, 1}
+    assert f32 and {c.loop_depth for c in f32} == {0}
     assert all(c.count == DEPTHS[-1] for c in f32 if c.loop_depth == 1)
 
 

@@ -198,3 +198,35 @@ def test_under_tensor_parallelism_the_loop_gathers_do_not_wait_for_the_carry(dev
     assert carried[0] and all(carried[0]), carried[0]
     assert carried[1] and not any(carried[1]), carried[1]
     assert same_bits(grads[0], grads[1])
+
+
+def test_a_scans_small_plain_stacks_are_gathered_once_before_the_loop(mesh, monkeypatch):
+    """The scanned transformer's norm scales (plain ``[layers, hidden]`` stacks) are gathered
+    whole once, before the loops: inside the loop bodies the only gathers left are the units'
+    8-bit planes, so that on a GPU, which runs one collective at a time, no small gather holds
+    back a weight gather. Gathered per iteration instead (the path of stacks over
+    ``WHOLE_BEFORE_LOOP`` bytes) the loss and gradients are the same bit for bit."""
+    from mxfp8_jax._src.fsdp import fsdp_eval
+    from mxfp8_jax._src.tooling import hlo_schedule
+
+    cfg = models.TransformerConfig(layers=2)
+    model = models.init_transformer(cfg)
+    tokens = np.random.default_rng(0).integers(0, cfg.vocab, (2 * mesh.size, 33)).astype(np.int32)
+
+    def loop_gathers(step):
+        loops = {body for body, _ in hlo.while_loops(step.as_text())}
+        gathers = hlo_schedule.async_collectives(step.as_text(), "all-gather")
+        inside = [c for c in gathers if c.computation in loops]
+        return inside, [c for c in gathers if c.computation not in loops]
+
+    _, step, grads = compiled(model, mesh, models.next_token_loss, tokens, prefetch=1)
+    inside, outside = loop_gathers(step)
+    assert inside and all(d == "u8" for c in inside for d, _ in c.outputs), [c.outputs for c in inside]
+    stacks = [c for c in outside if ("f32", (cfg.layers, cfg.hidden)) in c.outputs]
+    assert stacks, [c.outputs for c in outside]
+
+    monkeypatch.setattr(fsdp_eval, "WHOLE_BEFORE_LOOP", 0)
+    _, per_layer, grads_per_layer = compiled(model, mesh, models.next_token_loss, tokens, prefetch=1)
+    inside, _ = loop_gathers(per_layer)
+    assert any(d == "f32" for c in inside for d, _ in c.outputs), [c.outputs for c in inside]
+    assert same_bits(grads, grads_per_layer)

@@ -73,21 +73,22 @@ def test_step_hlo_gathers_units_inside_the_loops(mesh, model):
     # per layer 7 units (q, k, v, o, gate, up, down): the forward gathers their rowwise planes
     # (codes + scales); the backward their columnwise planes, and, recomputing the block under
     # remat, the rowwise planes of the 6 whose outputs a gradient needs (not down's: nothing
-    # downstream of it in the block needs its value); one reduce-scatter per unit. Each of the
-    # layer's two norm scales (plain) is gathered where it scales the activation: once forward,
-    # once in the recompute, and its gradient reduce-scattered.
+    # downstream of it in the block needs its value); one reduce-scatter per unit. The layers'
+    # norm scales (a plain [layers, hidden] stack each, small) are gathered whole once, before
+    # the loops, so inside them nothing but the units' planes is gathered; their gradients are
+    # summed over the devices per iteration (one all-reduce of the two).
     gathers = lambda cs, dtype: sum(c.op == "all-gather" and c.dtypes == (dtype,) for c in cs)
     assert (gathers(fwd, "u8"), gathers(bwd, "u8")) == (7 * 2, 7 * 2 + 6 * 2)
-    norms = [(("f32", (CFG.hidden,)),)] * 2
-    assert [c.outputs for c in fwd if c.op == "all-gather" and c.dtypes == ("f32",)] == norms
-    assert [c.outputs for c in bwd if c.op == "all-gather" and c.dtypes == ("f32",)] == norms
-    assert not [c for c in in_loops if c.op == "all-gather" and c.dtypes not in (("u8",), ("f32",))]
-    assert sorted(c.outputs[0][0] for c in in_loops if c.op == "reduce-scatter") == ["f32"] * (7 + 2)
-    # outside the loops, fp32: the embedding (plain without a trace) and the final norm, each
-    # where it is read; never a master
+    assert not [c for c in in_loops if c.op == "all-gather" and c.dtypes != ("u8",)]
+    assert sorted(c.outputs[0][0] for c in in_loops if c.op == "reduce-scatter") == ["f32"] * 7
+    norm_grads = [c.outputs for c in bwd if c.op == "all-reduce" and ("f32", (CFG.hidden,)) in c.outputs]
+    assert norm_grads == [(("f32", (CFG.hidden,)),) * 2], norm_grads
+    # outside the loops, fp32: the embedding (plain without a trace), the final norm and the two
+    # norm stacks, each gathered once; never a master
     assert all(p.shard_axis is not None for p in fsdp.plain)
     f32 = sorted(c.outputs for c in found if c.op == "all-gather" and c.loop_depth == 0 and c.dtypes == ("f32",))
-    assert f32 == sorted([(("f32", (CFG.vocab, CFG.hidden)),), (("f32", (CFG.hidden,)),)])
+    stacks = [(("f32", (CFG.layers, CFG.hidden)),)] * 2
+    assert f32 == sorted([(("f32", (CFG.vocab, CFG.hidden)),), (("f32", (CFG.hidden,)),), *stacks])
 
 
 def test_mxfp8_trains_like_bf16(mesh, model):

@@ -39,6 +39,7 @@ from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.extend import core as jcore
 
@@ -78,6 +79,9 @@ from mxfp8_jax._src.fsdp.fsdp_values import (
 )
 from mxfp8_jax._src.fsdp.fsdp_walk import Body, Remat, Scan, Traversal, While, first
 from mxfp8_jax._src.ops import mxfp8_gemm
+
+# a plain stack a scan slices is gathered whole before the loop up to this size (``stacked_plain``)
+WHOLE_BEFORE_LOOP = 4 << 20
 
 __all__ = ["Islands", "PlainValue", "UnitValue", "evaluate"]
 
@@ -445,7 +449,15 @@ class _Evaluator(Traversal):
         """A plain parameter a scan slices along its leading axis, its recorded layout ops run on
         its shards (a stack moved to lead: its split axis moves with it, no communication). Where
         the ops merge its split axis into others, or bring it to the front, it is gathered whole
-        first (the plan splits none of a parameter's layer axes)."""
+        first (the plan splits none of a parameter's layer axes).
+
+        A small stack (at most ``WHOLE_BEFORE_LOOP`` bytes whole: a stack of norm scales or
+        biases) is gathered whole here, once, before the loop: gathered per iteration, its
+        gathers would be collectives of their own in the loop's body, and XLA:GPU runs one
+        collective at a time, so each would hold back the iteration's weight gathers."""
+        if x.shard_axis is not None and _nbytes(x.array) <= WHOLE_BEFORE_LOOP:
+            whole = x.value(self.islands.whole(x.array))
+            return dataclasses.replace(x, array=whole, shard_axis=None, ops=(), dtype=whole.dtype)
         if not x.ops:
             if x.shard_axis == 0:
                 return dataclasses.replace(x, array=self.islands.whole(x.array), shard_axis=None)
@@ -588,6 +600,10 @@ class _Evaluator(Traversal):
     }
     # ``traced_rules[primitive name]``: the island of an op on arrays only (a model's collective)
     traced_rules: ClassVar = dict.fromkeys(fsdp_specs.COLLECTIVES, collective_island)
+
+
+def _nbytes(x) -> int:
+    return int(np.prod(x.shape, dtype=np.int64)) * jnp.dtype(x.dtype).itemsize
 
 
 def _static_index(branches: list[Body], k: int) -> list | None:
