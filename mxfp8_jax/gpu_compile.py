@@ -213,10 +213,11 @@ def compile_variant(work: Workload, mesh, variant: str, options: dict, tx) -> tu
     return compiled, fsdp, log, dump
 
 
-def analyse(compiled, fsdp, dump: pathlib.Path, options: dict, log: list[str]) -> dict:
-    """The figures of one compiled step (the command's table row)."""
+def analyse(compiled, fsdp, dump: pathlib.Path, options: dict, log: list[str], mesh) -> dict:
+    """The figures of one compiled step (the command's table row); ``mesh`` the one it was
+    compiled for (the replay probes its collectives' latencies on it)."""
     from mxfp8_jax._src.fsdp import fsdp_table
-    from mxfp8_jax._src.tooling import hlo, hlo_schedule
+    from mxfp8_jax._src.tooling import hlo, hlo_replay, hlo_schedule
 
     text = compiled.as_text()
     mem = compiled.memory_analysis()
@@ -238,8 +239,10 @@ def analyse(compiled, fsdp, dump: pathlib.Path, options: dict, log: list[str]) -
     for g in gemms:
         by_precision[g.precision] += g.count or 0
     dumps = sorted(dump.glob("*.schedule.txt"))
-    stats = hlo_schedule.schedule_stats(dumps[0].read_text(), text) if dumps else []
+    schedule = dumps[0].read_text() if dumps else ""
+    stats = hlo_schedule.schedule_stats(schedule, text) if dumps else []
     estimate = hlo_schedule.step_estimate(stats) if stats else {}
+    replayed, pricing = hlo_replay.replay_step(schedule, text, mesh, options) if dumps else (None, None)
     cost = hlo_schedule.cost_analysis(compiled)
     return {
         "memory": {
@@ -268,8 +271,11 @@ def analyse(compiled, fsdp, dump: pathlib.Path, options: dict, log: list[str]) -
             "step_us": estimate.get("total_us"),
             "all_gather_wasted_us": estimate.get("all_gather_wasted_us", 0.0) if stats else None,
             "reduce_scatter_wasted_us": estimate.get("reduce_scatter_wasted_us", 0.0) if stats else None,
+            "gemm_pricing": dataclasses.asdict(pricing) if pricing else None,
+            "step_one_gemm_rate_us": pricing.corrected(estimate["total_us"]) if pricing and stats else None,
             "computations": [dataclasses.asdict(s) for s in stats],
         },
+        "replay": replay_summary(replayed) if replayed else None,
         "gemms": {
             "per_step": dict(by_precision),
             "fp32": sum(g.count or 0 for g in gemms if g.fp32),
@@ -280,6 +286,42 @@ def analyse(compiled, fsdp, dump: pathlib.Path, options: dict, log: list[str]) -
         },
         "custom_calls": dict(collections.Counter(c.target for c in hlo.custom_calls(text))),
         "cost_analysis": cost,
+    }
+
+
+def replay_summary(r) -> dict:
+    """The JSON of a replay (``hlo_replay.Result``): the step, exposed time per collective, and
+    for the all-gathers how many runs had GEMMs at least as long as their latency between start
+    and done, each start's runs listed."""
+    gathers = r.gathers()
+    starts: dict[tuple[str, str], dict] = {}
+    for g in gathers:
+        d = starts.setdefault(
+            (g.computation, g.name),
+            {
+                "computation": g.computation,
+                "name": g.name,
+                "bytes": g.nbytes,
+                "dtypes": list(g.dtypes),
+                "latency_us": g.latency,
+                "runs": 0,
+                "hidden": 0,
+                "gemm_between_us": [],
+                "stall_us": [],
+            },
+        )
+        d["runs"] += 1
+        d["hidden"] += int(g.hidden)
+        d["gemm_between_us"].append(g.gemm_between)
+        d["stall_us"].append(g.stall)
+    return {
+        "step_us": r.step_us,
+        "exposed_us": r.exposed_us,
+        "gemm_us": r.gemm_us,
+        "all_gathers": len(gathers),
+        "all_gathers_hidden": sum(g.hidden for g in gathers),
+        "per_computation": r.per_computation,
+        "gathers": list(starts.values()),
     }
 
 
@@ -301,6 +343,19 @@ def _us(n) -> str:
 
 def fsdp_row(r: dict) -> bool:
     return r["variant"] != "gspmd"
+
+
+def _replay_cells(r: dict | None) -> list[str]:
+    if not r:
+        return ["-"] * 4
+    ag = r["exposed_us"].get("all-gather", 0.0)
+    share = f" ({100 * ag / r['step_us']:.1f}%)" if r["step_us"] else ""
+    return [
+        _us(r["step_us"]),
+        _us(ag) + share,
+        _us(r["exposed_us"].get("reduce-scatter", 0.0)),
+        f"{r['all_gathers_hidden']}/{r['all_gathers']}",
+    ]
 
 
 def print_tables(results: list[dict], header: str) -> None:
@@ -326,7 +381,7 @@ def print_tables(results: list[dict], header: str) -> None:
                 str(g["sync"]),
                 _us(r["schedule"]["step_us"]),
                 _us(r["schedule"]["all_gather_wasted_us"]),
-                _us(r["schedule"]["reduce_scatter_wasted_us"]),
+                *_replay_cells(r.get("replay")),
             ]
         )
     print_table(
@@ -341,9 +396,12 @@ def print_tables(results: list[dict], header: str) -> None:
             "plan's 8-bit MiB",
             "AG w/ GEMM between / async AG",
             "sync AG",
-            "est. step µs",
-            "AG exposed µs",
-            "RS exposed µs",
+            "XLA est. step µs",
+            "XLA AG exposed µs",
+            "replayed step µs",
+            "replayed AG exposed µs (% of step)",
+            "replayed RS exposed µs",
+            "AG hidden by GEMMs",
         ],
         rows,
         console,
@@ -402,13 +460,55 @@ def print_tables(results: list[dict], header: str) -> None:
         rows,
         console,
     )
+    rows = []
+    for r in results:
+        replayed = (r.get("replay") or {}).get("per_computation", {})
+        for c in r["schedule"]["computations"]:
+            per_us = c["cycles_per_us"] or 1.0
+            mine = replayed.get(c["computation"], {})
+            runs = mine.get("runs") or 1
+            rows.append(
+                [
+                    r["gpu"],
+                    r["variant"],
+                    c["computation"],
+                    "?" if c["runs"] is None else str(c["runs"]),
+                    _us(c["total_cycles"] / per_us),
+                    _us(c["wasted"].get("all_gather", 0.0) / per_us),
+                    _us(mine["us"] / runs) if mine else "-",
+                    _us(mine.get("all-gather exposed", 0.0) / runs) if mine else "-",
+                    _us(mine.get("reduce-scatter exposed", 0.0) / runs) if mine else "-",
+                ]
+            )
+    print_table(
+        f"Per scheduled computation, per run: XLA's estimate and the replay ({NOTE})",
+        [
+            "gpu",
+            "variant",
+            "computation",
+            "runs per step",
+            "XLA est. µs",
+            "XLA AG exposed µs",
+            "replayed µs (loops inside)",
+            "replayed AG exposed µs",
+            "replayed RS exposed µs",
+        ],
+        rows,
+        console,
+    )
     estimators = sorted({r["schedule"]["estimator"] for r in results})
     console.print("Latency estimator: " + "; ".join(estimators))
     console.print(
         "AG w/ GEMM between: asynchronous all-gathers with a GEMM scheduled between start and done "
         "(mxfp8_jax._src.tooling.hlo_schedule); exposed µs: the scheduler's wasted cycles (µs), loop bodies "
         "times their trip counts; cost analysis: XLA's HLO cost analysis of the optimized module (loop "
-        "bodies counted once, library GEMMs without FLOPs); GEMM TFLOP: from the GEMMs' shapes, loops unrolled."
+        "bodies counted once, library GEMMs without FLOPs); GEMM TFLOP: from the GEMMs' shapes, loops unrolled. "
+        "Replayed: XLA's schedule walked on one compute and one collective stream (mxfp8_jax._src.tooling."
+        "hlo_replay) with GEMMs of 16-bit operands and an fp32 result at the FLOP rate of those with a 16-bit "
+        "result (XLA's cost model prices them about 60x slower), asynchronous dynamic-update-slices at no cost "
+        "(the estimator gives each a fixed 5000 cycles, which makes every loop body at least that long), and "
+        "collective latencies probed alone on the same mesh; AG hidden by GEMMs: gather runs with at least their "
+        "latency of GEMM time between start and done, of all gather runs."
     )
 
 
@@ -475,7 +575,8 @@ def run(args) -> list[dict]:
                 t0 = time.perf_counter()
                 compiled, fsdp, log, dump = compile_variant(work, mesh, variant, options, tx)
                 seconds = time.perf_counter() - t0
-                row = analyse(compiled, fsdp, dump, options, log)
+                bar.update(task, description=f"{gpu} {variant}: replaying the schedule")
+                row = analyse(compiled, fsdp, dump, options, log, mesh)
                 row.update(
                     gpu=gpu,
                     device=desc["name"],

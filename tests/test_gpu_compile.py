@@ -221,3 +221,107 @@ def test_the_scans_weight_gathers_are_pipelined_beside_gemms(meshes):
         return sum(c.count or 0 for c in gathers if c.overlapped and c.bytes_of(8))
 
     assert overlapped(on) > overlapped(off), (overlapped(on), overlapped(off))
+
+
+def test_gemm_pricing_puts_fp32_result_gemms_at_the_16_bit_rate(meshes):
+    """``hlo_schedule.gemm_pricing`` times every GEMM of the program from the scheduler's dump,
+    and reprices a GEMM of bf16 operands with an fp32 result at the FLOP rate the scheduler gives
+    the same product with a bf16 result: one such pair reprices to exactly the bf16 one's time."""
+    import pathlib
+    import tempfile
+
+    from jax import lax
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    mesh = meshes["h100"]
+    whole = NamedSharding(mesh, PartitionSpec())
+    dims = (((0,), (0,)), ((), ()))
+
+    def step(a, b, c, v):
+        wide = lax.dot_general(a, b, dims, preferred_element_type=jnp.float32)
+        narrow = lax.dot_general(a, c, dims)
+        return wide, narrow, jax.lax.with_sharding_constraint(v * 2, whole)  # a gather: the scheduler runs
+
+    bf16 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.bfloat16, sharding=whole)
+    v = jax.ShapeDtypeStruct((8 * 1024,), jnp.float32, sharding=NamedSharding(mesh, PartitionSpec("fsdp")))
+    dump = tempfile.mkdtemp()
+    compiled = (
+        jax.jit(step, out_shardings=whole)
+        .lower(bf16(2048, 1024), bf16(2048, 4096), bf16(2048, 4096), v)
+        .compile({"xla_dump_to": dump, "xla_dump_latency_hiding_schedule": True})
+    )
+    schedule = next(pathlib.Path(dump).glob("*.schedule.txt")).read_text()
+    pricing = hlo_schedule.gemm_pricing(schedule, compiled.as_text())
+    assert pricing.unmatched == 0 and pricing.wide_out_us > 0 and pricing.narrow_out_us > 0, pricing
+    np.testing.assert_allclose(pricing.wide_out_at_narrow_us, pricing.narrow_out_us, rtol=1e-9)
+    assert pricing.corrected(1000.0 + pricing.wide_out_us) == pytest.approx(1000.0 + pricing.narrow_out_us)
+
+
+def _dumped(lowered, dump: str):
+    """``(compiled, schedule dump text)`` of ``lowered`` compiled with the scheduler's dump."""
+    import pathlib
+
+    compiled = lowered.compile({"xla_dump_to": dump, "xla_dump_latency_hiding_schedule": True})
+    return compiled, next(pathlib.Path(dump).glob("*.schedule.txt")).read_text()
+
+
+def test_the_replay_walks_the_schedule_on_two_streams(meshes, tmp_path):
+    """``hlo_replay``: a gather and an independent GEMM chain. Each gather runs once, at the
+    latency its bytes get compiled alone; a done waits exactly for what is left of it; the step
+    lasts at least its kernels and at most its kernels and its collectives end to end."""
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    from mxfp8_jax._src.tooling import hlo_replay
+
+    mesh = meshes["h100"]
+    whole, split = NamedSharding(mesh, PartitionSpec()), NamedSharding(mesh, PartitionSpec("fsdp"))
+
+    def step(a, b, w):
+        for _ in range(3):
+            a = jnp.tanh(a @ b)
+        return a, jax.lax.with_sharding_constraint(w, whole)
+
+    args = (
+        jax.ShapeDtypeStruct((4096, 4096), jnp.bfloat16, sharding=whole),
+        jax.ShapeDtypeStruct((4096, 4096), jnp.bfloat16, sharding=whole),
+        jax.ShapeDtypeStruct((8 * 2**20,), jnp.uint8, sharding=split),
+    )
+    compiled, dump = _dumped(jax.jit(step, out_shardings=(whole, whole)).lower(*args), str(tmp_path))
+    result, _ = hlo_replay.replay_step(dump, compiled.as_text(), mesh)
+    (g,) = result.gathers()
+    assert g.nbytes == 8 * 2**20 and g.latency == pytest.approx(hlo_replay.probe_latency(mesh, "all-gather", g.nbytes))
+    assert result.exposed_us["all-gather"] == pytest.approx(g.stall)
+    assert 0.0 <= g.stall <= g.latency
+    comps, entry = hlo_replay.parse(dump)
+    kernels = sum(e - s for c in comps.values() for s, e in c.times.values() if c.id == entry)
+    assert result.gemm_us > 0
+    assert result.step_us >= result.gemm_us
+    assert result.step_us <= kernels + g.latency + 1e-6, (result.step_us, kernels, g.latency)
+
+
+def test_the_replay_takes_out_the_loops_fixed_cost(meshes, tmp_path):
+    """The scanned step's loop bodies: XLA's estimate of each is at least the 5000 cycles its
+    estimator gives an asynchronous dynamic-update-slice (the scan's stacked outputs), while the
+    replay, which runs them at no cost, gives the forward body far less; the replayed step is
+    shorter than XLA's estimate, its GEMMs repriced; and in XLA:GPU's program too the scan's
+    loops gather nothing but the units' 8-bit planes (the norm scales before the loops)."""
+    from mxfp8_jax._src.tooling import hlo_replay
+
+    fsdp, _ = compiled(meshes, "h100")
+    tx = optax.adamw(1e-4)
+    batch = jax.ShapeDtypeStruct((TOKENS // SEQ * DEVICES, SEQ + 1), jnp.int32)
+    step, dump = _dumped(
+        fsdp.lower_train_step(models.next_token_loss, tx, fsdp.abstract_state(tx), batch), str(tmp_path)
+    )
+    text = step.as_text()
+    stats = hlo_schedule.schedule_stats(dump, text)
+    bodies = [s for s in stats if (s.runs or 1) > 1]
+    assert bodies and all(s.total_cycles / s.cycles_per_us >= 5000 for s in bodies), bodies
+    result, pricing = hlo_replay.replay_step(dump, text, meshes["h100"])
+    per_run = {k: v["us"] / v["runs"] for k, v in result.per_computation.items()}
+    assert min(per_run[s.computation] for s in bodies) < 2500, per_run
+    assert result.step_us < hlo_schedule.step_estimate(stats)["total_us"]
+    assert pricing.wide_out_us > 10 * pricing.wide_out_at_narrow_us, pricing
+    loops = {s.computation for s in bodies}
+    inside = [c for c in hlo_schedule.async_collectives(text, "all-gather") if c.computation in loops]
+    assert inside and all(d == "u8" for c in inside for d, _ in c.outputs), [c.outputs for c in inside]
