@@ -191,9 +191,7 @@ def test_hlo_fused_call_in_the_loop_and_no_weight_gathered_whole(tp_plan, device
     moved = [c for c in found if c.op == "all-gather" and c.loop_depth and c.dtypes != ("u8",)]
     assert moved == [], moved
     stacks = [
-        c
-        for c in found
-        if c.op == "all-gather" and not c.loop_depth and ("f32", (CFG.layers, CFG.hidden)) in c.outputs
+        c for c in found if c.op == "all-gather" and not c.loop_depth and ("f32", (CFG.layers, CFG.hidden)) in c.outputs
     ]
     assert bool(stacks) == (fsdp_devices > 1), stacks
     # no master weight moves in fp32: the fp32 gathers are plain parameters (a layer's norm
