@@ -18,7 +18,9 @@ fusions, collectives and memory are XLA:GPU's own.
 The variants: ``mxfp8`` (``FSDP``, MXFP8 units, GEMMs in the layer's dtype on dequantized
 weights), ``mxfp8-gemm`` (``FSDP(gemm="mxfp8")``: block-scaled MXFP8 GEMMs forward and
 backward), ``bf16`` (``FSDP(precision="bf16")``) and ``gspmd`` (the model jitted with its
-parameters and optimizer state sharded by ``NamedSharding``, XLA inserting the collectives).
+parameters and optimizer state sharded by ``NamedSharding``, XLA inserting the collectives);
+on request ``mxfp8-p0`` (``FSDP(prefetch=0)``: every gather waits for its op's input, the
+baseline the overlap's memory is measured against).
 
 A model of one's own: ``--model module:function``, where ``function()`` returns
 ``(make_model, loss_fn, batch)``: ``make_model()`` builds the ``nnx.Module`` (run under
@@ -47,7 +49,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-VARIANTS = ("mxfp8", "mxfp8-gemm", "bf16", "gspmd")
+VARIANTS = ("mxfp8", "mxfp8-gemm", "mxfp8-p0", "bf16", "gspmd")
 MODELS = ("transformer", "transformer-loop")
 NOTE = "figures from XLA:GPU's compilation of the step (deviceless, default GEMM tilings), not from a run"
 
@@ -205,6 +207,8 @@ def compile_variant(work: Workload, mesh, variant: str, options: dict, tx) -> tu
         kwargs = {"precision": "bf16"} if variant == "bf16" else {}
         if variant == "mxfp8-gemm":
             kwargs["gemm"] = "mxfp8"
+        if variant == "mxfp8-p0":
+            kwargs["prefetch"] = 0
         fsdp = FSDP(model, mesh, loss_fn=work.loss_fn, example_batch=work.batch, **kwargs)
         lowered = fsdp.lower_train_step(work.loss_fn, tx, fsdp.abstract_state(tx), work.batch)
     with _captured_stderr() as log:
@@ -636,7 +640,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--vocab", type=int, default=32000)
     p.add_argument("--seq", type=int, default=2048, help="tokens per sequence (default 2048)")
     p.add_argument("--tokens-per-device", type=int, default=4096)
-    p.add_argument("--variants", default=",".join(VARIANTS), help=f"subset of {','.join(VARIANTS)}")
+    p.add_argument(
+        "--variants", default=",".join(v for v in VARIANTS if v != "mxfp8-p0"), help=f"subset of {','.join(VARIANTS)}"
+    )
     p.add_argument(
         "--xla-flag", action="append", help="an XLA option for the compile, --xla-flag=--xla_name=value (repeatable)"
     )
