@@ -64,7 +64,10 @@ _TRIP = re.compile(r'known_trip_count\\\\?":\{\\\\?"n\\\\?":\\\\?"(\d+)')
 
 
 @dataclasses.dataclass(frozen=True)
-class Instr:
+class ScheduledInstr:
+    """One instruction of a schedule dump's module (its proto text, not the HLO text that
+    ``hlo_schedule.Instr`` reads)."""
+
     name: str
     opcode: str
     id: str
@@ -92,7 +95,7 @@ class Computation:
     name: str
     id: str
     root: str
-    instrs: dict[str, Instr]
+    instrs: dict[str, ScheduledInstr]
     order: list[str] = dataclasses.field(default_factory=list)
     times: dict[str, tuple[float, float]] = dataclasses.field(default_factory=dict)
 
@@ -127,7 +130,7 @@ def parse(dump: str) -> tuple[dict[str, Computation], str]:
     return comps, entry
 
 
-def _instr(chunk: str) -> Instr:
+def _instr(chunk: str) -> ScheduledInstr:
     field = lambda key: re.search(rf"\n      {key}: ([^\n]*)", "\n" + chunk)
     shape = chunk.split("\n      metadata {", 1)[0]
     leaves = []
@@ -140,7 +143,7 @@ def _instr(chunk: str) -> Instr:
     backend = field("backend_config")
     trips = _TRIP.search(backend.group(1)) if backend else None
     index, param = field("tuple_index"), field("parameter_number")
-    return Instr(
+    return ScheduledInstr(
         name=field("name").group(1).strip('"'),
         opcode=field("opcode").group(1).strip('"'),
         id=field("id").group(1),
@@ -153,7 +156,7 @@ def _instr(chunk: str) -> Instr:
     )
 
 
-def collective_kind(comps: dict[str, Computation], comp: Computation, instr: Instr) -> str | None:
+def collective_kind(comps: dict[str, Computation], comp: Computation, instr: ScheduledInstr) -> str | None:
     """The collective an asynchronous start runs (``"all-gather"``...), ``"compute"`` for
     asynchronous compute, None for anything else."""
     if not instr.opcode.endswith("-start"):
