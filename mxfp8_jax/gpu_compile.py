@@ -276,7 +276,6 @@ def analyse(compiled, fsdp, dump: pathlib.Path, options: dict, log: list[str], m
             "all_gather_wasted_us": estimate.get("all_gather_wasted_us", 0.0) if stats else None,
             "reduce_scatter_wasted_us": estimate.get("reduce_scatter_wasted_us", 0.0) if stats else None,
             "gemm_pricing": dataclasses.asdict(pricing) if pricing else None,
-            "step_one_gemm_rate_us": pricing.corrected(estimate["total_us"]) if pricing and stats else None,
             "computations": [dataclasses.asdict(s) for s in stats],
         },
         "replay": replay_summary(replayed) if replayed else None,
@@ -508,8 +507,8 @@ def print_tables(results: list[dict], header: str) -> None:
         "times their trip counts; cost analysis: XLA's HLO cost analysis of the optimized module (loop "
         "bodies counted once, library GEMMs without FLOPs); GEMM TFLOP: from the GEMMs' shapes, loops unrolled. "
         "Replayed: XLA's schedule walked on one compute and one collective stream (mxfp8_jax._src.tooling."
-        "hlo_replay) with GEMMs of 16-bit operands and an fp32 result at the FLOP rate of those with a 16-bit "
-        "result (XLA's cost model prices them about 60x slower), asynchronous dynamic-update-slices at no cost "
+        "hlo_replay) with GEMMs of 16-bit operands and an fp32 result scaled to the FLOP rate of those with a "
+        "16-bit result (XLA's cost model prices them about 60x slower), asynchronous dynamic-update-slices at no cost "
         "(the estimator gives each a fixed 5000 cycles, which makes every loop body at least that long), and "
         "collective latencies probed alone on the same mesh; AG hidden by GEMMs: gather runs with at least their "
         "latency of GEMM time between start and done, of all gather runs."

@@ -39,7 +39,6 @@ from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 from jax.extend import core as jcore
 
@@ -455,13 +454,10 @@ class _Evaluator(Traversal):
         biases) is gathered whole here, once, before the loop: gathered per iteration, its
         gathers would be collectives of their own in the loop's body, and XLA:GPU runs one
         collective at a time, so each would hold back the iteration's weight gathers."""
-        if x.shard_axis is not None and _nbytes(x.array) <= WHOLE_BEFORE_LOOP:
-            whole = x.value(self.islands.whole(x.array))
-            return dataclasses.replace(x, array=whole, shard_axis=None, ops=(), dtype=whole.dtype)
+        if x.shard_axis is not None and x.array.size * x.array.dtype.itemsize <= WHOLE_BEFORE_LOOP:
+            return self._gathered(x)
         if not x.ops:
-            if x.shard_axis == 0:
-                return dataclasses.replace(x, array=self.islands.whole(x.array), shard_axis=None)
-            return x
+            return self._gathered(x) if x.shard_axis == 0 else x
         v = x.array.astype(x.dtype)
         view = View(0, tuple((a,) for a in range(v.ndim)))
         for prim, params in x.ops:
@@ -472,10 +468,13 @@ class _Evaluator(Traversal):
         if x.shard_axis is not None and view is not None:
             axis = next((d for d, axes in enumerate(view.axes) if axes == (x.shard_axis,)), None)
         if x.shard_axis is not None and axis in (None, 0):
-            return dataclasses.replace(
-                x, array=x.value(self.islands.whole(x.array)), shard_axis=None, ops=(), dtype=v.dtype
-            )
+            return self._gathered(x)
         return dataclasses.replace(x, array=v, shard_axis=axis, ops=(), dtype=v.dtype)
+
+    def _gathered(self, x: PlainValue) -> PlainValue:
+        """``x`` gathered whole, its layout ops replayed on it."""
+        whole = x.value(self.islands.whole(x.array))
+        return dataclasses.replace(x, array=whole, shard_axis=None, ops=(), dtype=whole.dtype)
 
     def _cond(self, eqn, branches: list[Body], ins: list) -> list:
         """A ``cond`` / ``switch`` whose branches read parameters: every branch evaluated here
@@ -600,10 +599,6 @@ class _Evaluator(Traversal):
     }
     # ``traced_rules[primitive name]``: the island of an op on arrays only (a model's collective)
     traced_rules: ClassVar = dict.fromkeys(fsdp_specs.COLLECTIVES, collective_island)
-
-
-def _nbytes(x) -> int:
-    return int(np.prod(x.shape, dtype=np.int64)) * jnp.dtype(x.dtype).itemsize
 
 
 def _static_index(branches: list[Body], k: int) -> list | None:

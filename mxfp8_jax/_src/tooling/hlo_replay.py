@@ -18,7 +18,8 @@ bodies meaningless to read exposure from:
 
 ``replay`` keeps XLA's order of every computation and its price of every other instruction, and
 walks the program: kernels run one after another on the compute stream, GEMMs of an fp32
-result at the FLOP rate the program's 16-bit-result GEMMs get, asynchronous compute costs
+result scaled by one factor, so that together they take what their FLOPs take at the rate the
+program's 16-bit-result GEMMs get (``GemmPricing``), asynchronous compute costs
 nothing beyond its kernels (conservative: less compute to hide collectives behind); a
 collective starts on the collective stream when both its start is reached and the stream is
 free (XLA:GPU runs one collective at a time), lasts its latency, and its done waits for it. A
@@ -38,24 +39,9 @@ import collections
 import dataclasses
 import re
 
-_BYTES = {
-    "PRED": 1,
-    "S8": 1,
-    "U8": 1,
-    "F8E4M3FN": 1,
-    "F8E5M2": 1,
-    "F8E8M0FNU": 1,
-    "S16": 2,
-    "U16": 2,
-    "F16": 2,
-    "BF16": 2,
-    "S32": 4,
-    "U32": 4,
-    "F32": 4,
-    "S64": 8,
-    "U64": 8,
-    "F64": 8,
-}
+from mxfp8_jax._src.tooling import hlo
+
+_NOT_ARRAYS = ("TUPLE", "TOKEN", "OPAQUE_TYPE", "PRIMITIVE_TYPE_INVALID")
 COLLECTIVES = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "collective-permute")
 
 _COMPUTATION = re.compile(r'\n  computations \{\n    name: "([^"]+)"(.*?)\n    id: (\d+)\n    root_id: (\d+)', re.S)
@@ -135,11 +121,11 @@ def _instr(chunk: str) -> ScheduledInstr:
     shape = chunk.split("\n      metadata {", 1)[0]
     leaves = []
     for dtype, dims in _LEAF.findall(shape):
-        if dtype in _BYTES:
+        if dtype not in _NOT_ARRAYS:
             size = 1
             for d in re.findall(r"\d+", dims):
                 size *= int(d)
-            leaves.append((dtype, _BYTES[dtype] * size))
+            leaves.append((dtype, hlo.dtype_bytes(dtype.lower()) * size))
     backend = field("backend_config")
     trips = _TRIP.search(backend.group(1)) if backend else None
     index, param = field("tuple_index"), field("parameter_number")
@@ -173,23 +159,6 @@ def collective_kind(comps: dict[str, Computation], comp: Computation, instr: Sch
     return "compute" if instr.opcode == "async-start" else None
 
 
-def latency_of(table: dict[tuple[str, int], float], kind: str, nbytes: int) -> float:
-    """A collective's latency from ``table``: its own entry, else the line through the two
-    entries of its kind nearest in bytes (a collective's price is affine in its bytes)."""
-    if (kind, nbytes) in table:
-        return table[(kind, nbytes)]
-    points = sorted((b, t) for (k, b), t in table.items() if k == kind)
-    if not points:
-        raise KeyError(f"no {kind} in the synchronous compile to price one of {nbytes} bytes")
-    if len(points) == 1:
-        return points[0][1]
-    near = sorted(points, key=lambda p: abs(p[0] - nbytes))[:2]
-    (b0, t0), (b1, t1) = sorted(near)
-    if b1 == b0:
-        return t0
-    return max(0.0, t0 + (t1 - t0) * (nbytes - b0) / (b1 - b0))
-
-
 @dataclasses.dataclass
 class Gather:
     """One run of one collective: where its start is, its kind and bytes, its latency, the GEMM
@@ -203,8 +172,6 @@ class Gather:
     latency: float
     gemm_between: float = 0.0
     stall: float = 0.0
-    carried: bool = False
-    _run: int = 0
     _end: float = 0.0
     _gemm_at_start: float = 0.0
 
@@ -232,7 +199,7 @@ def replay(dump, table: dict[tuple[str, int], float], gemm_us: dict[str, float] 
     also what counts as GEMM time between a start and its done."""
     comps, entry = parse(dump) if isinstance(dump, str) else dump
     gemm_us = gemm_us or {}
-    state = {"t": 0.0, "c": 0.0, "gemm": 0.0, "runs": 0}
+    state = {"t": 0.0, "c": 0.0, "gemm": 0.0}
     runs: list[Gather] = []
     per: dict[str, dict[str, float]] = collections.defaultdict(lambda: collections.defaultdict(float))
 
@@ -240,8 +207,6 @@ def replay(dump, table: dict[tuple[str, int], float], gemm_us: dict[str, float] 
         comp = comps[cid]
         env: dict[str, object] = {}
         t0 = state["t"]
-        state["runs"] += 1
-        serial = state["runs"]
         per[comp.name]["runs"] += 1
         for iid in comp.order:
             i = comp.instrs.get(iid)
@@ -264,7 +229,7 @@ def replay(dump, table: dict[tuple[str, int], float], gemm_us: dict[str, float] 
             elif op.endswith("-start") and collective_kind(comps, comp, i) not in (None, "compute"):
                 kind = collective_kind(comps, comp, i)
                 nbytes = i.result_bytes
-                lat = latency_of(table, kind, nbytes)
+                lat = table[(kind, nbytes)]
                 begin = max(state["t"], state["c"])
                 dtypes = tuple(sorted({d for d, _ in i.results}))
                 g = Gather(
@@ -274,7 +239,6 @@ def replay(dump, table: dict[tuple[str, int], float], gemm_us: dict[str, float] 
                     nbytes,
                     dtypes,
                     lat,
-                    _run=serial,
                     _end=begin + lat,
                     _gemm_at_start=state["gemm"],
                 )
@@ -286,7 +250,6 @@ def replay(dump, table: dict[tuple[str, int], float], gemm_us: dict[str, float] 
                 if isinstance(g, Gather):
                     g.stall = max(0.0, g._end - state["t"])
                     g.gemm_between = state["gemm"] - g._gemm_at_start
-                    g.carried = g._run != serial
                     state["t"] = max(state["t"], g._end)
                     per[comp.name][f"{g.kind} exposed"] += g.stall
                 env[iid] = None
@@ -367,6 +330,24 @@ class _NoSchedule(Exception):
     """The probe compiled its collective synchronously: no schedule to read its latency from."""
 
 
+def times_of(comps: dict[str, Computation]) -> dict[tuple[str, str], float]:
+    """``(computation, instruction) -> µs`` the scheduler gave each scheduled instruction."""
+    return {
+        (c.name, c.instrs[iid].name): end - start
+        for c in comps.values()
+        for iid, (start, end) in c.times.items()
+        if iid in c.instrs
+    }
+
+
+def gemm_pricing(dump: str, text: str):
+    """The scheduler's prices of the GEMMs of compiled module ``text``
+    (``hlo_schedule.GemmPricing``), from its schedule ``dump``."""
+    from mxfp8_jax._src.tooling import hlo_schedule
+
+    return hlo_schedule.price_gemms(times_of(parse(dump)[0]), text)
+
+
 def replay_step(dump: str, text: str, mesh, options: dict | None = None) -> tuple[Result, object]:
     """``replay`` of a compiled step, and the scheduler's GEMM prices (``GemmPricing``):
     ``dump`` its schedule dump, ``text`` its optimized HLO (``compiled.as_text()``), ``mesh``
@@ -377,12 +358,7 @@ def replay_step(dump: str, text: str, mesh, options: dict | None = None) -> tupl
     from mxfp8_jax._src.tooling import hlo_schedule
 
     comps, entry = parse(dump)
-    times = {
-        (c.name, c.instrs[iid].name): end - start
-        for c in comps.values()
-        for iid, (start, end) in c.times.items()
-        if iid in c.instrs
-    }
+    times = times_of(comps)
     pricing = hlo_schedule.price_gemms(times, text)
     rate = pricing.wide_out_at_narrow_us / pricing.wide_out_us if pricing.wide_out_us else 1.0
     gemm_us: dict[str, float] = {}

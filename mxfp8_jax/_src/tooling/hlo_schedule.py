@@ -482,32 +482,6 @@ def step_estimate(stats: list[ScheduleStats]) -> dict[str, float]:
     return out
 
 
-_COMPUTATION = re.compile(r'\n  computations \{\n    name: "([^"]+)"(.*?)\n    id: (\d+)\n    root_id', re.S)
-_INSTRUCTION = re.compile(r'\n    instructions \{\n      name: "([^"]+)"\n.*?\n      id: (\d+)\n', re.S)
-
-
-def instruction_times(dump: str) -> dict[tuple[str, str], float]:
-    """``(computation, instruction) -> microseconds`` the latency-hiding scheduler gave each
-    scheduled instruction of the dump (its end less its start timestamp)."""
-    module, _, schedules = dump.partition("\ncomputation_schedules {")
-    names: dict[str, tuple[str, str]] = {}
-    for cm in _COMPUTATION.finditer(module):
-        for im in _INSTRUCTION.finditer(cm.group(2)):
-            names[im.group(2)] = (cm.group(1), im.group(1))
-    out: dict[tuple[str, str], float] = {}
-    for block in ("computation_schedules {" + schedules).split("\ncomputation_schedules {"):
-        per_us = re.search(r"cycles_per_microsecond:\s*([0-9.eE+\-]+)", block)
-        scale = float(per_us.group(1)) if per_us else 1.0
-        for m in re.finditer(
-            r"instructions \{\n    id: (\d+)\n    start_timestamp_cycles: ([0-9.eE+\-]+)\n"
-            r"    end_timestamp_cycles: ([0-9.eE+\-]+)\n",
-            block,
-        ):
-            if m.group(1) in names:
-                out[names[m.group(1)]] = (float(m.group(3)) - float(m.group(2))) / scale
-    return out
-
-
 @dataclasses.dataclass(frozen=True)
 class GemmPricing:
     """How the scheduler priced the step's GEMMs, per step (loop bodies times their trip
@@ -517,21 +491,12 @@ class GemmPricing:
     scheduler gives the second. XLA:GPU's cost model prices a GEMM by its result type: on an
     H100 it gives a bf16 x bf16 -> f32 product about 60 times the time of the same product
     with a bf16 result, while tensor cores accumulate in fp32 either way and run both at one
-    speed. ``corrected(total)`` is a step estimate with that difference taken out."""
+    speed (``hlo_replay`` replays the schedule with that difference taken out)."""
 
     wide_out_us: float
     narrow_out_us: float
     wide_out_at_narrow_us: float
     unmatched: int
-
-    def corrected(self, total_us: float) -> float:
-        return total_us - self.wide_out_us + self.wide_out_at_narrow_us
-
-
-def gemm_pricing(dump: str, text: str) -> GemmPricing:
-    """The scheduler's prices of the GEMMs of compiled module ``text`` (``GemmPricing``), from
-    its schedule ``dump``. ``unmatched``: GEMMs of the module the dump does not time."""
-    return price_gemms(instruction_times(dump), text)
 
 
 def wide_out(g: Gemm) -> bool:
@@ -540,7 +505,9 @@ def wide_out(g: Gemm) -> bool:
 
 
 def price_gemms(times: dict[tuple[str, str], float], text: str) -> GemmPricing:
-    """``gemm_pricing`` from the scheduler's ``(computation, instruction) -> µs``."""
+    """The scheduler's prices of the GEMMs of compiled module ``text`` (``GemmPricing``) from
+    its ``(computation, instruction) -> µs`` (``hlo_replay.times_of``). ``unmatched``: GEMMs of
+    the module the times do not cover."""
     wide = narrow = wide_flops = narrow_flops = 0.0
     unmatched = 0
     for g in gemms(text):
