@@ -379,15 +379,13 @@ class _Evaluator(Traversal):
                 slicers.append((len(xs_in), len(x.leaves), lambda leaves, one=one: one.with_leaves(leaves)))
                 xs_in.extend(x.leaves)
             elif isinstance(x, PlainValue):
+                split = x.shard_axis
                 x = self.stacked_plain(x)
                 axis = None if x.shard_axis is None else x.shard_axis - 1
-                slicers.append(
-                    (
-                        len(xs_in),
-                        1,
-                        lambda leaves, x=x, axis=axis: dataclasses.replace(x, array=leaves[0], shard_axis=axis),
-                    )
-                )
+                # gathered whole before the loop: each iteration's gradient reduce-scattered as
+                # the stack was split (one collective with the iteration's others), not all-reduced
+                whole = split if x.shard_axis is None and split else None
+                slicers.append((len(xs_in), 1, functools.partial(self._plain_slice, x, axis, whole)))
                 xs_in.append(x.array)
             else:
                 slicers.append((len(xs_in), 1, lambda leaves: leaves[0]))
@@ -421,6 +419,13 @@ class _Evaluator(Traversal):
         outs = [*carry_out, *(xs[forwarded[k]] if k in forwarded else next(ys) for k in range(n_ys))]
         stacked = [None if s is None else (None, *s) for s in y_specs]
         return list(zip(outs, [*k_specs, *stacked]))
+
+    def _plain_slice(self, x: PlainValue, axis: int | None, whole: int | None, leaves) -> PlainValue:
+        """What a scan body reads of the stacked plain parameter ``x`` each iteration (its slice
+        ``leaves[0]``, split along ``axis``); ``whole``: the axis the stack was split along
+        before ``stacked_plain`` gathered it whole, along which the slice's gradient is split."""
+        array = leaves[0] if whole is None else self.islands.split_cotangent(leaves[0], whole - 1)
+        return dataclasses.replace(x, array=array, shard_axis=axis)
 
     def scan_slice(self, x: UnitValue) -> UnitValue:
         """What a scan body reads of the stacked unit ``x`` each iteration (its leaves still
@@ -473,7 +478,7 @@ class _Evaluator(Traversal):
 
     def _gathered(self, x: PlainValue) -> PlainValue:
         """``x`` gathered whole, its layout ops replayed on it."""
-        whole = x.value(self.islands.whole(x.array))
+        whole = x.value(self.islands.whole(x.array, x.shard_axis))
         return dataclasses.replace(x, array=whole, shard_axis=None, ops=(), dtype=whole.dtype)
 
     def _cond(self, eqn, branches: list[Body], ins: list) -> list:

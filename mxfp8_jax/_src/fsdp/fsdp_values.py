@@ -163,9 +163,28 @@ class Islands:
             check_vma=False,
         )
 
-    def whole(self, x: jax.Array) -> jax.Array:
-        """``x`` replicated over the islands' axes (XLA all-gathers it where it is split)."""
-        return lax.with_sharding_constraint(x, NamedSharding(self.context_mesh(), PartitionSpec()))
+    def whole(self, x: jax.Array, split: int | None = None) -> jax.Array:
+        """``x`` replicated over the islands' axes (XLA all-gathers it where it is split);
+        ``split``: the axis ``x`` is split along, along which its cotangent then stays split
+        (``split_cotangent``: not gathered whole only to be split again)."""
+        replicated = NamedSharding(self.context_mesh(), PartitionSpec())
+        if split is None:
+            return lax.with_sharding_constraint(x, replicated)
+        return self.split_cotangent(x, split, lambda x: lax.with_sharding_constraint(x, replicated))
+
+    def split_cotangent(self, x: jax.Array, axis: int, fn=lambda x: x) -> jax.Array:
+        """``fn(x)`` (``fn`` a sharding constraint, or none: ``x`` as it is), its cotangent split
+        along ``axis`` over the islands' axes: a whole value read where the batch is split gets a
+        partial sum from each device, which XLA:GPU then reduce-scatters (combined with the other
+        reduce-scatters there) instead of all-reducing."""
+        sharding = NamedSharding(self.context_mesh(), PartitionSpec(*([None] * axis), self.entry))
+
+        @jax.custom_vjp
+        def same(x):
+            return fn(x)
+
+        same.defvjp(lambda x: (fn(x), None), lambda _, ct: (lax.with_sharding_constraint(ct, sharding),))
+        return same(x)
 
 
 def flatten(values) -> tuple[list, list]:
