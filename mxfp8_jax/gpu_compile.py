@@ -148,13 +148,20 @@ def _captured_stderr():
                 sys.stderr.write(text if text.endswith("\n") else text + "\n")
 
 
-def estimator_of(options: dict, log: list[str]) -> str:
+def estimator_of(options: dict, log: list[str], corrections=None) -> str:
     """Which latency estimator XLA:GPU's scheduler ran, from the options the compile got and
     what it logged (a profile-guided one is used whenever a profile is given; the analytical
-    estimators are chosen by flags; a failed one falls back to the approximate one)."""
+    estimators are chosen by flags; a failed one falls back to the approximate one), and the
+    prices ``xla_costs`` gave it."""
     text = "\n".join(log)
     if options.get("xla_gpu_pgle_profile_file_or_directory_path"):
-        return "profile-guided (PGLE)"
+        return "profile-guided (PGLE), the user's profile"
+    if corrections:
+        return (
+            estimator_of(options, log)
+            + f", with {len(corrections.gemms)} fp32-result GEMMs and {len(corrections.copies)} asynchronous"
+            " copies repriced by a profile (xla_costs)"
+        )
     if "SolLatencyEstimator creation failed" in text or "fallback: using GpuLatencyEstimator" in text:
         return "approximate (GpuLatencyEstimator, fixed costs), the SoL estimator having failed"
     if options.get("xla_gpu_enable_analytical_latency_estimator"):
@@ -187,10 +194,16 @@ def parse_xla_flags(flags: list[str]) -> dict[str, Any]:
     return out
 
 
-def compile_variant(work: Workload, mesh, variant: str, options: dict, tx) -> tuple[Any, Any, list[str], pathlib.Path]:
-    """``(compiled, fsdp or None, XLA's log lines, dump folder)`` of one variant's step."""
+def compile_variant(
+    work: Workload, mesh, variant: str, options: dict, tx, costs: str = "corrected"
+) -> tuple[Any, Any, list[str], pathlib.Path, Any]:
+    """``(compiled, fsdp or None, XLA's log lines, dump folder, xla_costs.Corrections or None)``
+    of one variant's step; ``costs``: ``"corrected"`` (``xla_costs.compile``, as the FSDP steps
+    compile for GPUs; GSPMD's step alike) or ``"xla"`` (XLA's own prices)."""
     import jax
     from flax import nnx
+
+    from mxfp8_jax._src.compiled import xla_costs
 
     model = nnx.eval_shape(work.make)
     dump = pathlib.Path(tempfile.mkdtemp(prefix="mxfp8-gpu-compile-"))
@@ -204,7 +217,9 @@ def compile_variant(work: Workload, mesh, variant: str, options: dict, tx) -> tu
     else:
         from mxfp8_jax.flax import FSDP
 
-        kwargs = {"precision": "bf16"} if variant == "bf16" else {}
+        kwargs: dict = {"xla_costs": costs}
+        if variant == "bf16":
+            kwargs["precision"] = "bf16"
         if variant == "mxfp8-gemm":
             kwargs["gemm"] = "mxfp8"
         if variant == "mxfp8-p0":
@@ -212,16 +227,20 @@ def compile_variant(work: Workload, mesh, variant: str, options: dict, tx) -> tu
         fsdp = FSDP(model, mesh, loss_fn=work.loss_fn, example_batch=work.batch, **kwargs)
         lowered = fsdp.lower_train_step(work.loss_fn, tx, fsdp.abstract_state(tx), work.batch)
     with _captured_stderr() as log:
-        compiled = lowered.compile(compiler_options=opts)
+        if costs == "corrected":
+            compiled, corrections = xla_costs.compile(lowered, opts)
+        else:
+            compiled, corrections = lowered.compile(compiler_options=opts), None
     jax.block_until_ready(())
-    return compiled, fsdp, log, dump
+    return compiled, fsdp, log, dump, corrections
 
 
-def analyse(compiled, fsdp, dump: pathlib.Path, options: dict, log: list[str], mesh) -> dict:
+def analyse(compiled, fsdp, dump: pathlib.Path, options: dict, log: list[str], mesh, corrections=None) -> dict:
     """The figures of one compiled step (the command's table row); ``mesh`` the one it was
-    compiled for (the replay probes its collectives' latencies on it)."""
+    compiled for (the replay probes its collectives' latencies on it); ``corrections``: the
+    prices ``xla_costs.compile`` gave its scheduler, if any."""
+    from mxfp8_jax._src.compiled import hlo, hlo_replay, hlo_schedule
     from mxfp8_jax._src.fsdp import fsdp_table
-    from mxfp8_jax._src.tooling import hlo, hlo_replay, hlo_schedule
 
     text = compiled.as_text()
     mem = compiled.memory_analysis()
@@ -271,7 +290,10 @@ def analyse(compiled, fsdp, dump: pathlib.Path, options: dict, log: list[str], m
             "8bit_gemm_between": sum(c.count or 0 for c in gathers if c.overlapped and c.bytes_of(8)),
         },
         "schedule": {
-            "estimator": estimator_of(options, log) if stats else "none (the latency-hiding scheduler did not run)",
+            "estimator": (
+                estimator_of(options, log, corrections) if stats else "none (the latency-hiding scheduler did not run)"
+            ),
+            "repriced": {"gemms": len(corrections.gemms), "copies": len(corrections.copies)} if corrections else None,
             "step_us": estimate.get("total_us"),
             "all_gather_wasted_us": estimate.get("all_gather_wasted_us", 0.0) if stats else None,
             "reduce_scatter_wasted_us": estimate.get("reduce_scatter_wasted_us", 0.0) if stats else None,
@@ -503,7 +525,7 @@ def print_tables(results: list[dict], header: str) -> None:
     console.print("Latency estimator: " + "; ".join(estimators))
     console.print(
         "AG w/ GEMM between: asynchronous all-gathers with a GEMM scheduled between start and done "
-        "(mxfp8_jax._src.tooling.hlo_schedule); exposed µs: the scheduler's wasted cycles (µs), loop bodies "
+        "(mxfp8_jax._src.compiled.hlo_schedule); exposed µs: the scheduler's wasted cycles (µs), loop bodies "
         "times their trip counts; cost analysis: XLA's HLO cost analysis of the optimized module (loop "
         "bodies counted once, library GEMMs without FLOPs); GEMM TFLOP: from the GEMMs' shapes, loops unrolled. "
         "Replayed: XLA's schedule walked on one compute and one collective stream (mxfp8_jax._src.tooling."
@@ -576,10 +598,12 @@ def run(args) -> list[dict]:
             for variant in variants:
                 bar.update(task, description=f"{gpu} {variant}: compiling")
                 t0 = time.perf_counter()
-                compiled, fsdp, log, dump = compile_variant(work, mesh, variant, options, tx)
+                compiled, fsdp, log, dump, corrections = compile_variant(
+                    work, mesh, variant, options, tx, args.xla_costs
+                )
                 seconds = time.perf_counter() - t0
                 bar.update(task, description=f"{gpu} {variant}: replaying the schedule")
-                row = analyse(compiled, fsdp, dump, options, log, mesh)
+                row = analyse(compiled, fsdp, dump, options, log, mesh, corrections)
                 row.update(
                     gpu=gpu,
                     device=desc["name"],
@@ -644,6 +668,13 @@ def parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--xla-flag", action="append", help="an XLA option for the compile, --xla-flag=--xla_name=value (repeatable)"
+    )
+    p.add_argument(
+        "--xla-costs",
+        choices=("corrected", "xla"),
+        default="corrected",
+        help="the scheduler's prices: corrected (default: as FSDP's GPU steps compile, GSPMD's alike; "
+        "see xla_costs) or xla (XLA's cost model as it is)",
     )
     p.add_argument("--json", help="write the results as JSON")
     p.add_argument("--keep-dumps", action="store_true", help="keep XLA's dump folders (the schedule, the HLO)")

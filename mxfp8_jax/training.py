@@ -246,7 +246,7 @@ def train(
     step's collectives (read from its compiled HLO)."""
     import optax
 
-    from mxfp8_jax._src.tooling import hlo
+    from mxfp8_jax._src.compiled import hlo
     from mxfp8_jax.flax import FSDP
 
     data = work.batches(work.per_device_batch * (mesh.size // work.tp))

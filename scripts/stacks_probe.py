@@ -18,7 +18,7 @@ by every layer), at two depths, on simulated CPU devices (``--devices``, default
   - ``growth``: ``(temp_hi - temp_lo) / (bytes_hi - bytes_lo)``: how much temp memory each byte
     of added layers costs (near 0: flat in depth; near 1 or more: the step holds whole layers);
   - the HLO's all-gather / all-reduce / reduce-scatter bytes per device per step (loops counted
-    once per iteration, ``tooling.hlo.bytes_by_op``), to see whether a frozen base is gathered
+    once per iteration, ``compiled.hlo.bytes_by_op``), to see whether a frozen base is gathered
     or all-reduced;
   - what the plan made of each parameter (``fsdp.params``: kind, role, level, reason; layer
     indices of Python-loop models collapsed to ``*``) and the totals line of ``str(fsdp)``.
@@ -86,7 +86,7 @@ def main() -> None:
     import optax
     from flax import nnx
 
-    from mxfp8_jax._src.tooling import hlo
+    from mxfp8_jax._src.compiled import hlo
     from mxfp8_jax.bench.styles import stacked_styles as ss
     from mxfp8_jax.flax import FSDP
 

@@ -271,7 +271,7 @@ def test_conversions_move_tensor_pieces_not_the_buffer(devices):
     split evenly across the shards: the mesh takes the most of the n devices that divides every
     tensor's rows, 64, 96 and 40, i.e. all of them for n = 2, 4, 8), each device exchanging
     messages of one tensor's size at most, never the whole buffer."""
-    from mxfp8_jax._src.tooling import hlo
+    from mxfp8_jax._src.compiled import hlo
 
     shards = math.gcd(len(devices), *(s[0] for s in SHAPES))
     mesh = _mesh((shards,), ("x",), devices)

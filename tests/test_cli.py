@@ -215,7 +215,7 @@ def test_demo_run_checks_arguments():
 
 
 def test_hlo_collective_accounting():
-    from mxfp8_jax._src.tooling import hlo
+    from mxfp8_jax._src.compiled import hlo
 
     text = "\n".join(
         [
@@ -239,7 +239,7 @@ def test_hlo_collective_accounting():
 
 
 def test_hlo_loops_count_their_collectives_per_iteration():
-    from mxfp8_jax._src.tooling import hlo
+    from mxfp8_jax._src.compiled import hlo
 
     text = "\n".join(
         [

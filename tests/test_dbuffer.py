@@ -27,8 +27,8 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 import mxfp8_jax as mx
 from mxfp8_jax import DBuffer, ShardLayout
 from mxfp8_jax._src.buffers import placement as pl
+from mxfp8_jax._src.compiled import hlo
 from mxfp8_jax._src.core import checks
-from mxfp8_jax._src.tooling import hlo
 
 from conftest import as_bytes, need_devices
 

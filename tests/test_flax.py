@@ -3,7 +3,7 @@
 Oracles are independent of the code under test: the single-device reference below quantizes and
 dequantizes each kernel with the numpy oracle and differentiates its own custom_vjp linear
 (forward with the rowwise values, dgrad with the columnwise ones, fp32 wgrad); the HLO is read
-with ``mxfp8_jax._src.tooling.hlo``, whose parser has its own tests (test_cli.py).
+with ``mxfp8_jax._src.compiled.hlo``, whose parser has its own tests (test_cli.py).
 """
 
 import jax
@@ -14,7 +14,7 @@ import pytest
 from flax import nnx
 from jax.sharding import Mesh
 
-from mxfp8_jax._src.tooling import hlo
+from mxfp8_jax._src.compiled import hlo
 from mxfp8_jax.flax import FSDP, Linear
 
 import numpy_oracle as npo

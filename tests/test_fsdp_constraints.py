@@ -35,7 +35,7 @@ from test_fsdp_semantics import (
     unsharded_step,
 )
 
-from mxfp8_jax._src.tooling import hlo
+from mxfp8_jax._src.compiled import hlo
 from mxfp8_jax.flax import FSDP, ModelConstraintWarning
 
 

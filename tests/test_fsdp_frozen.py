@@ -30,9 +30,9 @@ from test_fsdp_semantics import Mismatches, compare_params, exact_weights, flat,
 
 from mxfp8_jax import models
 from mxfp8_jax._src.buffers import checkpoint
+from mxfp8_jax._src.compiled import hlo
 from mxfp8_jax._src.numerics.format import BLOCK
 from mxfp8_jax._src.ops.quantize import quantize
-from mxfp8_jax._src.tooling import hlo
 from mxfp8_jax.flax import FSDP
 
 D, H, V, R, SEQ, LAYERS = 64, 128, 64, 8, 8, 2

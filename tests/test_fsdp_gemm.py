@@ -19,8 +19,8 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from mxfp8_jax import flax as mxflax
+from mxfp8_jax._src.compiled import hlo
 from mxfp8_jax._src.ops import mxfp8_gemm
-from mxfp8_jax._src.tooling import hlo
 
 from conftest import cpu_only
 

@@ -28,7 +28,7 @@ import pytest
 from flax import nnx
 from jax.sharding import Mesh
 
-from mxfp8_jax._src.tooling import hlo
+from mxfp8_jax._src.compiled import hlo
 from mxfp8_jax.bench.styles import model_styles as ms
 from mxfp8_jax.flax import FSDP
 

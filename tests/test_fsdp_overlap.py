@@ -21,7 +21,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from mxfp8_jax import models
-from mxfp8_jax._src.tooling import hlo
+from mxfp8_jax._src.compiled import hlo
 from mxfp8_jax.flax import FSDP
 
 from conftest import need_devices
@@ -206,8 +206,8 @@ def test_a_scans_small_plain_stacks_are_gathered_once_before_the_loop(mesh, monk
     8-bit planes, so that on a GPU, which runs one collective at a time, no small gather holds
     back a weight gather. Gathered per iteration instead (the path of stacks over
     ``WHOLE_BEFORE_LOOP`` bytes) the loss and gradients are the same bit for bit."""
+    from mxfp8_jax._src.compiled import hlo_schedule
     from mxfp8_jax._src.fsdp import fsdp_eval
-    from mxfp8_jax._src.tooling import hlo_schedule
 
     cfg = models.TransformerConfig(layers=2)
     model = models.init_transformer(cfg)

@@ -16,7 +16,7 @@ import pytest
 from flax import nnx
 from jax.sharding import Mesh
 
-from mxfp8_jax._src.tooling import hlo
+from mxfp8_jax._src.compiled import hlo
 from mxfp8_jax.flax import FSDP, Linear
 
 import numpy_oracle as npo

@@ -41,7 +41,7 @@ from test_fsdp_semantics import (
 )
 from test_fsdp_stacks import StackLM, info, rms
 
-from mxfp8_jax._src.tooling import hlo
+from mxfp8_jax._src.compiled import hlo
 from mxfp8_jax.flax import FSDP
 
 from conftest import need_devices

@@ -22,7 +22,7 @@ import pytest
 from jax.sharding import Mesh
 
 import mxfp8_jax as mx
-from mxfp8_jax._src.tooling import hlo
+from mxfp8_jax._src.compiled import hlo
 
 from conftest import as_bytes, device_count, need_devices
 from rmsnorm_oracle import BF16, canonical, float64, within_one_bf16_ulp

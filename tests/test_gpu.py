@@ -24,8 +24,8 @@ from jax.sharding import PartitionSpec as P
 
 import mxfp8_jax as mx
 from mxfp8_jax._src.buffers.segments import quantize_segments_reference
+from mxfp8_jax._src.compiled.hlo import collectives as hlo_collectives
 from mxfp8_jax._src.kernels import _ffi, ffi_calls
-from mxfp8_jax._src.tooling.hlo import collectives as hlo_collectives
 
 from conftest import as_bytes
 from rmsnorm_oracle import BF16, canonical

@@ -244,21 +244,25 @@ AG, RS = "xla_gpu_pipeline_all_gather", "xla_gpu_pipeline_reduce_scatter"
 
 
 @pytest.mark.parametrize(
-    ("jaxlib", "flags", "want"),
+    ("jaxlib", "flags", "pipelined", "want"),
     [
-        ((0, 12, 0), "", {AG: ON, RS: OFF}),
-        ((0, 11, 2), "--xla_gpu_pipeline_reduce_scatter=COLLECTIVE_PIPELINING_MODE_ON", {AG: ON}),
-        ((0, 10, 2), "", {"xla_gpu_enable_pipelined_all_gather": True}),
-        ((0, 12, 0), "--xla_gpu_enable_pipelined_all_gather=false", {RS: OFF}),
-        ((0, 10, 2), "--xla_gpu_pipeline_all_gather=COLLECTIVE_PIPELINING_MODE_OFF", {}),
+        ((0, 12, 0), "", True, {AG: ON, RS: OFF}),
+        ((0, 11, 2), "--xla_gpu_pipeline_reduce_scatter=COLLECTIVE_PIPELINING_MODE_ON", True, {AG: ON}),
+        ((0, 10, 2), "", True, {"xla_gpu_enable_pipelined_all_gather": True}),
+        ((0, 12, 0), "--xla_gpu_enable_pipelined_all_gather=false", True, {RS: OFF}),
+        ((0, 10, 2), "--xla_gpu_pipeline_all_gather=COLLECTIVE_PIPELINING_MODE_OFF", True, {}),
+        ((0, 12, 0), "", False, {AG: OFF, RS: OFF}),
+        ((0, 12, 0), "--xla_gpu_enable_pipelined_all_gather=true", False, {RS: OFF}),
+        ((0, 10, 2), "", False, {}),
     ],
 )
-def test_gpu_steps_turn_the_collective_pipeliner_on_unless_xla_flags_say(jaxlib, flags, want):
-    """On GPU meshes the steps compile with XLA:GPU's collective pipeliner on for all-gathers and
-    off for reduce-scatters, in the option spelling of the installed jaxlib (an enum from 0.11,
-    a bool before, where off is the default); a collective whose option the user's ``XLA_FLAGS``
+def test_gpu_steps_set_the_collective_pipeliner_unless_xla_flags_say(jaxlib, flags, pipelined, want):
+    """On GPU meshes the steps compile with XLA:GPU's collective pipeliner, under XLA's own
+    prices (``pipelined``), on for all-gathers and off for reduce-scatters, with the prices put
+    right off for both; in the option spelling of the installed jaxlib (an enum from 0.11, a
+    bool before, where off is the default); a collective whose option the user's ``XLA_FLAGS``
     sets, in either spelling, is left to them."""
-    assert fsdp_step.gpu_pipelining_options(jaxlib, flags) == want
+    assert fsdp_step.gpu_pipelining_options(jaxlib, flags, pipelined) == want
 
 
 def test_cpu_steps_keep_xlas_defaults(devices):

@@ -1,11 +1,11 @@
-"""The reader of scheduled HLO (``tooling.hlo_schedule``) on hand-written modules: which
+"""The reader of scheduled HLO (``compiled.hlo_schedule``) on hand-written modules: which
 instructions are GEMMs and of which precision, how many GEMMs run between a gather's start and
 its done (in one computation, carried to the next iteration, started before a loop), and the
 latency-hiding scheduler's statistics summed over a step."""
 
 import pytest
 
-from mxfp8_jax._src.tooling import hlo_schedule as hs
+from mxfp8_jax._src.compiled import hlo_schedule as hs
 
 MODULE = """HloModule step, is_scheduled=true
 

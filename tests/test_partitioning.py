@@ -20,8 +20,8 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import mxfp8_jax as mx
+from mxfp8_jax._src.compiled import hlo
 from mxfp8_jax._src.kernels import ffi_calls
-from mxfp8_jax._src.tooling import hlo
 
 import numpy_oracle as oracle
 import rmsnorm_oracle

@@ -22,8 +22,8 @@ from hypothesis import strategies as st
 from jax.sharding import Mesh
 
 import mxfp8_jax as mx
+from mxfp8_jax._src.compiled import hlo
 from mxfp8_jax._src.kernels import _ffi
-from mxfp8_jax._src.tooling import hlo
 
 import numpy_oracle
 from conftest import PLATFORM, as_bytes, device_count, need_devices

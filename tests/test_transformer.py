@@ -8,7 +8,7 @@ import pytest
 from jax.sharding import Mesh
 
 from mxfp8_jax import models
-from mxfp8_jax._src.tooling import hlo
+from mxfp8_jax._src.compiled import hlo
 from mxfp8_jax.flax import FSDP
 
 CFG = models.TransformerConfig(vocab=64, hidden=64, heads=2, head_dim=32, mlp=128, layers=2)

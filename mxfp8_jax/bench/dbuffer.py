@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import argparse
 
-from mxfp8_jax._src.tooling import hlo
+from mxfp8_jax._src.compiled import hlo
 
 
 def _shapes(hidden: int, mlp: int) -> list[tuple[int, int]]:

@@ -242,7 +242,7 @@ def measure(
     import optax
     from flax import nnx
 
-    from mxfp8_jax._src.tooling import hlo
+    from mxfp8_jax._src.compiled import hlo
 
     tx = optax.adam(1e-4)
     module, fn, batch = workload(model, width, depth, mesh.size, tokens, abstract=not timed)

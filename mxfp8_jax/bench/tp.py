@@ -34,9 +34,9 @@ def run(hidden: int, layers: int, seq: int, batch: int, devices: int, tp: int, i
     from jax.sharding import Mesh
 
     from mxfp8_jax import models
+    from mxfp8_jax._src.compiled import hlo
     from mxfp8_jax._src.core import platforms
     from mxfp8_jax._src.kernels import _ffi
-    from mxfp8_jax._src.tooling import hlo
     from mxfp8_jax.bench._timing import environment, print_table, time_fn, write_json
     from mxfp8_jax.flax import FSDP
 

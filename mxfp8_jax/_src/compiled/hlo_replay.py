@@ -1,26 +1,27 @@
 """XLA:GPU's own schedule of a step, replayed on one compute stream and one collective stream
-with two of its cost model's prices put right: a measure of exposed communication that the
-scheduler's own statistics are not.
+with two of its cost model's prices put right: a measure of exposed communication that does
+not rest on those prices.
 
 The latency-hiding scheduler's statistics (``hlo_schedule.schedule_stats``) come from the
 prices XLA's cost model gives each instruction, and two of those make a training step's loop
-bodies meaningless to read exposure from:
+bodies meaningless to read exposure from (``xla_costs`` gives the scheduler the same two put
+right, so that it schedules by them):
 
-- **Asynchronous compute.** XLA:GPU runs a scan's per-iteration write into a stacked output
-  (``dynamic-update-slice``: the saved carry, the stacked gradients) as an asynchronous fusion,
-  which the estimator prices at a fixed 5000 cycles (its default for an asynchronous op it does
-  not model). Every loop body then lasts at least that long, and a gather in it is "hidden"
-  behind time no kernel spends.
-- **GEMMs with an fp32 result.** The cost model prices a GEMM of 16-bit operands with an fp32
-  result (an FSDP step's wgrad, accumulated in fp32 for the fp32 master; fp32 attention
+- **Asynchronous copies.** XLA:GPU runs a scan's per-iteration dynamic slices and writes into a
+  stacked output (``dynamic-update-slice``: the saved carry, the stacked gradients) as
+  asynchronous copy fusions, which the estimator prices at a fixed 5000 cycles (its default for
+  an asynchronous op it does not model). Every loop body then lasts at least that long, and a
+  gather in it is "hidden" behind time no kernel spends.
+- **GEMMs with an fp32 result.** The cost model prices many GEMMs of 16-bit operands with an
+  fp32 result (an FSDP step's wgrad, accumulated in fp32 for the fp32 master; fp32 attention
   logits) about 60 times slower than the same product with a 16-bit result, while tensor
   cores run both at one speed (``hlo_schedule.GemmPricing``).
 
 ``replay`` keeps XLA's order of every computation and its price of every other instruction, and
-walks the program: kernels run one after another on the compute stream, GEMMs of an fp32
-result scaled by one factor, so that together they take what their FLOPs take at the rate the
-program's 16-bit-result GEMMs get (``GemmPricing``), asynchronous compute costs
-nothing beyond its kernels (conservative: less compute to hide collectives behind); a
+walks the program: kernels run one after another on the compute stream, a GEMM of an fp32
+result that XLA priced above its FLOPs at the rate the program's 16-bit-result GEMMs get taking
+that time instead (``hlo_schedule.corrected_gemm_us``), asynchronous compute costing nothing
+beyond its kernels (conservative: less compute to hide collectives behind); a
 collective starts on the collective stream when both its start is reached and the stream is
 free (XLA:GPU runs one collective at a time), lasts its latency, and its done waits for it. A
 loop runs its body its trip count times, a collective carried from one iteration to the next
@@ -39,7 +40,7 @@ import collections
 import dataclasses
 import re
 
-from mxfp8_jax._src.tooling import hlo
+from mxfp8_jax._src.compiled import hlo
 
 _NOT_ARRAYS = ("TUPLE", "TOKEN", "OPAQUE_TYPE", "PRIMITIVE_TYPE_INVALID")
 COLLECTIVES = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "collective-permute")
@@ -343,7 +344,7 @@ def times_of(comps: dict[str, Computation]) -> dict[tuple[str, str], float]:
 def gemm_pricing(dump: str, text: str):
     """The scheduler's prices of the GEMMs of compiled module ``text``
     (``hlo_schedule.GemmPricing``), from its schedule ``dump``."""
-    from mxfp8_jax._src.tooling import hlo_schedule
+    from mxfp8_jax._src.compiled import hlo_schedule
 
     return hlo_schedule.price_gemms(times_of(parse(dump)[0]), text)
 
@@ -355,17 +356,17 @@ def replay_step(dump: str, text: str, mesh, options: dict | None = None) -> tupl
     ``options``). A collective the probe compiles synchronously (XLA then runs no scheduler
     to read: a small all-reduce) is priced as two all-gathers of its bytes, a ring
     all-reduce's reduce-scatter and gather."""
-    from mxfp8_jax._src.tooling import hlo_schedule
+    from mxfp8_jax._src.compiled import hlo_schedule
 
     comps, entry = parse(dump)
     times = times_of(comps)
     pricing = hlo_schedule.price_gemms(times, text)
-    rate = pricing.wide_out_at_narrow_us / pricing.wide_out_us if pricing.wide_out_us else 1.0
+    corrected = hlo_schedule.corrected_gemm_us(times, text)
     gemm_us: dict[str, float] = {}
     for g in hlo_schedule.gemms(text):
         t = times.get((g.computation, g.name))
         if t is not None:
-            gemm_us[g.name] = t * rate if hlo_schedule.wide_out(g) else t
+            gemm_us[g.name] = corrected.get(g.name, t)
     table: dict[tuple[str, int], float] = {}
     for comp in comps.values():
         for i in comp.instrs.values():

@@ -32,7 +32,7 @@ import dataclasses
 import math
 import re
 
-from mxfp8_jax._src.tooling import hlo
+from mxfp8_jax._src.compiled import hlo
 
 _HEAD = re.compile(r"^(?P<entry>ENTRY\s+)?%(?P<name>[\w.\-]+)\s*\(.*\{\s*$")
 _INSTR = re.compile(
@@ -487,11 +487,11 @@ class GemmPricing:
     """How the scheduler priced the step's GEMMs, per step (loop bodies times their trip
     counts), in microseconds: ``wide_out_us`` the GEMMs of 16-bit operands with an fp32 result
     (an FSDP step's wgrad, accumulated in fp32 for the fp32 master), ``narrow_out_us`` those
-    with a 16-bit result, and ``wide_out_at_narrow_us`` the first ones at the FLOP rate the
-    scheduler gives the second. XLA:GPU's cost model prices a GEMM by its result type: on an
-    H100 it gives a bf16 x bf16 -> f32 product about 60 times the time of the same product
-    with a bf16 result, while tensor cores accumulate in fp32 either way and run both at one
-    speed (``hlo_replay`` replays the schedule with that difference taken out)."""
+    with a 16-bit result, and ``wide_out_at_narrow_us`` the first ones repriced
+    (``corrected_gemm_us``). XLA:GPU's cost model prices many of the first by their result
+    type: on an H100 it gives a bf16 x bf16 -> f32 product about 60 times the time of the same
+    product with a bf16 result, while tensor cores accumulate in fp32 either way and run both
+    at one speed."""
 
     wide_out_us: float
     narrow_out_us: float
@@ -504,24 +504,53 @@ def wide_out(g: Gemm) -> bool:
     return all(op in ("bf16", "f16") for op in g.operands) and g.result == "f32"
 
 
+def _narrow_out(g: Gemm) -> bool:
+    return all(op in ("bf16", "f16") for op in g.operands) and g.result in ("bf16", "f16")
+
+
+def narrow_rate(times: dict[tuple[str, str], float], text: str) -> float | None:
+    """FLOPs per µs the scheduler gives the 16-bit-result GEMMs of module ``text`` together
+    (``times``: ``(computation, instruction) -> µs``); None where it has none."""
+    flops = us = 0.0
+    for g in gemms(text):
+        t = times.get((g.computation, g.name))
+        if t and _narrow_out(g):
+            flops, us = flops + g.flops * (g.count or 1), us + t * (g.count or 1)
+    return flops / us if us else None
+
+
+def corrected_gemm_us(times: dict[tuple[str, str], float], text: str) -> dict[str, float]:
+    """The GEMMs of 16-bit operands and an fp32 result that the scheduler priced above their
+    FLOPs at the rate of the program's 16-bit-result GEMMs (``narrow_rate``): instruction name
+    -> their µs at that rate. Those it priced at or below it keep their price."""
+    rate = narrow_rate(times, text)
+    if rate is None:
+        return {}
+    out = {}
+    for g in gemms(text):
+        t = times.get((g.computation, g.name))
+        if t is not None and wide_out(g) and g.flops / rate < t:
+            out[g.name] = g.flops / rate
+    return out
+
+
 def price_gemms(times: dict[tuple[str, str], float], text: str) -> GemmPricing:
     """The scheduler's prices of the GEMMs of compiled module ``text`` (``GemmPricing``) from
     its ``(computation, instruction) -> µs`` (``hlo_replay.times_of``). ``unmatched``: GEMMs of
     the module the times do not cover."""
-    wide = narrow = wide_flops = narrow_flops = 0.0
+    corrected = corrected_gemm_us(times, text)
+    wide = narrow = repriced = 0.0
     unmatched = 0
     for g in gemms(text):
         runs = g.count or 1
         t = times.get((g.computation, g.name))
         if t is None:
             unmatched += 1
-            continue
-        if wide_out(g):
-            wide, wide_flops = wide + t * runs, wide_flops + g.flops * runs
-        elif all(op in ("bf16", "f16") for op in g.operands) and g.result in ("bf16", "f16"):
-            narrow, narrow_flops = narrow + t * runs, narrow_flops + g.flops * runs
-    rate = narrow_flops / narrow if narrow else 0.0
-    return GemmPricing(wide, narrow, wide_flops / rate if rate else wide, unmatched)
+        elif wide_out(g):
+            wide, repriced = wide + t * runs, repriced + corrected.get(g.name, t) * runs
+        elif _narrow_out(g):
+            narrow += t * runs
+    return GemmPricing(wide, narrow, repriced, unmatched)
 
 
 def cost_analysis(compiled) -> dict | None:

@@ -172,6 +172,13 @@ class FSDP:
         device) or ``"drop"`` (ignored: the batch split carries through them). The plan's table
         lists them, and a ``keep`` plan warns once when it finds any. Constraints that split,
         or that name only other axes, are always kept.
+      xla_costs: how XLA:GPU's scheduler prices the steps compiled for GPUs: ``"corrected"``
+        (default: each step is compiled twice, the second time with a profile that prices two
+        kinds of instruction its cost model gets far off, so that the scheduler runs the
+        weight gathers beside the GEMMs; docs/fsdp.md, "Overlap") or ``"xla"`` (compiled once,
+        as ``jax.jit`` would). A profile of the user's own (XLA's
+        ``xla_gpu_pgle_profile_file_or_directory_path``, jax's ``jax_enable_pgle``) wins.
+        Steps for CPUs compile once either way.
 
     Platform-dependent choices follow the program, never this process's default backend: they
     are made where the step is lowered for its platform (``lax.platform_dependent``), or from
@@ -204,6 +211,7 @@ class FSDP:
         prefetch: int = 1,
         backward_gemm: str = "auto",
         model_constraints: str = "keep",
+        xla_costs: str = "corrected",
     ) -> None:
         self._plan: Plan = make_plan(
             model,
@@ -220,6 +228,7 @@ class FSDP:
             prefetch=prefetch,
             backward_gemm=backward_gemm,
             model_constraints=model_constraints,
+            xla_costs=xla_costs,
         )
         self._layout = StateLayout(self._plan)
         self._steps = Steps(self._plan, self._layout)
@@ -238,6 +247,7 @@ class FSDP:
     trainable = _field("trainable", "The nnx filter naming the trained variables, as given.")
     prefetch = _field("prefetch", "How many layers ahead each unit's forward gather starts.")
     model_constraints = _field("model_constraints", "Whether the step keeps or drops the model's own constraints.")
+    xla_costs = _field("xla_costs", "How XLA:GPU's scheduler prices the steps compiled for GPUs.")
     constraints = _field("constraints", "The model's sharding constraints that replicate the batch split.")
     traced = _field("traced", "Whether the units were found by tracing the loss (else by layer class).")
     rest_names = _field("rest_names", "The paths of the model's other state (RNG streams, statistics).")
@@ -278,8 +288,8 @@ class FSDP:
     @property
     def compiler_options(self) -> dict | None:
         """The XLA options the steps are compiled with, chosen by the mesh's platform (on GPUs
-        XLA:GPU's collective pipeliner for all-gathers, but where ``XLA_FLAGS``
-        sets it); None: XLA's defaults."""
+        XLA:GPU's collective pipeliner: on for all-gathers under ``xla_costs="xla"``, else off;
+        but where ``XLA_FLAGS`` sets it); None: XLA's defaults."""
         return self._steps.compiler_options
 
     def init(self, model: Any, tx: optax.GradientTransformation) -> TrainState:
@@ -409,7 +419,7 @@ class FSDP:
                 loss, aux, grads, _ = grads_fn(state, batch)
                 return ((loss, aux), grads) if has_aux else (loss, grads)
 
-            return jax.jit(fn, compiler_options=self._steps.compiler_options)
+            return self._steps.jit(fn)
 
         jitted = self._jit(("loss_and_grads", loss_fn, has_aux), make)
 
@@ -437,9 +447,7 @@ class FSDP:
 
         def make():
             grads_fn = self._steps.grads_fn(loss_fn, False, differentiate=False)
-            return jax.jit(
-                lambda state, batch: grads_fn(state, batch)[0], compiler_options=self._steps.compiler_options
-            )
+            return self._steps.jit(lambda state, batch: grads_fn(state, batch)[0])
 
         jitted = self._jit(("eval_step", loss_fn), make)
 
@@ -489,7 +497,8 @@ class FSDP:
         """``train_step`` lowered for ``state`` and ``batch`` (arrays, or ``abstract_state`` and
         ``jax.ShapeDtypeStruct`` leaves). ``.compile()`` gives a step to call as
         ``compiled(state, fsdp.place_batch(batch))`` (donating ``state``), its HLO text and its
-        ``memory_analysis()``.
+        ``memory_analysis()``, compiled with XLA's own prices; ``compile_train_step`` compiles
+        it as ``train_step`` does (``xla_costs``).
 
         Args:
           loss_fn, tx, has_aux: as for ``train_step``.
@@ -501,6 +510,27 @@ class FSDP:
         """
         self._plan.topology.check_context()
         return self._steps.train_jit(loss_fn, tx, has_aux).lower(state, self.place_batch(batch))
+
+    def compile_train_step(
+        self,
+        loss_fn: Callable,
+        tx: optax.GradientTransformation,
+        state: TrainState,
+        batch: Any,
+        *,
+        has_aux: bool = False,
+        compiler_options: dict | None = None,
+    ) -> jax.stages.Compiled:
+        """``lower_train_step`` compiled as ``train_step`` compiles it: for a GPU mesh under
+        ``xla_costs="corrected"``, with the scheduler's prices put right (``xla_costs``), else
+        once. ``compiler_options``: more XLA options (a dump folder, say), for the compilation
+        that gives the program.
+
+        Returns:
+          The ``jax.stages.Compiled`` step, called as ``compiled(state, fsdp.place_batch(batch))``.
+        """
+        lowered = self.lower_train_step(loss_fn, tx, state, batch, has_aux=has_aux)
+        return self._steps.compile(lowered, compiler_options)
 
     def _jit(self, key: tuple, make: Callable) -> Callable:
         """The jitted function made for ``key`` (what, and the loss, optimizer and flags it was

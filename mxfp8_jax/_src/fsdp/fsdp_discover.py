@@ -32,7 +32,14 @@ from mxfp8_jax._src.core import jaxprs
 from mxfp8_jax._src.fsdp import fsdp_specs
 from mxfp8_jax._src.fsdp.flax_layers import unit_kernel_shape
 from mxfp8_jax._src.fsdp.fsdp_geometry import PRECISIONS, Gemms
-from mxfp8_jax._src.fsdp.fsdp_plan import Plan, check_rule, check_rule_matches, plan_from_uses, uses_from_layers
+from mxfp8_jax._src.fsdp.fsdp_plan import (
+    XLA_COSTS,
+    Plan,
+    check_rule,
+    check_rule_matches,
+    plan_from_uses,
+    uses_from_layers,
+)
 from mxfp8_jax._src.fsdp.fsdp_specs import MODEL_CONSTRAINTS, ModelConstraintWarning
 from mxfp8_jax._src.fsdp.fsdp_table import constraints_line
 from mxfp8_jax._src.fsdp.fsdp_topology import Topology
@@ -200,6 +207,7 @@ def make_plan(
     prefetch: int = 1,
     backward_gemm: str = "auto",
     model_constraints: str = "keep",
+    xla_costs: str = "corrected",
 ) -> Plan:
     """The FSDP plan of ``model`` over ``mesh``; the arguments are ``mxfp8_jax.flax.FSDP``'s (its
     docstring says what each means), checked here.
@@ -212,7 +220,7 @@ def make_plan(
     if tree and not any(is_array(leaf) for leaf in jax.tree.leaves(model)):
         raise TypeError(f"model must be a flax.nnx.Module or a pytree of arrays, got {type(model).__name__}")
     topology = Topology.of(mesh, tp_axis)
-    _check_options(precision, loss_fn, example_batch, precision_by_path, prefetch, model_constraints)
+    _check_options(precision, loss_fn, example_batch, precision_by_path, prefetch, model_constraints, xla_costs)
     jaxprs.warn_if_untested()
     scale = ScaleRule.parse(scale_rule).value
     mode = mxfp8_gemm.check_mode(gemm, gemm_path, scale_rule, topology.platform, topology.capability)
@@ -264,6 +272,7 @@ def make_plan(
         precision_by_path=precision_by_path,
         constraints=constraints,
         model_constraints=model_constraints,
+        xla_costs=xla_costs,
     )
     if not plan.units:
         raise _no_unit(plan)
@@ -315,7 +324,9 @@ def is_variable(x) -> bool:
     return isinstance(x, nnx.Variable)
 
 
-def _check_options(precision, loss_fn, example_batch, precision_by_path, prefetch, model_constraints) -> None:
+def _check_options(
+    precision, loss_fn, example_batch, precision_by_path, prefetch, model_constraints, xla_costs
+) -> None:
     if precision not in PRECISIONS:
         raise ValueError(f"precision={precision!r} must be one of {PRECISIONS}")
     if (loss_fn is None) != (example_batch is None):
@@ -328,6 +339,8 @@ def _check_options(precision, loss_fn, example_batch, precision_by_path, prefetc
         raise ValueError(f"prefetch={prefetch!r} must be an int >= 0 (layers ahead; 0: each gather waits for its op)")
     if model_constraints not in MODEL_CONSTRAINTS:
         raise ValueError(f"model_constraints={model_constraints!r} must be one of {MODEL_CONSTRAINTS}")
+    if xla_costs not in XLA_COSTS:
+        raise ValueError(f"xla_costs={xla_costs!r} must be one of {XLA_COSTS}")
 
 
 def _uses(loss_fn, partition: Partition, found, rest_avals, batch, topology: Topology, assigned=None):

@@ -131,6 +131,10 @@ class ParamInfo:
         return tuple(d * self.tp_size if a == axis else d for a, d in enumerate(local))
 
 
+# how XLA:GPU's scheduler prices a step compiled for GPUs (``compiled.xla_costs``)
+XLA_COSTS = ("corrected", "xla")
+
+
 @dataclasses.dataclass(frozen=True)
 class Plan:
     """A model's FSDP plan, one immutable value: what every parameter became (``params``, each a
@@ -150,7 +154,8 @@ class Plan:
     (the structure of the batch the loss was traced on; None without one). ``constraints``: the
     model's own sharding constraints that replicate activations the batch split reaches
     (``fsdp_specs.Constraint``), found in the traced loss; ``model_constraints``: ``"keep"``
-    (the step honours them) or ``"drop"`` (it ignores those).
+    (the step honours them) or ``"drop"`` (it ignores those). ``xla_costs``: how XLA:GPU's
+    scheduler prices the steps compiled for GPUs (``"corrected"`` or ``"xla"``).
     """
 
     params: tuple[ParamInfo, ...]
@@ -168,6 +173,7 @@ class Plan:
     precision_by_path: Any = None
     constraints: tuple = ()
     model_constraints: str = "keep"
+    xla_costs: str = "corrected"
 
     @property
     def units(self) -> tuple[ParamInfo, ...]:

@@ -25,6 +25,7 @@ import optax
 from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec
 
+from mxfp8_jax._src.compiled import xla_costs
 from mxfp8_jax._src.core import jaxprs, platforms
 from mxfp8_jax._src.fsdp import fsdp_specs
 from mxfp8_jax._src.fsdp.fsdp_discover import check_loss_shape, traceable
@@ -72,23 +73,43 @@ class Steps:
         return jax.device_put(batch, sharding)
 
     def train_jit(self, loss_fn: Callable, tx, has_aux: bool):
-        return jax.jit(self.step(loss_fn, tx, has_aux), donate_argnums=0, compiler_options=self.compiler_options)
+        return self.jit(self.step(loss_fn, tx, has_aux), donate_argnums=0)
+
+    def jit(self, fn: Callable, **kwargs) -> Callable:
+        """``fn`` jitted with the step's compiler options (``compiler_options``); for a GPU mesh
+        under ``xla_costs="corrected"``, each of its programs compiled by
+        ``xla_costs.compile`` (``xla_costs.CorrectedJit``), the scheduler's prices put right."""
+        jitted = jax.jit(fn, compiler_options=self.compiler_options, **kwargs)
+        return xla_costs.CorrectedJit(jitted) if self.corrected else jitted
+
+    @property
+    def corrected(self) -> bool:
+        """Whether the steps compile with the scheduler's prices put right: a GPU mesh, under
+        ``xla_costs="corrected"``."""
+        return self.plan.xla_costs == "corrected" and platforms.is_gpu(self.topology.platform)
+
+    def compile(self, lowered, options: dict | None = None):
+        """A lowered step compiled as ``jit`` compiles it (``options``: more XLA options)."""
+        return xla_costs.compile(lowered, options)[0] if self.corrected else lowered.compile(options)
 
     @functools.cached_property
     def compiler_options(self) -> dict | None:
         """XLA options of the step's compilation, by the mesh's platform.
 
-        GPUs: XLA:GPU's collective pipeliner on for all-gathers, off for reduce-scatters
-        (``gpu_pipelining_options``): a scan's weight gathers for the next layer start in the
-        iteration before, beside its GEMMs. An option the user sets in ``XLA_FLAGS`` is left to
-        them.
+        GPUs: XLA:GPU's collective pipeliner (``gpu_pipelining_options``): off, where the
+        scheduler gets its prices put right (``xla_costs="corrected"``: it then hides a scan's
+        weight gathers inside their own iteration, and the pipeliner's next-layer planes would
+        hold more memory for less); under XLA's own prices on for all-gathers (a scan's weight
+        gathers for the next layer start in the iteration before), off for reduce-scatters. An
+        option the user sets in ``XLA_FLAGS`` is left to them.
 
         CPUs under tensor parallelism: the step is manual over tp only, and XLA:CPU's all-reduce
         promotion pass aborts the compilation on the bf16 all-reduces its partitioner makes there
         (a bf16 psum or reduce-scatter over tp, or the transpose of a bf16 all-gather): skip it."""
         if platforms.is_gpu(self.topology.platform):
             jaxlib = jaxprs.version_tuple(importlib.metadata.version("jaxlib"))
-            return gpu_pipelining_options(jaxlib, os.environ.get("XLA_FLAGS", "")) or None
+            pipelined = self.plan.xla_costs == "xla"
+            return gpu_pipelining_options(jaxlib, os.environ.get("XLA_FLAGS", ""), pipelined) or None
         if self.topology.tp_axis is None or self.topology.platform != "cpu":
             return None
         return {"xla_disable_hlo_passes": "all-reduce-promotion"}
@@ -228,24 +249,28 @@ class Steps:
 
 
 # XLA:GPU's collective pipeliner: from jaxlib 0.11 an enum option per collective, before a bool
-# one (the bool's name is still read from XLA_FLAGS, as an alias of the enum's). On for the
-# all-gathers; off for the reduce-scatters, whose default follows the all-gathers' there:
-# pipelined too, they shorten XLA's estimate further, but the compiled step's temp memory then
-# grows per layer by more than the remat scan's carry.
+# one (the bool's name is still read from XLA_FLAGS, as an alias of the enum's); whether each is
+# on under XLA's own prices. There the all-gathers are: the scheduler, misled by its prices,
+# leaves an iteration's own gathers exposed. The reduce-scatters are not, whose default follows
+# the all-gathers' there: pipelined too, they shorten XLA's estimate further, but the compiled
+# step's temp memory then grows per layer by more than the remat scan's carry. With the prices
+# put right (``xla_costs``) both are off.
 PIPELINING = (
     ("xla_gpu_pipeline_all_gather", "xla_gpu_enable_pipelined_all_gather", True),
     ("xla_gpu_pipeline_reduce_scatter", "xla_gpu_enable_pipelined_reduce_scatter", False),
 )
 
 
-def gpu_pipelining_options(jaxlib: tuple[int, ...], xla_flags: str) -> dict:
-    """The compiler options for XLA:GPU's collective pipeliner (``PIPELINING``: all-gathers on,
-    reduce-scatters off), spelled as ``jaxlib`` (a version tuple) spells them; a collective whose
-    option ``xla_flags`` (the ``XLA_FLAGS`` value) sets, in either spelling, is left out, so that
-    the user's setting stands (a per-compilation option would override it)."""
+def gpu_pipelining_options(jaxlib: tuple[int, ...], xla_flags: str, pipelined: bool = True) -> dict:
+    """The compiler options for XLA:GPU's collective pipeliner, spelled as ``jaxlib`` (a version
+    tuple) spells them: with ``pipelined`` (XLA's own prices) as ``PIPELINING`` says (all-gathers
+    on, reduce-scatters off), else both off. A collective whose option ``xla_flags`` (the
+    ``XLA_FLAGS`` value) sets, in either spelling, is left out, so that the user's setting
+    stands (a per-compilation option would override it)."""
     given = set(re.findall(r"--?(xla_[A-Za-z0-9_]+)", xla_flags))
     out: dict = {}
     for name, old, on in PIPELINING:
+        on = on and pipelined
         if given & {name, old}:
             continue
         if jaxlib >= (0, 11):

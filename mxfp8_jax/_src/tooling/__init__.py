@@ -1,1 +1,1 @@
-"""Around the library: Transformer Engine interop, HLO accounting, local multi-process runs."""
+"""Around the library: Transformer Engine interop, XLA's GPU descriptions, local multi-process runs."""
