@@ -523,8 +523,12 @@ class FSDP:
     ) -> jax.stages.Compiled:
         """``lower_train_step`` compiled as ``train_step`` compiles it: for a GPU mesh under
         ``xla_costs="corrected"``, with the scheduler's prices put right (``xla_costs``), else
-        once. ``compiler_options``: more XLA options (a dump folder, say), for the compilation
-        that gives the program.
+        once.
+
+        Args:
+          loss_fn, tx, state, batch, has_aux: as for ``lower_train_step``.
+          compiler_options: more XLA options (a dump folder, say), for the compilation that
+            gives the program.
 
         Returns:
           The ``jax.stages.Compiled`` step, called as ``compiled(state, fsdp.place_batch(batch))``.
