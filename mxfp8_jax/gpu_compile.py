@@ -528,10 +528,11 @@ def print_tables(results: list[dict], header: str) -> None:
         "(mxfp8_jax._src.compiled.hlo_schedule); exposed µs: the scheduler's wasted cycles (µs), loop bodies "
         "times their trip counts; cost analysis: XLA's HLO cost analysis of the optimized module (loop "
         "bodies counted once, library GEMMs without FLOPs); GEMM TFLOP: from the GEMMs' shapes, loops unrolled. "
-        "Replayed: XLA's schedule walked on one compute and one collective stream (mxfp8_jax._src.tooling."
-        "hlo_replay) with GEMMs of 16-bit operands and an fp32 result scaled to the FLOP rate of those with a "
-        "16-bit result (XLA's cost model prices them about 60x slower), asynchronous dynamic-update-slices at no cost "
-        "(the estimator gives each a fixed 5000 cycles, which makes every loop body at least that long), and "
+        "Replayed: XLA's schedule walked on one compute and one collective stream (mxfp8_jax._src.compiled."
+        "hlo_replay) with each GEMM of 16-bit operands and an fp32 result that XLA priced above its FLOPs at the "
+        "rate of those with a 16-bit result repriced so (XLA's cost model prices many about 60x slower), "
+        "asynchronous copies at no cost (the estimator gives each a fixed 5000 cycles, which makes every loop "
+        "body at least that long), and "
         "collective latencies probed alone on the same mesh; AG hidden by GEMMs: gather runs with at least their "
         "latency of GEMM time between start and done, of all gather runs."
     )
@@ -669,9 +670,11 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--xla-flag", action="append", help="an XLA option for the compile, --xla-flag=--xla_name=value (repeatable)"
     )
+    from mxfp8_jax._src.fsdp.fsdp_plan import XLA_COSTS
+
     p.add_argument(
         "--xla-costs",
-        choices=("corrected", "xla"),
+        choices=XLA_COSTS,
         default="corrected",
         help="the scheduler's prices: corrected (default: as FSDP's GPU steps compile, GSPMD's alike; "
         "see xla_costs) or xla (XLA's cost model as it is)",

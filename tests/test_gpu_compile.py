@@ -338,11 +338,12 @@ def test_the_realistic_step_hides_its_gathers_behind_gemms(meshes, tmp_path):
     H100s as ``train_step`` compiles it (``xla_costs``). XLA:GPU's scheduler took the profile's
     prices (each repriced GEMM scheduled at its FLOPs at the program's 16-bit-result rate), so
     that its own estimates of the step and of the exposed gathers are the replay's (within 5%
-    and 10%), and by them the exposed gathers are at most 5% of the step. Each loop body, forward and
-    backward, hides every weight gather but its first (the weights of the iteration's first
-    GEMM) behind at least its latency of GEMMs; no all-reduce is left in the loops (the norm
-    scales' per-layer gradients are reduce-scattered with the units'); and temp memory exceeds
-    ``prefetch=0``'s by less than two layers' 8-bit planes and one layer's bf16 weights."""
+    and 10%), and by them the exposed gathers are at most 5% of the step. Each loop body,
+    forward and backward, hides every weight gather but its first (the weights of the
+    iteration's first GEMM) behind at least its latency of GEMMs; no all-reduce is left in the
+    loops (the norm scales' per-layer gradients are reduce-scattered with the units'); and temp
+    memory exceeds ``prefetch=0``'s by less than two layers' 8-bit planes and one layer's bf16
+    weights."""
     from mxfp8_jax._src.compiled import hlo_replay
 
     hidden, layers, mlp = 2048, 8, 8192

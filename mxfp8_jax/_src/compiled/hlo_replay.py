@@ -361,9 +361,10 @@ def replay_step(dump: str, text: str, mesh, options: dict | None = None) -> tupl
     comps, entry = parse(dump)
     times = times_of(comps)
     pricing = hlo_schedule.price_gemms(times, text)
-    corrected = hlo_schedule.corrected_gemm_us(times, text)
+    found = hlo_schedule.gemms(text)
+    corrected = hlo_schedule.corrected_gemm_us(times, found)
     gemm_us: dict[str, float] = {}
-    for g in hlo_schedule.gemms(text):
+    for g in found:
         t = times.get((g.computation, g.name))
         if t is not None:
             gemm_us[g.name] = corrected.get(g.name, t)

@@ -508,26 +508,27 @@ def _narrow_out(g: Gemm) -> bool:
     return all(op in ("bf16", "f16") for op in g.operands) and g.result in ("bf16", "f16")
 
 
-def narrow_rate(times: dict[tuple[str, str], float], text: str) -> float | None:
-    """FLOPs per µs the scheduler gives the 16-bit-result GEMMs of module ``text`` together
-    (``times``: ``(computation, instruction) -> µs``); None where it has none."""
+def narrow_rate(times: dict[tuple[str, str], float], found: list[Gemm]) -> float | None:
+    """FLOPs per µs the scheduler gives the 16-bit-result GEMMs of a module together (``found``:
+    its ``gemms``; ``times``: ``(computation, instruction) -> µs``); None where it has none."""
     flops = us = 0.0
-    for g in gemms(text):
+    for g in found:
         t = times.get((g.computation, g.name))
         if t and _narrow_out(g):
             flops, us = flops + g.flops * (g.count or 1), us + t * (g.count or 1)
     return flops / us if us else None
 
 
-def corrected_gemm_us(times: dict[tuple[str, str], float], text: str) -> dict[str, float]:
-    """The GEMMs of 16-bit operands and an fp32 result that the scheduler priced above their
-    FLOPs at the rate of the program's 16-bit-result GEMMs (``narrow_rate``): instruction name
-    -> their µs at that rate. Those it priced at or below it keep their price."""
-    rate = narrow_rate(times, text)
+def corrected_gemm_us(times: dict[tuple[str, str], float], found: list[Gemm]) -> dict[str, float]:
+    """The GEMMs (of ``found``, a module's ``gemms``) of 16-bit operands and an fp32 result that
+    the scheduler priced above their FLOPs at the rate of the module's 16-bit-result GEMMs
+    (``narrow_rate``): instruction name -> their µs at that rate. Those it priced at or below it
+    keep their price."""
+    rate = narrow_rate(times, found)
     if rate is None:
         return {}
     out = {}
-    for g in gemms(text):
+    for g in found:
         t = times.get((g.computation, g.name))
         if t is not None and wide_out(g) and g.flops / rate < t:
             out[g.name] = g.flops / rate
@@ -538,10 +539,11 @@ def price_gemms(times: dict[tuple[str, str], float], text: str) -> GemmPricing:
     """The scheduler's prices of the GEMMs of compiled module ``text`` (``GemmPricing``) from
     its ``(computation, instruction) -> µs`` (``hlo_replay.times_of``). ``unmatched``: GEMMs of
     the module the times do not cover."""
-    corrected = corrected_gemm_us(times, text)
+    found = gemms(text)
+    corrected = corrected_gemm_us(times, found)
     wide = narrow = repriced = 0.0
     unmatched = 0
-    for g in gemms(text):
+    for g in found:
         runs = g.count or 1
         t = times.get((g.computation, g.name))
         if t is None:

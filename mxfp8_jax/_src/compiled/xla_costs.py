@@ -17,8 +17,9 @@ compiles a lowered program once with the scheduler's dump on, writes a profile t
 those copies at their bytes, read and written, over the GPU's memory bandwidth, and those GEMMs
 at the FLOP rate the cost model gives the program's own 16-bit-result GEMMs
 (``hlo_schedule.corrected_gemm_us``), and compiles it again with the profile: the same program,
-scheduled by prices that match what its kernels do. Both compilations get the same program and
-the same options, so the first one's instruction names are the second's.
+scheduled by prices that match what its kernels do. The profile names instructions, and the two
+compilations name them alike: they differ only in the dump and the profile, which rename
+nothing (tests/test_gpu_compile.py checks that the second schedule has the profile's prices).
 
 A profile the user gives wins: the ``xla_gpu_pgle_profile_file_or_directory_path`` option (in
 the options or ``XLA_FLAGS``), an ``fdo_profile``, or jax's own profile-guided compilation
@@ -111,7 +112,7 @@ def corrections(schedule: str, text: str, bandwidth: float) -> Corrections:
     """The prices to give the scheduler, from a compilation's schedule dump (its text), its
     optimized HLO ``text`` and its GPU's memory ``bandwidth``."""
     comps, _ = hlo_replay.parse(schedule)
-    gemms = hlo_schedule.corrected_gemm_us(hlo_replay.times_of(comps), text)
+    gemms = hlo_schedule.corrected_gemm_us(hlo_replay.times_of(comps), hlo_schedule.gemms(text))
     return Corrections(gemms, copy_us(comps, bandwidth), bandwidth)
 
 
@@ -129,7 +130,8 @@ def user_profiled(options: dict, xla_flags: str | None = None) -> bool:
 def compile(lowered, options: dict | None = None) -> tuple[Any, Corrections | None]:
     """``lowered`` (a ``jax.stages.Lowered`` for a GPU) compiled with the scheduler's prices put
     right (module docstring), and the ``Corrections`` it was given (None: compiled once, as
-    asked: the user's profile, or no schedule to read).
+    asked: the user's profile, or no schedule to read; empty: nothing to reprice, the first
+    compilation kept).
 
     ``options``: compiler options for both compilations (the jit's own apply too). The first
     compilation's dump goes to a folder of its own, removed after; the second's goes where

@@ -384,6 +384,7 @@ class _Evaluator(Traversal):
                 axis = None if x.shard_axis is None else x.shard_axis - 1
                 # gathered whole before the loop: each iteration's gradient reduce-scattered as
                 # the stack was split (one collective with the iteration's others), not all-reduced
+                # (split along the layer axis, each iteration's slice is one device's whole: none)
                 whole = split if x.shard_axis is None and split else None
                 slicers.append((len(xs_in), 1, functools.partial(self._plain_slice, x, axis, whole)))
                 xs_in.append(x.array)
