@@ -13,6 +13,8 @@ one layer's gathered weights of temp memory.
 
 from __future__ import annotations
 
+import collections
+
 import jax
 import numpy as np
 import optax
@@ -105,7 +107,10 @@ def test_a_python_loop_gathers_each_layer_while_the_layer_before_computes(mesh):
 def test_a_scanned_transformer_gathers_without_waiting_for_the_carried_activation(mesh):
     """The package's transformer (``nnx.scan`` over ``nnx.remat`` blocks): with ``prefetch=1``
     every gather in the loop bodies that has GEMMs before its own can overlap one, forward and
-    backward, and none depends on the loop's carried values."""
+    backward, and none depends on the loop's carried values. The weights of each iteration's
+    first GEMMs (the q, k and v projections, which read one activation) are gathered in the
+    iteration before and carried to it, in the forward loop and in the backward's (whose
+    recomputed forward reads them first)."""
     cfg = models.TransformerConfig(layers=2)
     model = models.init_transformer(cfg)
     tokens = np.random.default_rng(0).integers(0, cfg.vocab, (2 * mesh.size, 33)).astype(np.int32)
@@ -131,6 +136,12 @@ def test_a_scanned_transformer_gathers_without_waiting_for_the_carried_activatio
     ]
     assert carried(step1) and not any(carried(step1)), carried(step1)
     assert all(carried(step0)), carried(step0)
+    # gathered an iteration ahead: codes and scales of q, k and v, in each loop; none without prefetch
+    ahead = lambda step: collections.Counter(
+        g.computation for g in hlo.gather_overlaps(step.as_text()) if g.ahead and "u8" in g.dtypes
+    )
+    assert ahead(step1) == dict.fromkeys(loops, 6), ahead(step1)
+    assert not ahead(step0), ahead(step0)
     assert same_bits(grads0, grads1)
     temp0 = step0.memory_analysis().temp_size_in_bytes
     temp1 = step1.memory_analysis().temp_size_in_bytes

@@ -338,11 +338,12 @@ def test_the_realistic_step_hides_its_gathers_behind_gemms(meshes, tmp_path):
     H100s as ``train_step`` compiles it (``xla_costs``). XLA:GPU's scheduler took the profile's
     prices (each repriced GEMM scheduled at its FLOPs at the program's 16-bit-result rate), so
     that its own estimates of the step and of the exposed gathers are the replay's (within 5%
-    and 10%), and by them the exposed gathers are at most 5% of the step. Each loop body,
-    forward and backward, hides every weight gather but its first (the weights of the
-    iteration's first GEMM) behind at least its latency of GEMMs; no all-reduce is left in the
-    loops (the norm scales' per-layer gradients are reduce-scattered with the units'); and temp
-    memory exceeds ``prefetch=0``'s by less than two layers' 8-bit planes and one layer's bf16
+    and 10%), and by them the exposed gathers are at most 5% of the step. In each loop body,
+    forward and backward, no weight gather is waited for (the next iteration's first weights,
+    q, k and v, gathered during this one), and most run beside at least their latency of GEMMs
+    (a few beside the attention's other kernels too); no all-reduce is left in the loops (the
+    norm scales' per-layer gradients are reduce-scattered with the units'); and temp memory
+    exceeds ``prefetch=0``'s by less than two layers' 8-bit planes and one layer's bf16
     weights."""
     from mxfp8_jax._src.compiled import hlo_replay
 
@@ -379,9 +380,10 @@ def test_the_realistic_step_hides_its_gathers_behind_gemms(meshes, tmp_path):
     bodies = {g.computation for g in looped}
     assert len(bodies) == 2
     for body in bodies:
-        exposed = {g.name for g in looped if g.computation == body and not g.hidden}
+        waited = {g.name for g in looped if g.computation == body and g.stall > 0.5}  # µs
         covered = {g.name for g in looped if g.computation == body and g.hidden}
-        assert len(exposed) <= 1 and len(covered) >= 3, (body, sorted(exposed), sorted(covered))
+        ran = {g.name for g in looped if g.computation == body}
+        assert not waited and len(covered) >= len(ran) - 2, (body, sorted(waited), sorted(covered), sorted(ran))
     loops = {c.computation for c in hlo_schedule.async_collectives(text, "all-gather") if (c.count or 0) > 1}
     assert loops and not [c for c in hlo.collectives(text) if c.op == "all-reduce" and c.computation in loops]
     # the memory bound against every gather waiting for its op's input

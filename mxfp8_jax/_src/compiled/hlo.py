@@ -227,7 +227,9 @@ class GatherOverlap:
     the backward pass (``transpose(...)``); ``carried``: in a while loop's body, it depends on a
     value the loop carries from one iteration to the next (an activation, a cotangent; not the
     stacked inputs the loop passes through unchanged, nor a scalar counter): such a gather can
-    start only once the previous iteration is done.
+    start only once the previous iteration is done; ``ahead``: in a while loop's body, no GEMM of
+    the iteration reads it, the loop carries it to the next one (a weight gathered an iteration
+    before the GEMM that reads it).
     """
 
     name: str
@@ -237,6 +239,7 @@ class GatherOverlap:
     overlap: int
     backward: bool = False
     carried: bool = False
+    ahead: bool = False
 
 
 def gather_overlaps(hlo_text: str) -> list[GatherOverlap]:
@@ -339,6 +342,7 @@ def gather_overlaps(hlo_text: str) -> list[GatherOverlap]:
                     bin(free).count("1"),
                     name in backward,
                     carried[name],
+                    computation in loop_bodies and not consumers and roots.get(computation) in below,
                 )
             )
     return out

@@ -29,7 +29,7 @@ from jax.sharding import PartitionSpec
 from mxfp8_jax._src.core.jaxprs import bind
 from mxfp8_jax._src.fsdp import fsdp_specs
 from mxfp8_jax._src.fsdp.fsdp_specs import Spec, entries_of, partition
-from mxfp8_jax._src.fsdp.fsdp_unit import OWN, UnitOp, after, unit_gemm, unit_lookup
+from mxfp8_jax._src.fsdp.fsdp_unit import OWN, UnitOp, after, fetch, unit_gemm, unit_lookup
 from mxfp8_jax._src.fsdp.fsdp_values import Islands, PlainValue, UnitValue
 from mxfp8_jax._src.ops import mxfp8_gemm
 
@@ -39,12 +39,21 @@ Token = Callable[[jax.Array, PartitionSpec], tuple]
 
 
 def gemm_island(
-    islands: Islands, op: UnitOp, act, act_spec: Spec, unit: UnitValue, unit_ndim: int, given, token: Token
+    islands: Islands,
+    op: UnitOp,
+    act,
+    act_spec: Spec,
+    unit: UnitValue,
+    unit_ndim: int,
+    given,
+    token: Token,
+    fetched=None,
 ):
     """The unit GEMM on each device's part of ``act``: the activation split along the free
     axes the batch split reaches (else along its first free axis the islands' devices
     divide), the result split the same way. ``given``: ``act``'s MXFP8 planes and their spec
-    where it is a ``gemm_operand`` (else None); ``token``: what the unit's gathers wait for.
+    where it is a ``gemm_operand`` (else None); ``token``: what the unit's gathers wait for;
+    ``fetched``: the weight ``fetch_island`` gathered for it earlier (it then gathers none).
     Returns the result and its spec."""
     (lc, rc), (lb, rb) = op.params["dimension_numbers"]
     contract, batch = (rc, rb) if op.position == 0 else (lc, lb)
@@ -67,14 +76,33 @@ def gemm_island(
     wait, token, token_spec = token(act, act_spec)
     op = dataclasses.replace(op, early=wait == "none")
 
-    def body(a, shards, given_arrays, pick, token):
+    def body(a, shards, given_arrays, pick, token, fetched):
         g = None if given_meta is None else given_meta(given_arrays)
-        return unit_gemm(op, a, shards, g, pick, {"own": OWN, "none": None}.get(wait, token))
+        return unit_gemm(op, a, shards, g, pick, {"own": OWN, "none": None}.get(wait, token), _fetched(fetched))
 
     pick_specs = (PartitionSpec(),) * len(unit.pick)
-    specs = (act_spec, unit.shard_specs(), given_specs, pick_specs, token_spec)
+    fetched = () if fetched is None else fetched
+    fetched_specs = jax.tree.map(lambda _: PartitionSpec(), fetched)
+    specs = (act_spec, unit.shard_specs(), given_specs, pick_specs, token_spec, fetched_specs)
     fn = islands.island(body, specs, out_spec)
-    return fn(act, unit.shards, arrays, unit.pick, token), fsdp_specs.nonempty(tuple(out))
+    return fn(act, unit.shards, arrays, unit.pick, token, fetched), fsdp_specs.nonempty(tuple(out))
+
+
+def _fetched(fetched):
+    """``gemm_island``'s ``fetched`` as the island's body receives it (``()``: none)."""
+    return None if isinstance(fetched, tuple) and not fetched else fetched
+
+
+def fetch_island(islands: Islands, op: UnitOp, unit: UnitValue, layer):
+    """The weight ``op`` reads of layer ``layer`` (a traced index) of the stacked ``unit``,
+    gathered whole on every device and not yet widened (``fsdp_unit.fetch``): what a loop
+    gathers one iteration ahead of the op that reads it (``gemm_island``'s ``fetched``)."""
+    fn = islands.island(
+        lambda shards, layer: fetch(op, shards, (layer,)),
+        (unit.shard_specs(), PartitionSpec()),
+        PartitionSpec(),
+    )
+    return fn(unit.shards, jnp.asarray(layer, jnp.int32))
 
 
 def lookup_island(islands: Islands, op: UnitOp, others: tuple, other_specs, unit: UnitValue, out_spec, out_ndim):

@@ -116,7 +116,9 @@ class UnitOp:
 OWN = "own"  # a gather waits for the op's own input (``unit_gemm``'s ``token``)
 
 
-def unit_gemm(op: UnitOp, act: jax.Array, shards: UnitShards, given=None, pick: tuple = (), token=OWN) -> jax.Array:
+def unit_gemm(
+    op: UnitOp, act: jax.Array, shards: UnitShards, given=None, pick: tuple = (), token=OWN, fetched=None
+) -> jax.Array:
     """The ``dot_general`` of ``op`` with the unit as one operand and ``act`` the other, run on
     this device's ``shards`` (its master rows and planes): one ``custom_vjp``. ``given``: the
     MXFP8 planes of ``act`` when it is one (``mxfp8_gemm.GivenOperand``), used by MXFP8 GEMMs
@@ -124,7 +126,9 @@ def unit_gemm(op: UnitOp, act: jax.Array, shards: UnitShards, given=None, pick: 
     int32 index per axis of ``op.picked`` (the layer the op reads of stacked shards).
     ``token``: what the forward gather waits for: ``OWN`` (the op's input), another array (the
     input of an earlier layer: the gather runs while the layers between compute), or None
-    (nothing: inside a loop, the gather of the iteration's own slice)."""
+    (nothing: inside a loop, the gather of the iteration's own slice). ``fetched``: the weight
+    as ``fetch`` gathered it earlier (a loop's next layer, gathered in the iteration before),
+    used instead of a gather of its own."""
     pick = tuple(jnp.asarray(i, jnp.int32) for i in pick)
     token = act if token is OWN else token
     if op.gemm.mxfp8 is not None and op.geometry.precision == "mxfp8":
@@ -133,8 +137,16 @@ def unit_gemm(op: UnitOp, act: jax.Array, shards: UnitShards, given=None, pick: 
             given = None
         order = None if given is None else given.order
         arrays = None if given is None else given.arrays
-        return _mx_gemm(op, canon, order, act, shards.master, shards.planes, arrays, pick, token)
-    return _gemm(op, act, shards.master, shards.planes, pick, token)
+        return _mx_gemm(op, canon, order, act, shards.master, shards.planes, arrays, pick, token, fetched)
+    return _gemm(op, act, shards.master, shards.planes, pick, token, fetched)
+
+
+def fetch(op: UnitOp, shards: UnitShards, pick: tuple) -> Any:
+    """The bytes the forward of ``op`` gathers of the layer ``pick`` names of this device's
+    stacked ``shards``: its 8-bit planes (or bf16 weight) gathered whole, not yet widened.
+    ``unit_gemm(..., fetched=...)`` takes them instead of gathering its own."""
+    pick = tuple(jnp.asarray(i, jnp.int32) for i in pick)
+    return _gather(op.geometry, _local(op, shards.master, shards.planes, backward=False, pick=pick))
 
 
 def unit_lookup(op: UnitOp, others: tuple, shards: UnitShards, pick: tuple = (), token=OWN) -> jax.Array:
@@ -174,14 +186,18 @@ def _local(op: UnitOp, master, planes, *, backward: bool, pick=()):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _gemm(op: UnitOp, act, master, planes, pick, token):
-    local = after(_local(op, master, planes, backward=False, pick=pick), token)
-    w = gathered(op.geometry, local, columnwise=op.transposed, ready=_ready(act, token))
+def _gemm(op: UnitOp, act, master, planes, pick, token, fetched):
+    if fetched is None:
+        local = after(_local(op, master, planes, backward=False, pick=pick), token)
+        fetched, ready = _gather(op.geometry, local), _ready(act, token)
+    else:
+        ready = act
+    w = widened(op.geometry, fetched, columnwise=op.transposed, ready=ready)
     return forward_dot(op, act, op.value(w))
 
 
-def _gemm_fwd(op: UnitOp, act, master, planes, pick, token):
-    y = _gemm(op, act, master, planes, pick, token)
+def _gemm_fwd(op: UnitOp, act, master, planes, pick, token, fetched):
+    y = _gemm(op, act, master, planes, pick, token, fetched)
     return y, (act, _local(op, master, planes, backward=True), pick)
 
 
@@ -191,7 +207,7 @@ def _gemm_bwd(op: UnitOp, residuals, dy):
     local = after(local, None if op.early else dy)  # the gather waits for the gradient that needs it
     v = op.value(gathered(op.geometry, local, columnwise=not op.transposed, ready=dy if op.early else None))
     d_act, d_v = backward_dots(op, act, v, dy)
-    return d_act.astype(act.dtype), _unpick(op, _to_local_grad(op, d_v), pick), None, None, None
+    return d_act.astype(act.dtype), _unpick(op, _to_local_grad(op, d_v), pick), None, None, None, None
 
 
 _gemm.defvjp(_gemm_fwd, _gemm_bwd)
@@ -202,13 +218,17 @@ _gemm.defvjp(_gemm_fwd, _gemm_bwd)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
-def _mx_gemm(op: UnitOp, canon: _Canonical, order, act, master, planes, given, pick, token):
-    return _mx_gemm_fwd(op, canon, order, act, master, planes, given, pick, token)[0]
+def _mx_gemm(op: UnitOp, canon: _Canonical, order, act, master, planes, given, pick, token, fetched):
+    return _mx_gemm_fwd(op, canon, order, act, master, planes, given, pick, token, fetched)[0]
 
 
-def _mx_gemm_fwd(op: UnitOp, canon: _Canonical, order, act, master, planes, given, pick, token):
-    local = after(_local(op, master, planes, backward=False, pick=pick), token)
-    w = _weight(op.geometry, local, op.transposed, ready=_ready(act, token))
+def _mx_gemm_fwd(op: UnitOp, canon: _Canonical, order, act, master, planes, given, pick, token, fetched):
+    if fetched is None:
+        local = after(_local(op, master, planes, backward=False, pick=pick), token)
+        fetched, ready = _gather(op.geometry, local), _ready(act, token)
+    else:
+        ready = act
+    w = _weight(op.geometry, fetched, op.transposed, ready=ready)
     if given is None:
         y, x_col = mxfp8_gemm.forward(canon.act_to_x(act), w, op.gemm.mxfp8)
     else:  # x is MXFP8 already: its rowwise planes go into the GEMM as they are
@@ -230,20 +250,20 @@ def _mx_gemm_bwd(op: UnitOp, canon: _Canonical, order, residuals, dy):
     x_col, local, pick = residuals
     local = jax.tree.map(lambda p: pick_layer(p, pick), local)
     local = after(local, None if op.early else dy)  # the gather waits for the gradient that needs it
-    w_t = _weight(op.geometry, local, not op.transposed, ready=dy if op.early else None)
+    w_t = _weight(op.geometry, _gather(op.geometry, local), not op.transposed, ready=dy if op.early else None)
     dx, dv = mxfp8_gemm.backward(canon.out_to_y(dy), x_col, w_t, op.gemm.mxfp8, order=order)
     grads = _unpick(op, _scatter_rows(op.geometry, canon.v_to_w(dv)), pick)
-    return canon.x_to_act(dx), grads, None, None, None, None
+    return canon.x_to_act(dx), grads, None, None, None, None, None
 
 
 _mx_gemm.defvjp(_mx_gemm_fwd, _mx_gemm_bwd)
 
 
-def _weight(g: UnitGeometry, local, columnwise: bool, ready=None) -> tuple[jax.Array, jax.Array]:
-    """The gathered planes of one direction as the block-scaled GEMM's weight operand: rowwise
-    ``[B, N, K]`` blocked along K, columnwise ``[B, K, N]`` blocked along N (no dequantize).
-    ``ready``: as for ``gathered``."""
-    codes, scales = after(tuple(all_gather_rows(p, g.axes) for p in local), ready)
+def _weight(g: UnitGeometry, fetched, columnwise: bool, ready=None) -> tuple[jax.Array, jax.Array]:
+    """The gathered planes of one direction (``_gather``) as the block-scaled GEMM's weight
+    operand: rowwise ``[B, N, K]`` blocked along K, columnwise ``[B, K, N]`` blocked along N (no
+    dequantize). ``ready``: as for ``gathered``."""
+    codes, scales = after(tuple(fetched), ready)
     n, b = g.out_features, product(g.stack[g.level :])
     codes = codes[..., :n, :].reshape(b, n, g.in_features)
     scales = scales[..., : n // BLOCK, :] if columnwise else scales[..., :n, :]
@@ -450,10 +470,23 @@ def gathered(g: UnitGeometry, local, *, columnwise: bool, ready=None) -> jax.Arr
     dequantized exactly to fp32, or the master rows rounded to bf16. ``ready``: what the
     gathered bytes wait for before they are widened (the op's own input when the gather was
     started earlier: the early gather holds 8-bit planes, not fp32 weights)."""
+    return widened(g, _gather(g, local), columnwise=columnwise, ready=ready)
+
+
+def _gather(g: UnitGeometry, local):
+    """This device's ``local`` shards (``_local``) gathered whole: the 8-bit planes, or the
+    master rows as bf16."""
     if g.precision != "mxfp8":
-        return after(all_gather_rows(local.astype(jnp.bfloat16), g.axes), ready)[..., : g.out_features, :]
-    plane = after(Plane(*(all_gather_rows(p, g.axes) for p in local)), ready)
-    return decode(plane, g.out_features, columnwise=columnwise)
+        return all_gather_rows(local.astype(jnp.bfloat16), g.axes)
+    return tuple(all_gather_rows(p, g.axes) for p in local)
+
+
+def widened(g: UnitGeometry, fetched, *, columnwise: bool, ready=None) -> jax.Array:
+    """``W [*batch, N, K]`` from what ``_gather`` gathered, once ``ready`` exists (as for
+    ``gathered``)."""
+    if g.precision != "mxfp8":
+        return after(fetched, ready)[..., : g.out_features, :]
+    return decode(after(Plane(*fetched), ready), g.out_features, columnwise=columnwise)
 
 
 def _ready(own, token):
