@@ -109,8 +109,8 @@ def test_a_scanned_transformer_gathers_without_waiting_for_the_carried_activatio
     every gather in the loop bodies that has GEMMs before its own can overlap one, forward and
     backward, and none depends on the loop's carried values. The weights of each iteration's
     first GEMMs (the q, k and v projections, which read one activation) are gathered in the
-    iteration before and carried to it, in the forward loop and in the backward's (whose
-    recomputed forward reads them first)."""
+    iteration before and carried to it, in the forward loop (once that iteration's first GEMM
+    has run) and in the backward's (whose recomputed forward reads them first)."""
     cfg = models.TransformerConfig(layers=2)
     model = models.init_transformer(cfg)
     tokens = np.random.default_rng(0).integers(0, cfg.vocab, (2 * mesh.size, 33)).astype(np.int32)
@@ -131,8 +131,12 @@ def test_a_scanned_transformer_gathers_without_waiting_for_the_carried_activatio
     # no 8-bit gather in a loop waits for what the loop carries (the activation forward, the
     # cotangent backward, the recomputed forward's too): XLA:GPU's collective pipeliner may move
     # each one into the iteration before; with prefetch=0 every one of them does wait
+    # (the forward's gathers of the next layer's first weights wait for this layer's first GEMM,
+    # which the carry feeds: XLA then cannot run them, or a gather it combines them with, before it)
     carried = lambda step: [
-        g.carried for g in hlo.gather_overlaps(step.as_text()) if g.computation in loops and "u8" in g.dtypes
+        g.carried
+        for g in hlo.gather_overlaps(step.as_text())
+        if g.computation in loops and "u8" in g.dtypes and not g.ahead
     ]
     assert carried(step1) and not any(carried(step1)), carried(step1)
     assert all(carried(step0)), carried(step0)
@@ -189,7 +193,8 @@ ENTRY %main (p0: f32[4,4], p1: u8[1,4], p2: f32[4,4]) -> f32[4,4] {
 def test_under_tensor_parallelism_the_loop_gathers_do_not_wait_for_the_carry(devices):
     """The transformer on an (n/2 fsdp, 2 tp) mesh, its norms fused all-gather + RMSNorm + MXFP8
     ops over tp: with ``prefetch=1`` no 8-bit gather in the loops depends on what they carry,
-    and the loss and gradients are those of ``prefetch=0`` bit for bit."""
+    each loop gathers the next layer's q, k and v an iteration ahead, and the loss and gradients
+    are those of ``prefetch=0`` bit for bit."""
     devs = need_devices(4)
     cfg = models.TransformerConfig(vocab=64, hidden=64, heads=2, head_dim=32, mlp=128, layers=2, norm="mxfp8")
     model = models.init_transformer(cfg, seed=0)
@@ -197,17 +202,19 @@ def test_under_tensor_parallelism_the_loop_gathers_do_not_wait_for_the_carry(dev
     task = models.SequenceTask(cfg.vocab, 17, seed=1)
     batch = models.next_token_pairs(next(iter(task.batches(1, 2 * len(devs)))))
     tx = optax.adam(1e-3)
-    carried, grads = {}, {}
+    carried, ahead, grads = {}, {}, {}
     for prefetch in (0, 1):
         fsdp = FSDP(model, mesh, tp_axis="tp", loss_fn=models.next_token_loss, example_batch=batch, prefetch=prefetch)
         text = fsdp.lower_train_step(models.next_token_loss, tx, fsdp.abstract_state(tx), batch).compile().as_text()
         loops = {body for body, _ in hlo.while_loops(text)}
         carried[prefetch] = [
-            g.carried for g in hlo.gather_overlaps(text) if g.computation in loops and "u8" in g.dtypes
+            g.carried for g in hlo.gather_overlaps(text) if g.computation in loops and "u8" in g.dtypes and not g.ahead
         ]
+        ahead[prefetch] = collections.Counter(g.computation for g in hlo.gather_overlaps(text) if g.ahead)
         grads[prefetch] = fsdp.loss_and_grads(models.next_token_loss)(fsdp.init(model, tx), batch)
     assert carried[0] and all(carried[0]), carried[0]
     assert carried[1] and not any(carried[1]), carried[1]
+    assert not ahead[0] and ahead[1] == dict.fromkeys(loops, 6), ahead
     assert same_bits(grads[0], grads[1])
 
 

@@ -193,7 +193,8 @@ def lm_loss(model, batch):
 
 def test_the_axis_1_scan_gathers_one_layer_per_iteration(mesh):
     """In the compiled step of the axis-1 layout the scan's all-gathers move one layer's 8-bit rows
-    of each kernel, never the stack, in a loop that runs once per layer."""
+    of each kernel, never the stack, in a loop that runs once per layer; the first GEMM's (``up``)
+    codes and scales are gathered an iteration ahead, in the forward loop and in the backward's."""
     model, batch = MaxTextLM(nnx.Rngs(0), 1), lm_batch(batch_size(mesh.size))
     fsdp = FSDP(model, mesh, loss_fn=lm_loss, example_batch=batch)
     tx = optax.sgd(1.0)
@@ -205,6 +206,9 @@ def test_the_axis_1_scan_gathers_one_layer_per_iteration(mesh):
     shapes = [(d, s) for c in in_loops for d, s in c.outputs]
     assert shapes and all(int(np.prod(s)) <= layer for _, s in shapes), shapes
     assert {(g.out_padded, g.in_features) for g in units} <= {s for d, s in shapes if d == "u8"}, shapes
+    ahead = [(g.computation, g.dtypes) for g in hlo.gather_overlaps(text) if g.ahead]
+    loops = {body for body, _ in hlo.while_loops(text)}
+    assert sorted(ahead) == sorted((body, ("u8",)) for body in loops for _ in range(2)), ahead
 
 
 def temp_bytes(axis: int, layers: int, mesh) -> int:

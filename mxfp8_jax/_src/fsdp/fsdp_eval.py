@@ -123,7 +123,7 @@ class _Evaluator(Traversal):
         self.regions = 0
         self.layers: dict = {}  # region -> {layer: its input, in order of first use}
         self.fetching: _Fetching | None = None  # a scan iteration's weight gathered the iteration before
-        self.recomputing = False  # evaluating a scan body in its own backward (``_fetching_scan``)
+        self.recomputing = False  # evaluating a fetching scan's body: its remat region inlined (``_fetching_scan``)
 
     def literal(self, lit) -> tuple:
         return lit.val, None
@@ -214,6 +214,8 @@ class _Evaluator(Traversal):
         if self.fetching is not None and unit.sliced and not unit.pick and not self.branches:
             fetched = self.fetching.take(unit, op, eqn.invars[1 - position])
         out, spec = gemm_island(self.islands, op, act, specs[1 - position], unit, unit_ndim, given, token, fetched)
+        if fetched is not None:
+            self.fetching.read(out, spec)
         return [(out, spec)]
 
     def _unit_lookup(self, eqn, unit: UnitValue, values, specs, *, follow: bool = False) -> list | None:
@@ -466,13 +468,13 @@ class _Evaluator(Traversal):
         slices = [jax.ShapeDtypeStruct(a.shape[1:], a.dtype) for a in xs_in]
         shapes = [jax.ShapeDtypeStruct(jnp.shape(c), jnp.result_type(c)) for c in carry]
         probe = _Fetching(discover=True)
-        saved, splits, self.fetching = self.fetching, dict(self.splits), probe
+        saved, splits, self.fetching, self.recomputing = self.fetching, dict(self.splits), probe, True
         try:
             jax.eval_shape(step, flat_consts, shapes, slices)
         except _Found:
             pass
         finally:
-            self.fetching, self.splits = saved, splits
+            self.fetching, self.splits, self.recomputing = saved, splits, False
         stacked = {
             x.name: (x, slice(start, start + count))
             for (start, count, _), x in zip(slicers, xs)
@@ -482,11 +484,12 @@ class _Evaluator(Traversal):
         if not found or any(unit.name not in stacked for unit, _ in found):
             return None
 
-        def fetch(xs_in, layer):
+        def fetch(xs_in, layer, token=None):
             out = {}
+            after = () if token is None else (token[0], fsdp_specs.partition(token[1], token[0].ndim))
             for unit, op in found:
                 x, leaves = stacked[unit.name]
-                out[unit.name] = fetch_island(self.islands, op, x.with_leaves(xs_in[leaves]), layer)
+                out[unit.name] = fetch_island(self.islands, op, x.with_leaves(xs_in[leaves]), layer, *after)
             return out
 
         return fetch, [op for _, op in found]
@@ -504,18 +507,22 @@ class _Evaluator(Traversal):
         inexact = lambda a: jnp.issubdtype(jnp.result_type(a), jnp.inexact)
 
         def run(flat_consts, carry, xs_slices, fetched):
-            saved, self.fetching = self.fetching, _Fetching(fetched)
+            """The body on the fetched weights, and the output of its first GEMM that read them
+            (what the next fetch waits for: XLA then cannot run it, or a gather it combines it
+            with, ahead of that GEMM)."""
+            saved = self.fetching, self.recomputing
+            self.fetching, self.recomputing = _Fetching(fetched), True
             try:
-                return step(flat_consts, carry, xs_slices)
+                return step(flat_consts, carry, xs_slices), self.fetching.first
             finally:
-                self.fetching = saved
+                self.fetching, self.recomputing = saved
 
         def forward(flat_consts, carry, xs_in):
             def body(state, inputs):
                 carry, fetched = state
                 i, xs_slices = inputs
-                upcoming = fetch(xs_in, jnp.minimum(i + 1, length - 1))
-                new_carry, ys = run(flat_consts, carry, xs_slices, fetched)
+                (new_carry, ys), read = run(flat_consts, carry, xs_slices, fetched)
+                upcoming = fetch(xs_in, jnp.minimum(i + 1, length - 1), read)
                 return (new_carry, upcoming), (ys, carry)
 
             (carry_out, last), (ys, carries) = lax.scan(body, (carry, fetch(xs_in, 0)), (index, xs_in), unroll=unroll)
@@ -539,20 +546,20 @@ class _Evaluator(Traversal):
             def body(state, inputs):
                 ct_carry, d_consts, fetched = state
                 i, xs_slices, carry, ct_y = inputs
-                upcoming = fetch(xs_in, jnp.maximum(i - 1, 0))
 
                 def f(dc, dk, dx):
                     consts = _merge(flat_consts, dc, inexact)
-                    new_carry, ys = run(consts, _merge(carry, dk, inexact), _merge(xs_slices, dx, inexact), fetched)
+                    (new_carry, ys), _ = run(
+                        consts, _merge(carry, dk, inexact), _merge(xs_slices, dx, inexact), fetched
+                    )
                     outs = [*new_carry, *ys]
                     return [o for o in outs if inexact(o)], [o for o in outs if not inexact(o)]
 
                 primals = [[a for a in v if inexact(a)] for v in (flat_consts, carry, xs_slices)]
-                saved, self.recomputing = self.recomputing, True
-                try:
-                    outs, vjp, _ = jax.vjp(f, *primals, has_aux=True)
-                finally:
-                    self.recomputing = saved
+                outs, vjp, _ = jax.vjp(f, *primals, has_aux=True)
+                # waits for nothing: the backward's gathers have the iteration's dgrads and wgrads
+                # to run beside whatever XLA combines it with
+                upcoming = fetch(xs_in, jnp.maximum(i - 1, 0))
                 dc, dk, dx = vjp([*ct_carry, *ct_y])
                 d_consts = [a + b for a, b in zip(d_consts, dc)]
                 return (dk, d_consts, upcoming), dx
@@ -682,6 +689,12 @@ class _Evaluator(Traversal):
         c_specs, b_specs, _ = loop.split(in_specs)
         carry = [self.output(not_a_unit(x, "carried through a loop"), "") for x in carry]
         none = [None] * len(carry)
+        if self.fetching is not None:  # its body is another trace
+            saved, self.fetching = self.fetching, None
+            try:
+                return self._while(eqn, loop, ins)
+            finally:
+                self.fetching = saved
 
         def cond_fn(carry):
             with self.inside():
@@ -706,10 +719,19 @@ class _Evaluator(Traversal):
         flat, rebuilt = flatten(values)
         out_specs: list = []
 
+        inline = self.recomputing
+
         def run(*flat):
+            """The region's body; inlined (``recomputing``) it may read fetched weights, wrapped
+            (another trace) not, and regions inside it are wrapped."""
             args = [rebuild(x, flat[start : start + count]) for start, count, x in rebuilt]
-            with self.inside():
-                outs, specs = _unzip(region.body(list(zip(args, in_specs))))
+            saved = self.fetching, self.recomputing
+            self.fetching, self.recomputing = (self.fetching if inline else None), False
+            try:
+                with self.inside():
+                    outs, specs = _unzip(region.body(list(zip(args, in_specs))))
+            finally:
+                self.fetching, self.recomputing = saved
             out_specs[:] = specs
             return [self.output(o, "returned by a rematerialised region") for o, p in zip(outs, passed) if p is None]
 
@@ -771,9 +793,14 @@ class _Fetching:
 
     def __init__(self, fetched=None, *, discover: bool = False) -> None:
         self.fetched, self.discover = dict(fetched or {}), discover
+        self.first: tuple | None = None  # the output of the first GEMM that took them, its spec
         self.found: list = []
         self.act = None
         self.producers: dict = {}  # while discovering: variable -> the equation giving it
+
+    def read(self, out, spec) -> None:
+        if self.first is None:
+            self.first = (out, spec)
 
     def produced(self, eqn) -> None:
         if self.discover:

@@ -93,16 +93,17 @@ def _fetched(fetched):
     return None if isinstance(fetched, tuple) and not fetched else fetched
 
 
-def fetch_island(islands: Islands, op: UnitOp, unit: UnitValue, layer):
+def fetch_island(islands: Islands, op: UnitOp, unit: UnitValue, layer, token=(), token_spec=()):
     """The weight ``op`` reads of layer ``layer`` (a traced index) of the stacked ``unit``,
     gathered whole on every device and not yet widened (``fsdp_unit.fetch``): what a loop
-    gathers one iteration ahead of the op that reads it (``gemm_island``'s ``fetched``)."""
+    gathers one iteration ahead of the op that reads it (``gemm_island``'s ``fetched``), once
+    ``token`` (split as ``token_spec``) exists."""
     fn = islands.island(
-        lambda shards, layer: fetch(op, shards, (layer,)),
-        (unit.shard_specs(), PartitionSpec()),
+        lambda shards, layer, token: fetch(op, shards, (layer,), token),
+        (unit.shard_specs(), PartitionSpec(), token_spec),
         PartitionSpec(),
     )
-    return fn(unit.shards, jnp.asarray(layer, jnp.int32))
+    return fn(unit.shards, jnp.asarray(layer, jnp.int32), token)
 
 
 def lookup_island(islands: Islands, op: UnitOp, others: tuple, other_specs, unit: UnitValue, out_spec, out_ndim):

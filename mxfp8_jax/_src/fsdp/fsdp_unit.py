@@ -141,12 +141,12 @@ def unit_gemm(
     return _gemm(op, act, shards.master, shards.planes, pick, token, fetched)
 
 
-def fetch(op: UnitOp, shards: UnitShards, pick: tuple) -> Any:
+def fetch(op: UnitOp, shards: UnitShards, pick: tuple, token=None) -> Any:
     """The bytes the forward of ``op`` gathers of the layer ``pick`` names of this device's
-    stacked ``shards``: its 8-bit planes (or bf16 weight) gathered whole, not yet widened.
-    ``unit_gemm(..., fetched=...)`` takes them instead of gathering its own."""
+    stacked ``shards``, once ``token`` exists: its 8-bit planes (or bf16 weight) gathered whole,
+    not yet widened. ``unit_gemm(..., fetched=...)`` takes them instead of gathering its own."""
     pick = tuple(jnp.asarray(i, jnp.int32) for i in pick)
-    return _gather(op.geometry, _local(op, shards.master, shards.planes, backward=False, pick=pick))
+    return _gather(op.geometry, after(_local(op, shards.master, shards.planes, backward=False, pick=pick), token))
 
 
 def unit_lookup(op: UnitOp, others: tuple, shards: UnitShards, pick: tuple = (), token=OWN) -> jax.Array:
