@@ -23,7 +23,7 @@ values are ``(value, spec)`` pairs; its rules say how each op reads parameters. 
 are evaluated the same way, one layer at a time (the stacked units and plain parameters are the
 scan's inputs, sliced like the weights they stand for); a scan over a rematerialised region
 gathers each iteration's first weights in the iteration before, forward and in a backward of
-its own (``_fetching_scan``); ``jit`` calls are inlined; a
+its own (``fsdp_fetch``); ``jit`` calls are inlined; a
 rematerialised region (``nnx.remat``, ``jax.checkpoint`` without a policy) becomes a
 ``custom_vjp`` that saves its inputs and, in the backward, recomputes it after the cotangent
 arrives: a data dependency, so XLA can neither run the recomputed gathers early nor merge them
@@ -46,10 +46,9 @@ from jax.extend import core as jcore
 
 from mxfp8_jax._src.core import jaxprs
 from mxfp8_jax._src.core.jaxprs import bind
-from mxfp8_jax._src.fsdp import fsdp_specs
+from mxfp8_jax._src.fsdp import fsdp_fetch, fsdp_specs
 from mxfp8_jax._src.fsdp.fsdp_islands import (
     collective_island,
-    fetch_island,
     gemm_island,
     lookup_island,
     plain_island,
@@ -122,8 +121,8 @@ class _Evaluator(Traversal):
         self.region = 0  # the rematerialised region or loop body being evaluated (``token``)
         self.regions = 0
         self.layers: dict = {}  # region -> {layer: its input, in order of first use}
-        self.fetching: _Fetching | None = None  # a scan iteration's weight gathered the iteration before
-        self.recomputing = False  # evaluating a fetching scan's body: its remat region inlined (``_fetching_scan``)
+        self.fetching: fsdp_fetch.Fetching | None = None  # a scan iteration's weight gathered the iteration before
+        self.recomputing = False  # evaluating a fetching scan's body: its remat region inlined (``fsdp_fetch``)
 
     def literal(self, lit) -> tuple:
         return lit.val, None
@@ -428,7 +427,7 @@ class _Evaluator(Traversal):
             return new_carry, ys
 
         parts = loop.parts
-        first = self._first_read(loop, step, flat_consts, carry, xs_in, slicers, xs)
+        first = fsdp_fetch.first_read(self, loop, step, flat_consts, carry, xs_in, slicers, xs)
         saved, self.fetching = self.fetching, None  # an enclosing loop's fetch is not this loop's
         try:
             if first is None:
@@ -441,7 +440,7 @@ class _Evaluator(Traversal):
                     unroll=parts.unroll,
                 )
             else:
-                carry_out, ys = self._fetching_scan(step, flat_consts, carry, xs_in, parts, first)
+                carry_out, ys = fsdp_fetch.fetching_scan(self, step, flat_consts, carry, xs_in, parts, first)
         finally:
             self.fetching = saved
         ys = iter(ys)
@@ -449,133 +448,6 @@ class _Evaluator(Traversal):
         outs = [*carry_out, *(xs[forwarded[k]] if k in forwarded else next(ys) for k in range(n_ys))]
         stacked = [None if s is None else (None, *s) for s in y_specs]
         return list(zip(outs, [*k_specs, *stacked]))
-
-    def _first_read(self, loop: Scan, step, flat_consts, carry, xs_in, slicers, xs):
-        """Where a scan's iterations may gather their first weights one iteration ahead
-        (``_fetching_scan``): ``(fetch, ops)``, ``fetch(xs_in, layer)`` gathering what the body's
-        first GEMMs of stacked units (``ops``, found by evaluating the body once: ``_Fetching``)
-        read of ``layer``, by unit name. None where the scan is not one rematerialised region
-        (no policy) over stacked units under ``prefetch``, or runs in reverse: jax's derivative
-        of the scan stands there."""
-        parts = loop.parts
-        eqns = loop.body.jaxpr.eqns
-        if not self.islands.prefetch or parts.reverse or parts.length < 2 or self.recomputing:
-            return None
-        if len(eqns) != 1 or jaxprs.kind(eqns[0]) != "remat" or jaxprs.remat_policy(eqns[0])[0] is not None:
-            return None
-        if not any(isinstance(x, UnitValue) for x in xs):
-            return None
-        slices = [jax.ShapeDtypeStruct(a.shape[1:], a.dtype) for a in xs_in]
-        shapes = [jax.ShapeDtypeStruct(jnp.shape(c), jnp.result_type(c)) for c in carry]
-        probe = _Fetching(discover=True)
-        saved, splits, self.fetching, self.recomputing = self.fetching, dict(self.splits), probe, True
-        try:
-            jax.eval_shape(step, flat_consts, shapes, slices)
-        except _Found:
-            pass
-        finally:
-            self.fetching, self.splits, self.recomputing = saved, splits, False
-        stacked = {
-            x.name: (x, slice(start, start + count))
-            for (start, count, _), x in zip(slicers, xs)
-            if isinstance(x, UnitValue)
-        }
-        found = probe.found
-        if not found or any(unit.name not in stacked for unit, _ in found):
-            return None
-
-        def fetch(xs_in, layer, token=None):
-            out = {}
-            after = () if token is None else (token[0], fsdp_specs.partition(token[1], token[0].ndim))
-            for unit, op in found:
-                x, leaves = stacked[unit.name]
-                out[unit.name] = fetch_island(self.islands, op, x.with_leaves(xs_in[leaves]), layer, *after)
-            return out
-
-        return fetch, [op for _, op in found]
-
-    def _fetching_scan(self, step, flat_consts, carry, xs_in, parts, first):
-        """A scan over a rematerialised body whose first weight each iteration gathers during
-        the iteration before (double buffering, FSDP's prefetch of the next layer): forward, and
-        in its own backward, a reverse scan that recomputes each iteration's body (as the
-        rematerialised region would) with the next iteration's (the layer before's) first weight
-        gathered meanwhile. ``first``: ``_first_read``'s. Values and gradients are those of
-        ``lax.scan`` over the rematerialised body: the same operations, in the same order."""
-        fetch, _ = first
-        length, unroll = parts.length, parts.unroll
-        index = jnp.arange(length, dtype=jnp.int32)
-        inexact = lambda a: jnp.issubdtype(jnp.result_type(a), jnp.inexact)
-
-        def run(flat_consts, carry, xs_slices, fetched):
-            """The body on the fetched weights, and the output of its first GEMM that read them
-            (what the next fetch waits for: XLA then cannot run it, or a gather it combines it
-            with, ahead of that GEMM)."""
-            saved = self.fetching, self.recomputing
-            self.fetching, self.recomputing = _Fetching(fetched), True
-            try:
-                return step(flat_consts, carry, xs_slices), self.fetching.first
-            finally:
-                self.fetching, self.recomputing = saved
-
-        def forward(flat_consts, carry, xs_in):
-            def body(state, inputs):
-                carry, fetched = state
-                i, xs_slices = inputs
-                (new_carry, ys), read = run(flat_consts, carry, xs_slices, fetched)
-                upcoming = fetch(xs_in, jnp.minimum(i + 1, length - 1), read)
-                return (new_carry, upcoming), (ys, carry)
-
-            (carry_out, last), (ys, carries) = lax.scan(body, (carry, fetch(xs_in, 0)), (index, xs_in), unroll=unroll)
-            return carry_out, ys, carries, last
-
-        @jax.custom_vjp
-        def scanned(flat_consts, carry, xs_in):
-            carry_out, ys, _, _ = forward(flat_consts, carry, xs_in)
-            return carry_out, ys
-
-        def scanned_fwd(flat_consts, carry, xs_in):
-            carry_out, ys, carries, last = forward(flat_consts, carry, xs_in)
-            return (carry_out, ys), (flat_consts, xs_in, carries, last)
-
-        def scanned_bwd(res, cts):
-            flat_consts, xs_in, carries, last = res
-            ct_carry, ct_ys = cts
-            d_consts = [jnp.zeros_like(a) for a in flat_consts if inexact(a)]
-            ct_carry = [c for c, a in zip(ct_carry, carries) if inexact(a)]
-
-            def body(state, inputs):
-                ct_carry, d_consts, fetched = state
-                i, xs_slices, carry, ct_y = inputs
-
-                def f(dc, dk, dx):
-                    consts = _merge(flat_consts, dc, inexact)
-                    (new_carry, ys), _ = run(
-                        consts, _merge(carry, dk, inexact), _merge(xs_slices, dx, inexact), fetched
-                    )
-                    outs = [*new_carry, *ys]
-                    return [o for o in outs if inexact(o)], [o for o in outs if not inexact(o)]
-
-                primals = [[a for a in v if inexact(a)] for v in (flat_consts, carry, xs_slices)]
-                outs, vjp, _ = jax.vjp(f, *primals, has_aux=True)
-                # waits for nothing: the backward's gathers have the iteration's dgrads and wgrads
-                # to run beside whatever XLA combines it with
-                upcoming = fetch(xs_in, jnp.maximum(i - 1, 0))
-                dc, dk, dx = vjp([*ct_carry, *ct_y])
-                d_consts = [a + b for a, b in zip(d_consts, dc)]
-                return (dk, d_consts, upcoming), dx
-
-            ct_ys = [c for c in ct_ys if inexact(c)]
-            (d_carry, d_consts, _), d_xs = lax.scan(
-                body, (ct_carry, d_consts, last), (index, xs_in, carries, ct_ys), reverse=True, unroll=unroll
-            )
-            return (
-                _unmerge(flat_consts, d_consts, inexact),
-                _unmerge(carries, d_carry, inexact),
-                _unmerge(xs_in, d_xs, inexact),
-            )
-
-        scanned.defvjp(scanned_fwd, scanned_bwd)
-        return scanned(list(flat_consts), list(carry), list(xs_in))
 
     def _plain_slice(self, x: PlainValue, axis: int | None, whole: int | None, leaves) -> PlainValue:
         """What a scan body reads of the stacked plain parameter ``x`` each iteration (its slice
@@ -735,7 +607,7 @@ class _Evaluator(Traversal):
             out_specs[:] = specs
             return [self.output(o, "returned by a rematerialised region") for o, p in zip(outs, passed) if p is None]
 
-        if self.recomputing:  # the whole body is recomputed already (``_fetching_scan``)
+        if self.recomputing:  # the whole body is recomputed already (``fsdp_fetch``)
             computed = run(*flat)
         elif region.policy is None:
             # under prefetch, a loop's per-iteration layer is recomputed without waiting for the
@@ -778,64 +650,6 @@ class _Evaluator(Traversal):
     }
     # ``traced_rules[primitive name]``: the island of an op on arrays only (a model's collective)
     traced_rules: ClassVar = dict.fromkeys(fsdp_specs.COLLECTIVES, collective_island)
-
-
-class _Found(Exception):
-    """``_Fetching`` found the first weight a scan body reads (``_Evaluator._first_read``)."""
-
-
-class _Fetching:
-    """The weights a scan iteration's first GEMMs of stacked units take instead of gathering
-    their own: ``fetched``, unit name -> what the iteration before gathered for it. With
-    ``discover``, which GEMMs those are (``found``: ``(unit, op)`` of each): the body's first
-    GEMM of a stacked unit and the others of the same activation up to one of another (there
-    evaluation stops): a layer's q, k and v projections, its MLP's gate and up."""
-
-    def __init__(self, fetched=None, *, discover: bool = False) -> None:
-        self.fetched, self.discover = dict(fetched or {}), discover
-        self.first: tuple | None = None  # the output of the first GEMM that took them, its spec
-        self.found: list = []
-        self.act = None
-        self.producers: dict = {}  # while discovering: variable -> the equation giving it
-
-    def read(self, out, spec) -> None:
-        if self.first is None:
-            self.first = (out, spec)
-
-    def produced(self, eqn) -> None:
-        if self.discover:
-            self.producers.update((v, eqn) for v in eqn.outvars)
-
-    def take(self, unit: UnitValue, op: UnitOp, act):
-        """What the GEMM of ``op`` reading ``unit`` takes (None: it gathers its own); ``act``:
-        the variable of its activation, the same for GEMMs reading one value (casts looked
-        through: each ``nnx.Linear`` casts its input)."""
-        if not self.discover:
-            return self.fetched.pop(unit.name, None)
-        while isinstance(act, jcore.Var) and act in self.producers:
-            eqn = self.producers[act]
-            if eqn.primitive not in RETYPE_PRIMITIVES or len(eqn.invars) != 1:
-                break
-            act = eqn.invars[0]
-        if self.act is None:
-            self.act = act
-        if act is not self.act:
-            raise _Found
-        self.found.append((unit, op))
-        return None
-
-
-def _merge(values, chosen, keep) -> list:
-    """``values`` with those ``keep`` marks replaced, in order, by ``chosen``."""
-    chosen = iter(chosen)
-    return [next(chosen) if keep(v) else v for v in values]
-
-
-def _unmerge(values, chosen, keep) -> list:
-    """Cotangents of ``values``: ``chosen``, in order, for those ``keep`` marks, None (zero) for
-    the others."""
-    chosen = iter(chosen)
-    return [next(chosen) if keep(v) else None for v in values]
 
 
 def _static_index(branches: list[Body], k: int) -> list | None:

@@ -1,0 +1,217 @@
+"""A scan over rematerialised layers that gathers each layer's first weights during the layer
+before: FSDP's prefetch of the next layer, double buffered, as the evaluator (``fsdp_eval``)
+builds it for a scan whose body is one ``jax.checkpoint`` region without a policy (``nnx.scan``
+over ``nnx.remat`` blocks).
+
+XLA:GPU schedules a loop body on its own, so an iteration's first GEMMs (a layer's q, k and v
+projections) wait for their own weights' gathers with nothing of the iteration to run beside.
+``first_read`` finds those GEMMs by evaluating the body once; ``fetching_scan`` gathers them for
+layer ``l + 1`` during iteration ``l`` and carries them, and differentiates the scan itself: a
+reverse scan that recomputes each layer (as the region would) on the weights the iteration after
+gathered, and meanwhile gathers the layer before's. The operations and their order are those of
+jax's derivative of the scan over the region, so values and gradients are the same bits.
+
+The functions take the evaluator (``ev``) and read or set its ``fetching`` (a ``Fetching``: what
+the iteration's GEMMs take instead of gathering) and ``recomputing`` (the region is evaluated
+inline, not wrapped: the scan recomputes it in its own backward).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.extend import core as jcore
+
+from mxfp8_jax._src.core import jaxprs
+from mxfp8_jax._src.fsdp import fsdp_specs
+from mxfp8_jax._src.fsdp.fsdp_islands import fetch_island
+from mxfp8_jax._src.fsdp.fsdp_trace import RETYPE_PRIMITIVES
+from mxfp8_jax._src.fsdp.fsdp_unit import UnitOp
+from mxfp8_jax._src.fsdp.fsdp_values import UnitValue
+from mxfp8_jax._src.fsdp.fsdp_walk import Scan
+
+
+def first_read(ev, loop: Scan, step, flat_consts, carry, xs_in, slicers, xs):
+    """Where a scan's iterations may gather their first weights one iteration ahead
+    (``fetching_scan``): ``(fetch, ops)``, ``fetch(xs_in, layer)`` gathering what the body's
+    first GEMMs of stacked units (``ops``, found by evaluating the body once: ``Fetching``)
+    read of ``layer``, by unit name. None where the scan is not one rematerialised region
+    (no policy) over stacked units under ``prefetch``, or runs in reverse: jax's derivative
+    of the scan stands there."""
+    parts = loop.parts
+    eqns = loop.body.jaxpr.eqns
+    if not ev.islands.prefetch or parts.reverse or parts.length < 2 or ev.recomputing:
+        return None
+    if len(eqns) != 1 or jaxprs.kind(eqns[0]) != "remat" or jaxprs.remat_policy(eqns[0])[0] is not None:
+        return None
+    if not any(isinstance(x, UnitValue) for x in xs):
+        return None
+    slices = [jax.ShapeDtypeStruct(a.shape[1:], a.dtype) for a in xs_in]
+    shapes = [jax.ShapeDtypeStruct(jnp.shape(c), jnp.result_type(c)) for c in carry]
+    probe = Fetching(discover=True)
+    saved, splits, ev.fetching, ev.recomputing = ev.fetching, dict(ev.splits), probe, True
+    try:
+        jax.eval_shape(step, flat_consts, shapes, slices)
+    except Found:
+        pass
+    finally:
+        ev.fetching, ev.splits, ev.recomputing = saved, splits, False
+    stacked = {
+        x.name: (x, slice(start, start + count))
+        for (start, count, _), x in zip(slicers, xs)
+        if isinstance(x, UnitValue)
+    }
+    found = probe.found
+    if not found or any(unit.name not in stacked for unit, _ in found):
+        return None
+
+    def fetch(xs_in, layer, token=None):
+        out = {}
+        after = () if token is None else (token[0], fsdp_specs.partition(token[1], token[0].ndim))
+        for unit, op in found:
+            x, leaves = stacked[unit.name]
+            out[unit.name] = fetch_island(ev.islands, op, x.with_leaves(xs_in[leaves]), layer, *after)
+        return out
+
+    return fetch, [op for _, op in found]
+
+
+def fetching_scan(ev, step, flat_consts, carry, xs_in, parts, first):
+    """A scan over a rematerialised body whose first weight each iteration gathers during
+    the iteration before (double buffering, FSDP's prefetch of the next layer): forward, and
+    in its own backward, a reverse scan that recomputes each iteration's body (as the
+    rematerialised region would) with the next iteration's (the layer before's) first weight
+    gathered meanwhile. ``first``: ``first_read``'s. Values and gradients are those of
+    ``lax.scan`` over the rematerialised body: the same operations, in the same order."""
+    fetch, _ = first
+    length, unroll = parts.length, parts.unroll
+    index = jnp.arange(length, dtype=jnp.int32)
+    inexact = lambda a: jnp.issubdtype(jnp.result_type(a), jnp.inexact)
+
+    def run(flat_consts, carry, xs_slices, fetched):
+        """The body on the fetched weights, and the output of its first GEMM that read them
+        (what the next fetch waits for: XLA then cannot run it, or a gather it combines it
+        with, ahead of that GEMM)."""
+        saved = ev.fetching, ev.recomputing
+        ev.fetching, ev.recomputing = Fetching(fetched), True
+        try:
+            return step(flat_consts, carry, xs_slices), ev.fetching.first
+        finally:
+            ev.fetching, ev.recomputing = saved
+
+    def forward(flat_consts, carry, xs_in):
+        def body(state, inputs):
+            carry, fetched = state
+            i, xs_slices = inputs
+            (new_carry, ys), read = run(flat_consts, carry, xs_slices, fetched)
+            upcoming = fetch(xs_in, jnp.minimum(i + 1, length - 1), read)
+            return (new_carry, upcoming), (ys, carry)
+
+        (carry_out, last), (ys, carries) = lax.scan(body, (carry, fetch(xs_in, 0)), (index, xs_in), unroll=unroll)
+        return carry_out, ys, carries, last
+
+    @jax.custom_vjp
+    def scanned(flat_consts, carry, xs_in):
+        carry_out, ys, _, _ = forward(flat_consts, carry, xs_in)
+        return carry_out, ys
+
+    def scanned_fwd(flat_consts, carry, xs_in):
+        carry_out, ys, carries, last = forward(flat_consts, carry, xs_in)
+        return (carry_out, ys), (flat_consts, xs_in, carries, last)
+
+    def scanned_bwd(res, cts):
+        flat_consts, xs_in, carries, last = res
+        ct_carry, ct_ys = cts
+        d_consts = [jnp.zeros_like(a) for a in flat_consts if inexact(a)]
+        ct_carry = [c for c, a in zip(ct_carry, carries) if inexact(a)]
+
+        def body(state, inputs):
+            ct_carry, d_consts, fetched = state
+            i, xs_slices, carry, ct_y = inputs
+
+            def f(dc, dk, dx):
+                consts = _merge(flat_consts, dc, inexact)
+                (new_carry, ys), _ = run(consts, _merge(carry, dk, inexact), _merge(xs_slices, dx, inexact), fetched)
+                outs = [*new_carry, *ys]
+                return [o for o in outs if inexact(o)], [o for o in outs if not inexact(o)]
+
+            primals = [[a for a in v if inexact(a)] for v in (flat_consts, carry, xs_slices)]
+            outs, vjp, _ = jax.vjp(f, *primals, has_aux=True)
+            # waits for nothing: the backward's gathers have the iteration's dgrads and wgrads
+            # to run beside whatever XLA combines it with
+            upcoming = fetch(xs_in, jnp.maximum(i - 1, 0))
+            dc, dk, dx = vjp([*ct_carry, *ct_y])
+            d_consts = [a + b for a, b in zip(d_consts, dc)]
+            return (dk, d_consts, upcoming), dx
+
+        ct_ys = [c for c in ct_ys if inexact(c)]
+        (d_carry, d_consts, _), d_xs = lax.scan(
+            body, (ct_carry, d_consts, last), (index, xs_in, carries, ct_ys), reverse=True, unroll=unroll
+        )
+        return (
+            _unmerge(flat_consts, d_consts, inexact),
+            _unmerge(carries, d_carry, inexact),
+            _unmerge(xs_in, d_xs, inexact),
+        )
+
+    scanned.defvjp(scanned_fwd, scanned_bwd)
+    return scanned(list(flat_consts), list(carry), list(xs_in))
+
+
+class Found(Exception):
+    """``Fetching`` found the first weight a scan body reads (``first_read``)."""
+
+
+class Fetching:
+    """The weights a scan iteration's first GEMMs of stacked units take instead of gathering
+    their own: ``fetched``, unit name -> what the iteration before gathered for it. With
+    ``discover``, which GEMMs those are (``found``: ``(unit, op)`` of each): the body's first
+    GEMM of a stacked unit and the others of the same activation up to one of another (there
+    evaluation stops): a layer's q, k and v projections, its MLP's gate and up."""
+
+    def __init__(self, fetched=None, *, discover: bool = False) -> None:
+        self.fetched, self.discover = dict(fetched or {}), discover
+        self.first: tuple | None = None  # the output of the first GEMM that took them, its spec
+        self.found: list = []
+        self.act = None
+        self.producers: dict = {}  # while discovering: variable -> the equation giving it
+
+    def read(self, out, spec) -> None:
+        if self.first is None:
+            self.first = (out, spec)
+
+    def produced(self, eqn) -> None:
+        if self.discover:
+            self.producers.update((v, eqn) for v in eqn.outvars)
+
+    def take(self, unit: UnitValue, op: UnitOp, act):
+        """What the GEMM of ``op`` reading ``unit`` takes (None: it gathers its own); ``act``:
+        the variable of its activation, the same for GEMMs reading one value (casts looked
+        through: each ``nnx.Linear`` casts its input)."""
+        if not self.discover:
+            return self.fetched.pop(unit.name, None)
+        while isinstance(act, jcore.Var) and act in self.producers:
+            eqn = self.producers[act]
+            if eqn.primitive not in RETYPE_PRIMITIVES or len(eqn.invars) != 1:
+                break
+            act = eqn.invars[0]
+        if self.act is None:
+            self.act = act
+        if act is not self.act:
+            raise Found
+        self.found.append((unit, op))
+        return None
+
+
+def _merge(values, chosen, keep) -> list:
+    """``values`` with those ``keep`` marks replaced, in order, by ``chosen``."""
+    chosen = iter(chosen)
+    return [next(chosen) if keep(v) else v for v in values]
+
+
+def _unmerge(values, chosen, keep) -> list:
+    """Cotangents of ``values``: ``chosen``, in order, for those ``keep`` marks, None (zero) for
+    the others."""
+    chosen = iter(chosen)
+    return [next(chosen) if keep(v) else None for v in values]
