@@ -22,6 +22,7 @@ from the optimized HLO (``compiled.hlo_schedule``):
 """
 
 import json
+import re
 
 import jax
 import jax.numpy as jnp
@@ -115,11 +116,17 @@ def test_the_gpu_step_multiplies_every_unit_in_bf16(meshes, gpu, loop):
     # the projections forward, dgrad, wgrad and recomputed forward; the head's three (no remat)
     assert_units_flops(flops(units), 4 * LAYERS * BLOCK_FLOPS + 3 * HEAD_FLOPS)
     assert "mxfp8_quantize" in {c.target for c in hlo.custom_calls(text)}
-    # 8-bit gathers: the plan's figure, or one layer's recomputed gathers less
+    # 8-bit gathers: the plan's figure, or one layer's recomputed gathers less; a scan's backward
+    # also gathers one layer's q/k/v planes it does not use (its last iteration's fetch)
     n = fsdp.mesh.size
     plan = sum(fsdp_table.gathered_bytes(p, n) for p in fsdp.params if p.kind == "mxfp8")
     per_layer_read = plan // (3 * LAYERS)  # forward, recomputed forward, dgrad of each layer
-    assert eight_bit_gathered(text) in (plan, plan - per_layer_read), (eight_bit_gathered(text), plan)
+    first = sum(
+        fsdp_table.gathered_bytes(p, n) for p in fsdp.params if p.kind == "mxfp8" and re.search(r"attn/[qkv]/", p.name)
+    ) // (3 * LAYERS)
+    fetched = first if loop == "scan" else 0
+    got = eight_bit_gathered(text)
+    assert got in (plan + fetched, plan - per_layer_read + fetched), (got, plan, fetched)
     assert step.memory_analysis().temp_size_in_bytes <= temp_bound(LAYERS)
 
 
@@ -206,25 +213,25 @@ def test_bad_targets_are_clear_errors():
     np.testing.assert_equal(len(gpu_targets.topology_mesh(gpu_targets.target_config("b200"), 16, hosts=2).devices), 16)
 
 
-def test_under_xlas_own_prices_the_scans_weight_gathers_are_pipelined_beside_gemms(meshes):
-    """Under XLA's own prices (``xla_costs="xla"``) the H100 steps compile with XLA:GPU's
-    collective pipeliner on for all-gathers (``FSDP.compiler_options``; with the prices put
-    right it is off): the scanned step's 8-bit weight gathers that have a GEMM scheduled between
-    start and done outnumber those of the same step compiled with the pipeliner off."""
+def test_the_collective_pipeliner_stays_off_under_either_prices(meshes):
+    """The H100 steps compile with XLA:GPU's collective pipeliner off, with the prices put right
+    and under XLA's own (``xla_costs="xla"``): the scan gathers its next layer's first weights
+    itself, and the pipeliner turned on there (as ``XLA_FLAGS`` may) schedules no more of the
+    scan's 8-bit weight gathers beside a GEMM than it does without."""
     assert set(compiled(meshes, "h100")[0].compiler_options.values()) == {"COLLECTIVE_PIPELINING_MODE_OFF"}
-    fsdp, on = compiled(meshes, "h100", xla_costs="xla")
+    fsdp, off = compiled(meshes, "h100", xla_costs="xla")
     options = fsdp.compiler_options or {}
-    assert "COLLECTIVE_PIPELINING_MODE_ON" in options.values(), options
-    off_options = {k: "COLLECTIVE_PIPELINING_MODE_OFF" if isinstance(v, str) else False for k, v in options.items()}
+    assert set(options.values()) == {"COLLECTIVE_PIPELINING_MODE_OFF"}, options
+    on_options = {"xla_gpu_pipeline_all_gather": "COLLECTIVE_PIPELINING_MODE_ON"}
     tx = optax.adamw(1e-4)
     batch = jax.ShapeDtypeStruct((TOKENS // SEQ * DEVICES, SEQ + 1), jnp.int32)
-    off = fsdp.lower_train_step(models.next_token_loss, tx, fsdp.abstract_state(tx), batch).compile(off_options)
+    on = fsdp.lower_train_step(models.next_token_loss, tx, fsdp.abstract_state(tx), batch).compile(on_options)
 
     def overlapped(step) -> int:
         gathers = hlo_schedule.async_collectives(step.as_text(), "all-gather")
         return sum(c.count or 0 for c in gathers if c.overlapped and c.bytes_of(8))
 
-    assert overlapped(on) > overlapped(off), (overlapped(on), overlapped(off))
+    assert overlapped(on) <= overlapped(off), (overlapped(on), overlapped(off))
 
 
 def test_gemm_pricing_puts_fp32_result_gemms_at_the_16_bit_rate(meshes):

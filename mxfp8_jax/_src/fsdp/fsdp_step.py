@@ -96,20 +96,19 @@ class Steps:
     def compiler_options(self) -> dict | None:
         """XLA options of the step's compilation, by the mesh's platform.
 
-        GPUs: XLA:GPU's collective pipeliner (``gpu_pipelining_options``): off, where the
-        scheduler gets its prices put right (``xla_costs="corrected"``: it then hides a scan's
-        weight gathers inside their own iteration, and the pipeliner's next-layer planes would
-        hold more memory for less); under XLA's own prices on for all-gathers (a scan's weight
-        gathers for the next layer start in the iteration before), off for reduce-scatters. An
-        option the user sets in ``XLA_FLAGS`` is left to them.
+        GPUs: XLA:GPU's collective pipeliner (``gpu_pipelining_options``) off, under either
+        prices (``xla_costs``): a scan over remat layers gathers its next layer's first weights
+        itself (``fsdp_fetch``) and hides the rest inside their own iteration, and the
+        pipeliner, which takes every gather of the loop, then holds more memory for more exposed
+        time (at hidden 2048 on 8 H100s, under XLA's own prices: 4.99 ms exposed against 1.43).
+        An option the user sets in ``XLA_FLAGS`` is left to them.
 
         CPUs under tensor parallelism: the step is manual over tp only, and XLA:CPU's all-reduce
         promotion pass aborts the compilation on the bf16 all-reduces its partitioner makes there
         (a bf16 psum or reduce-scatter over tp, or the transpose of a bf16 all-gather): skip it."""
         if platforms.is_gpu(self.topology.platform):
             jaxlib = jaxprs.version_tuple(importlib.metadata.version("jaxlib"))
-            pipelined = self.plan.xla_costs == "xla"
-            return gpu_pipelining_options(jaxlib, os.environ.get("XLA_FLAGS", ""), pipelined) or None
+            return gpu_pipelining_options(jaxlib, os.environ.get("XLA_FLAGS", ""), pipelined=False) or None
         if self.topology.tp_axis is None or self.topology.platform != "cpu":
             return None
         return {"xla_disable_hlo_passes": "all-reduce-promotion"}
@@ -250,11 +249,10 @@ class Steps:
 
 # XLA:GPU's collective pipeliner: from jaxlib 0.11 an enum option per collective, before a bool
 # one (the bool's name is still read from XLA_FLAGS, as an alias of the enum's); whether each is
-# on under XLA's own prices. There the all-gathers are: the scheduler, misled by its prices,
-# leaves an iteration's own gathers exposed. The reduce-scatters are not, whose default follows
-# the all-gathers' there: pipelined too, they shorten XLA's estimate further, but the compiled
-# step's temp memory then grows per layer by more than the remat scan's carry. With the prices
-# put right (``xla_costs``) both are off.
+# on where asked for (``pipelined``: the steps no longer ask, see ``compiler_options``). The
+# reduce-scatters are not even then, whose default follows the all-gathers': pipelined too, they
+# shorten XLA's estimate further, but the compiled step's temp memory then grows per layer by
+# more than the remat scan's carry.
 PIPELINING = (
     ("xla_gpu_pipeline_all_gather", "xla_gpu_enable_pipelined_all_gather", True),
     ("xla_gpu_pipeline_reduce_scatter", "xla_gpu_enable_pipelined_reduce_scatter", False),
