@@ -362,6 +362,17 @@ class _Evaluator(Traversal):
         finally:
             self.region = saved
 
+    @contextlib.contextmanager
+    def fetched(self, fetching: fsdp_fetch.Fetching):
+        """Evaluating a fetching scan's body (``fsdp_fetch``): the first GEMMs take their weights
+        from ``fetching``, the remat region is inlined; the evaluator's state as it was after."""
+        saved = self.fetching, self.recomputing, dict(self.splits)
+        self.fetching, self.recomputing = fetching, True
+        try:
+            yield fetching
+        finally:
+            self.fetching, self.recomputing, self.splits = saved
+
     def _transposed(self, unit: UnitValue, dims, position: int) -> bool:
         g = unit.geometry
         roles = dot_roles(unit.view, dims, position)

@@ -11,9 +11,9 @@ reverse scan that recomputes each layer (as the region would) on the weights the
 gathered, and meanwhile gathers the layer before's. The operations and their order are those of
 jax's derivative of the scan over the region, so values and gradients are the same bits.
 
-The functions take the evaluator (``ev``) and read or set its ``fetching`` (a ``Fetching``: what
-the iteration's GEMMs take instead of gathering) and ``recomputing`` (the region is evaluated
-inline, not wrapped: the scan recomputes it in its own backward).
+The functions take the evaluator (``ev``) and evaluate the body in its ``fetched`` context: its
+GEMMs take what a ``Fetching`` holds instead of gathering, and the region is evaluated inline,
+not wrapped (the scan recomputes it in its own backward).
 """
 
 from __future__ import annotations
@@ -50,13 +50,11 @@ def first_read(ev, loop: Scan, step, flat_consts, carry, xs_in, slicers, xs):
     slices = [jax.ShapeDtypeStruct(a.shape[1:], a.dtype) for a in xs_in]
     shapes = [jax.ShapeDtypeStruct(jnp.shape(c), jnp.result_type(c)) for c in carry]
     probe = Fetching(discover=True)
-    saved, splits, ev.fetching, ev.recomputing = ev.fetching, dict(ev.splits), probe, True
     try:
-        jax.eval_shape(step, flat_consts, shapes, slices)
+        with ev.fetched(probe):
+            jax.eval_shape(step, flat_consts, shapes, slices)
     except Found:
         pass
-    finally:
-        ev.fetching, ev.splits, ev.recomputing = saved, splits, False
     stacked = {
         x.name: (x, slice(start, start + count))
         for (start, count, _), x in zip(slicers, xs)
@@ -93,12 +91,8 @@ def fetching_scan(ev, step, flat_consts, carry, xs_in, parts, first):
         """The body on the fetched weights, and the output of its first GEMM that read them
         (what the next fetch waits for: XLA then cannot run it, or a gather it combines it
         with, ahead of that GEMM)."""
-        saved = ev.fetching, ev.recomputing
-        ev.fetching, ev.recomputing = Fetching(fetched), True
-        try:
-            return step(flat_consts, carry, xs_slices), ev.fetching.first
-        finally:
-            ev.fetching, ev.recomputing = saved
+        with ev.fetched(Fetching(fetched)) as fetching:
+            return step(flat_consts, carry, xs_slices), fetching.first
 
     def forward(flat_consts, carry, xs_in):
         def body(state, inputs):
