@@ -149,6 +149,14 @@ def fetch(op: UnitOp, shards: UnitShards, pick: tuple, token=None) -> Any:
     return _gather(op.geometry, after(_local(op, shards.master, shards.planes, backward=False, pick=pick), token))
 
 
+def _forward_bytes(op: UnitOp, act, master, planes, pick, token, fetched):
+    """What the forward of ``op`` widens, and what widening waits for: ``fetched`` where given
+    (gathered earlier: it waits for ``act``), else this op's own gather after ``token``."""
+    if fetched is not None:
+        return fetched, act
+    return fetch(op, UnitShards(master, planes), pick, token), _ready(act, token)
+
+
 def unit_lookup(op: UnitOp, others: tuple, shards: UnitShards, pick: tuple = (), token=OWN) -> jax.Array:
     """A ``gather`` / ``dynamic_slice`` of the unit (``others``: its index operands), on this
     device's shards: the table gathered for the lookup, the gradient reduce-scattered.
@@ -187,11 +195,7 @@ def _local(op: UnitOp, master, planes, *, backward: bool, pick=()):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _gemm(op: UnitOp, act, master, planes, pick, token, fetched):
-    if fetched is None:
-        local = after(_local(op, master, planes, backward=False, pick=pick), token)
-        fetched, ready = _gather(op.geometry, local), _ready(act, token)
-    else:
-        ready = act
+    fetched, ready = _forward_bytes(op, act, master, planes, pick, token, fetched)
     w = widened(op.geometry, fetched, columnwise=op.transposed, ready=ready)
     return forward_dot(op, act, op.value(w))
 
@@ -223,11 +227,7 @@ def _mx_gemm(op: UnitOp, canon: _Canonical, order, act, master, planes, given, p
 
 
 def _mx_gemm_fwd(op: UnitOp, canon: _Canonical, order, act, master, planes, given, pick, token, fetched):
-    if fetched is None:
-        local = after(_local(op, master, planes, backward=False, pick=pick), token)
-        fetched, ready = _gather(op.geometry, local), _ready(act, token)
-    else:
-        ready = act
+    fetched, ready = _forward_bytes(op, act, master, planes, pick, token, fetched)
     w = _weight(op.geometry, fetched, op.transposed, ready=ready)
     if given is None:
         y, x_col = mxfp8_gemm.forward(canon.act_to_x(act), w, op.gemm.mxfp8)
