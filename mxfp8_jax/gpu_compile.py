@@ -50,7 +50,10 @@ from collections.abc import Callable
 from typing import Any
 
 VARIANTS = ("mxfp8", "mxfp8-gemm", "mxfp8-p0", "bf16", "gspmd")
-MODELS = ("transformer", "transformer-loop")
+MODELS = ("transformer", "transformer-loop", "transformer-fori")
+# how each builtin model runs its blocks (``TransformerConfig.layer_loop``), as its description says
+_LOOPS = {"transformer": ("scan", "nnx.scan over"), "transformer-loop": ("python", "a Python loop over"),
+          "transformer-fori": ("fori", "a lax.fori_loop, by its counter, over")}  # fmt: skip
 NOTE = "figures from XLA:GPU's compilation of the step (deviceless, default GEMM tilings), not from a run"
 
 
@@ -67,9 +70,10 @@ class Workload:
 
 
 def builtin_workload(name: str, *, hidden: int, layers: int, heads: int | None, mlp: int | None, vocab: int,
-                     seq: int, tokens_per_device: int, devices: int) -> Workload:  # fmt: skip
-    """The package's Llama-style transformer (``models.TransformerLM``, bf16, remat): blocks
-    scanned (``transformer``) or run by a Python loop (``transformer-loop``)."""
+                     seq: int, tokens_per_device: int, devices: int, remat: bool = True) -> Workload:  # fmt: skip
+    """The package's Llama-style transformer (``models.TransformerLM``, bf16, blocks under remat
+    unless ``remat`` is False): blocks scanned (``transformer``), run by a Python loop
+    (``transformer-loop``) or picked by a ``fori_loop``'s counter (``transformer-fori``)."""
     import jax
     import jax.numpy as jnp
     from flax import nnx
@@ -88,13 +92,14 @@ def builtin_workload(name: str, *, hidden: int, layers: int, heads: int | None, 
         head_dim=hidden // heads,
         mlp=mlp or 4 * hidden,
         layers=layers,
-        layer_loop="python" if name == "transformer-loop" else "scan",
+        layer_loop=_LOOPS[name][0],
+        remat=remat,
     )
     sequences = tokens_per_device // seq * devices
     batch = jax.ShapeDtypeStruct((sequences, seq + 1), jnp.int32)
-    loop = "a Python loop over" if name == "transformer-loop" else "nnx.scan over"
+    blocks = "remat blocks" if remat else "blocks, no remat"
     what = (
-        f"TransformerLM: hidden {hidden}, {layers} layers ({loop} remat blocks), {heads} heads, mlp "
+        f"TransformerLM: hidden {hidden}, {layers} layers ({_LOOPS[name][1]} {blocks}), {heads} heads, mlp "
         f"{cfg.mlp}, vocab {vocab}, bf16; {sequences} sequences of {seq} tokens ({tokens_per_device} per device)"
     )
     return Workload(name, lambda: models.TransformerLM(cfg, rngs=nnx.Rngs(0)), models.next_token_loss, batch, what)
@@ -576,6 +581,7 @@ def run(args) -> list[dict]:
             seq=args.seq,
             tokens_per_device=args.tokens_per_device,
             devices=args.devices,
+            remat=args.remat,
         )
     configs = {g: gpu_targets.target_config(g, args.target_config) for g in gpus}
     tx = optax.adamw(1e-4)
@@ -664,6 +670,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--vocab", type=int, default=32000)
     p.add_argument("--seq", type=int, default=2048, help="tokens per sequence (default 2048)")
     p.add_argument("--tokens-per-device", type=int, default=4096)
+    p.add_argument(
+        "--no-remat", dest="remat", action="store_false", help="the builtin model's blocks without nnx.remat"
+    )
     p.add_argument(
         "--variants", default=",".join(v for v in VARIANTS if v != "mxfp8-p0"), help=f"subset of {','.join(VARIANTS)}"
     )

@@ -14,6 +14,7 @@ one layer's gathered weights of temp memory.
 from __future__ import annotations
 
 import collections
+import dataclasses
 
 import jax
 import numpy as np
@@ -151,6 +152,42 @@ def test_a_scanned_transformer_gathers_without_waiting_for_the_carried_activatio
     temp1 = step1.memory_analysis().temp_size_in_bytes
     layer = sum(4 * int(np.prod(p.unit.padded_shape())) // cfg.layers for p in f1.units if p.unit.level)
     assert temp1 <= temp0 + layer, (temp0, temp1, layer)
+
+
+def test_a_fori_loop_picking_stacked_blocks_by_its_counter_is_the_scanned_step(mesh):
+    """``layer_loop="fori"``: a ``lax.fori_loop`` picks each stacked block's state by its counter
+    (``blocks[i]``). The step is the scanned form's: two loops of one trip per layer, q, k and v
+    gathered an iteration ahead in each, and the same gradients bit for bit."""
+    cfg = models.TransformerConfig(layers=2, layer_loop="fori")
+    model = models.init_transformer(cfg)
+    tokens = np.random.default_rng(0).integers(0, cfg.vocab, (2 * mesh.size, 33)).astype(np.int32)
+    _, step, grads = compiled(model, mesh, models.next_token_loss, tokens, prefetch=1)
+    text = step.as_text()
+    loops = hlo.while_loops(text)
+    assert [trips for _, trips in loops] == [cfg.layers] * 2, loops
+    ahead = collections.Counter(g.computation for g in hlo.gather_overlaps(text) if g.ahead and "u8" in g.dtypes)
+    assert ahead == dict.fromkeys((body for body, _ in loops), 6), ahead
+    scanned = models.init_transformer(dataclasses.replace(cfg, layer_loop="scan"))
+    fsdp = FSDP(scanned, mesh, loss_fn=models.next_token_loss, example_batch=tokens)
+    want = fsdp.loss_and_grads(models.next_token_loss)(fsdp.init(scanned, optax.sgd(0.1)), tokens)
+    assert same_bits(grads, want)
+
+
+def test_a_scan_without_remat_gathers_its_first_weights_ahead_in_the_forward(mesh):
+    """``remat=False``: the forward loop gathers the next layer's q, k and v an iteration ahead;
+    the backward is jax's derivative of the scan (it saves the forward's residuals, and each
+    op's backward gathers its own weights). Gradients bit for bit those of ``prefetch=0``."""
+    cfg = models.TransformerConfig(layers=2, remat=False)
+    model = models.init_transformer(cfg)
+    tokens = np.random.default_rng(0).integers(0, cfg.vocab, (2 * mesh.size, 33)).astype(np.int32)
+    _, step, grads = compiled(model, mesh, models.next_token_loss, tokens, prefetch=1)
+    text = step.as_text()
+    (forward, _), (backward, _) = hlo.while_loops(text)
+    ahead = collections.Counter(g.computation for g in hlo.gather_overlaps(text) if g.ahead and "u8" in g.dtypes)
+    assert ahead == {forward: 6}, (ahead, forward, backward)
+    fsdp = FSDP(model, mesh, loss_fn=models.next_token_loss, example_batch=tokens, prefetch=0)
+    want = fsdp.loss_and_grads(models.next_token_loss)(fsdp.init(model, optax.sgd(0.1)), tokens)
+    assert same_bits(grads, want)
 
 
 def test_prefetch_must_be_a_count_of_layers(mesh):

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 from flax import nnx
 from jax import lax
+from jax.extend import core as jcore
 from jax.sharding import Mesh, PartitionSpec
 
 from mxfp8_jax import flax as mxflax
@@ -79,6 +80,50 @@ def test_cond_branches_and_while_bodies_are_followed():
     assert [(u.kind, u.level, u.trips, u.branch) for u in uses] == [("gemm", 1, None, False)]
     uses, _ = uses_of(fori)
     assert [(u.kind, u.level, u.trips) for u in uses] == [("gemm", 1, 5)]
+
+
+def _scan_of(fn):
+    closed = jax.make_jaxpr(fn)(W, X)
+    return closed, next(e for e in closed.jaxpr.eqns if e.primitive is jaxprs.SCAN)
+
+
+@pytest.mark.parametrize(
+    ("fn", "moved"),
+    [
+        (lambda w, x: lax.fori_loop(0, 4, lambda i, a: jnp.tanh(a @ w[i]), x), True),
+        (lambda w, x: lax.fori_loop(1, 5, lambda i, a: jnp.tanh(a @ w[i - 1]), x), True),
+        (lambda w, x: lax.fori_loop(0, 4, lambda i, a: jax.checkpoint(lambda a, v: a @ v)(a, w[i]), x), True),
+        (lambda w, x: lax.fori_loop(0, 4, lambda i, a: jnp.tanh(a @ w[3 - i]), x), False),
+        (lambda w, x: lax.fori_loop(0, 4, lambda i, a: jnp.tanh(a @ w[i] + a @ w[0]), x), False),
+        (lambda w, x: lax.fori_loop(0, 3, lambda i, a: jnp.tanh(a @ w[i]), x), False),
+    ],
+    ids=["w[i]", "w[i-1] from 1", "w[i] into a remat region", "w[3-i]", "w[i] and w[0]", "3 of 4 layers"],
+)
+def test_a_fori_loop_reading_a_stack_by_its_counter_is_a_scan_over_it(fn, moved):
+    """``counted_stacks`` moves a stack the body reads only as its trip's layer into the scan's
+    xs, and the rebuilt scan computes what the loop did; a stack read at another layer, or only
+    partly, stays a const."""
+    closed, eqn = _scan_of(fn)
+    counted = jaxprs.counted_stacks(eqn, range(jaxprs.scan_parts(eqn).num_consts))
+    if not moved:
+        assert counted is None
+        return
+    assert counted is not None and counted.stacks == (0,)
+    parts = counted.parts
+    assert not any(e.primitive is lax.dynamic_slice_p for e in parts.jaxpr.eqns), parts.jaxpr
+    w = np.random.default_rng(0).normal(size=W.shape).astype(np.float32) / 8
+    x = np.random.default_rng(1).normal(size=X.shape).astype(np.float32)
+    value = {closed.jaxpr.invars[0]: w, closed.jaxpr.invars[1]: x}
+    operands = [v.val if isinstance(v, jcore.Literal) else value[v] for v in counted.operands(eqn.invars)]
+    nc, ncar = parts.num_consts, parts.num_carry
+    consts, init, (stack,) = operands[:nc], operands[nc : nc + ncar], operands[nc + ncar :]
+
+    def body(carry, layer):
+        return tuple(jax.core.eval_jaxpr(parts.jaxpr, parts.consts, *consts, *carry, layer)), None
+
+    got = lax.scan(body, tuple(init), stack)[0][-1]
+    want = jax.jit(fn)(w, x)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
 
 
 @pytest.mark.parametrize(

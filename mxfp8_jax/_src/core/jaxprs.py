@@ -15,6 +15,9 @@ A primitive whose parameters are not spelled in any known way raises ``Unsupport
 names the primitive, the installed jax and what to do, instead of a ``KeyError`` deep inside a
 trace. ``TESTED_JAX`` is the range the test suite runs on (oldest, newest).
 
+``counted_stacks`` sees a ``fori_loop`` that reads stacked arrays by its counter (``w[i]``) as
+the scan over those stacks it is.
+
 ``reshape_groups`` pairs a ``reshape``'s input and output axes, for the two readers that follow
 axes through one: the plan (parameter axes) and the step's batch split (``fsdp_specs``).
 """
@@ -28,6 +31,9 @@ from collections.abc import Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
 from jax.extend import core as jcore
 
 # The range of jax releases CI runs the suite on (pyproject.toml and docs/install.md say the same).
@@ -214,6 +220,172 @@ def scan_parts(eqn) -> ScanParts:
     return ScanParts(
         jaxpr, consts, num_consts, num_carry, int(params["length"]), bool(params["reverse"]), params["unroll"]
     )
+
+
+@dataclasses.dataclass(frozen=True)
+class CountedStacks:
+    """A ``scan`` whose body reads some of its consts only a layer at a time, by the loop's
+    counter (``counted_stacks``), as a scan over them: ``parts`` has those consts (``stacks``,
+    their positions among the consts) moved to the end of its xs, and a body reading their
+    slices where the old one sliced them."""
+
+    parts: ScanParts
+    stacks: tuple[int, ...]
+
+    def operands(self, ins: Sequence) -> list:
+        """The operands of the scan equation (``consts + carry + xs``) in ``parts``' order."""
+        nc = self.parts.num_consts + len(self.stacks)
+        kept = [x for p, x in enumerate(ins[:nc]) if p not in self.stacks]
+        return [*kept, *ins[nc:], *(ins[p] for p in self.stacks)]
+
+
+def counted_stacks(eqn, candidates) -> CountedStacks | None:
+    """The scan equation ``eqn`` (a ``fori_loop`` with static bounds) as a scan over the consts
+    of ``candidates`` (positions) its body reads only as ``c[counter - lower]``: a
+    ``dynamic_slice`` of one layer of the leading axis, which is the loop's length, at the
+    value a carry that starts at a literal and grows by 1 a trip has minus that literal (0 on the
+    other axes, whatever arithmetic computes the starts: ``w[i]`` normalises negative indices).
+    None where no candidate is read so, or the scan runs in reverse."""
+    parts = scan_parts(eqn)
+    if parts.reverse or parts.length < 1:
+        return None
+    jaxpr = parts.jaxpr
+    counter = _counter(eqn, parts)
+    if counter is None:
+        return None
+    cvar, lower = counter
+    uses: dict = {}
+    for e in jaxpr.eqns:
+        for v in e.invars:
+            if isinstance(v, jcore.Var):
+                uses.setdefault(v, []).append(e)
+    returned = {v for v in jaxpr.outvars if isinstance(v, jcore.Var)}
+    slices: dict = {}  # dynamic_slice equation -> the const position it slices
+    for p in sorted(candidates):
+        v = jaxpr.invars[p]
+        shape = tuple(v.aval.shape)
+        if not shape or shape[0] != parts.length or v in returned or not uses.get(v):
+            continue
+        if all(_layer_slice(e, v, shape) for e in uses[v]):
+            slices.update((e, p) for e in uses[v])
+    if not slices:
+        return None
+    starts = _per_trip(jaxpr, cvar, lower, parts.length, [a for e in slices for a in e.invars[1:]])
+    if starts is None:
+        return None
+    trips = np.arange(parts.length)
+    bad, k = set(), 0
+    for e, p in slices.items():
+        got = starts[k : k + len(e.invars) - 1]
+        k += len(e.invars) - 1
+        if not (np.array_equal(got[0], trips) and all(not np.any(s) for s in got[1:])):
+            bad.add(p)
+    slices = {e: p for e, p in slices.items() if p not in bad}
+    if not slices:
+        return None
+    stacks = tuple(sorted(set(slices.values())))
+    return CountedStacks(_sliced_body(parts, stacks, slices, uses), stacks)
+
+
+def _counter(eqn, parts: ScanParts):
+    """``(invar, lower)`` of a scan's counter: an integer carry whose operand is a literal
+    (``lower``) and which the body returns plus 1; None where there is none."""
+    jaxpr, nc = parts.jaxpr, parts.num_consts
+    producers = {v: e for e in jaxpr.eqns for v in e.outvars}
+    for k in range(parts.num_carry):
+        var, init, out = jaxpr.invars[nc + k], eqn.invars[nc + k], jaxpr.outvars[k]
+        if not (isinstance(init, jcore.Literal) and jnp.issubdtype(var.aval.dtype, jnp.integer)):
+            continue
+        e = producers.get(out)
+        if e is None or e.primitive is not lax.add_p or var not in e.invars:
+            continue
+        other = e.invars[1 - e.invars.index(var)]
+        if isinstance(other, jcore.Literal) and int(other.val) == 1:
+            return var, int(init.val)
+    return None
+
+
+def _layer_slice(e, stack, shape) -> bool:
+    """Whether ``e`` is a ``dynamic_slice`` of one layer of ``stack`` (its starts other values)."""
+    return (
+        e.primitive is lax.dynamic_slice_p
+        and e.invars[0] is stack
+        and stack not in e.invars[1:]
+        and tuple(e.params["slice_sizes"]) == (1, *shape[1:])
+    )
+
+
+def _per_trip(jaxpr: jcore.Jaxpr, counter, lower: int, length: int, targets: list):
+    """The values of ``targets`` (a body's operands) at each trip, ``[length]`` arrays, where
+    the equations giving them read only the counter (``lower`` at the first trip) and literals;
+    None where they read anything else."""
+    needed = {t for t in targets if isinstance(t, jcore.Var)}
+    chain = []
+    for e in reversed(jaxpr.eqns):
+        if needed.intersection(e.outvars):
+            if sub_jaxprs(e) or getattr(e, "effects", None):
+                return None
+            chain.append(e)
+            needed.update(v for v in e.invars if isinstance(v, jcore.Var))
+    if needed - {counter} - {v for e in chain for v in e.outvars}:
+        return None
+    chain.reverse()
+
+    def at(c):
+        env = {counter: c}
+        read = lambda a: a.val if isinstance(a, jcore.Literal) else env[a]
+        for e in chain:
+            env.update(zip(e.outvars, bind(e, [read(a) for a in e.invars])))
+        return [jnp.broadcast_to(read(t), ()) for t in targets]
+
+    with jax.ensure_compile_time_eval():
+        values = jax.vmap(at)(jnp.arange(lower, lower + length, dtype=counter.aval.dtype))
+    return [np.asarray(v) for v in values]
+
+
+def _sliced_body(parts: ScanParts, stacks, slices: dict, uses: dict) -> ScanParts:
+    """``parts`` with the consts at ``stacks`` moved to the xs: the body retraced, each of their
+    ``slices`` (equations) read from the xs slice (a following squeeze of the layer axis taken
+    as the slice itself), and what only computed the slices' starts dropped."""
+    jaxpr, nc = parts.jaxpr, parts.num_consts
+    squeezes = {
+        u: slices[e]
+        for e in slices
+        for u in uses.get(e.outvars[0], ())
+        if u.primitive is lax.squeeze_p and tuple(u.params["dimensions"]) == (0,)
+    }
+    live = {v for v in jaxpr.outvars if isinstance(v, jcore.Var)}
+    kept_eqns = []
+    for e in reversed(jaxpr.eqns):
+        if not (live.intersection(e.outvars) or getattr(e, "effects", None)):
+            continue
+        kept_eqns.append(e)
+        if e not in slices and e not in squeezes:
+            live.update(v for v in e.invars if isinstance(v, jcore.Var))
+    kept_eqns.reverse()
+    kept = [p for p in range(nc) if p not in stacks]
+    rest = jaxpr.invars[nc:]
+    aval = lambda v: jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype, weak_type=v.aval.weak_type)
+    args = [aval(jaxpr.invars[p]) for p in kept] + [aval(v) for v in rest]
+    args += [jax.ShapeDtypeStruct(jaxpr.invars[p].aval.shape[1:], jaxpr.invars[p].aval.dtype) for p in stacks]
+
+    def sliced_body(*flat):
+        env = dict(zip(jaxpr.constvars, parts.consts))
+        env.update(zip([jaxpr.invars[p] for p in kept], flat[: len(kept)]))
+        env.update(zip(rest, flat[len(kept) : len(kept) + len(rest)]))
+        layer = dict(zip(stacks, flat[len(kept) + len(rest) :]))
+        read = lambda a: a.val if isinstance(a, jcore.Literal) else env[a]
+        for e in kept_eqns:
+            if e in slices:
+                env[e.outvars[0]] = lax.expand_dims(layer[slices[e]], (0,))
+            elif e in squeezes:
+                env[e.outvars[0]] = layer[squeezes[e]]
+            else:
+                env.update(zip(e.outvars, bind(e, [read(a) for a in e.invars])))
+        return [read(v) for v in jaxpr.outvars]
+
+    new_jaxpr, consts = body(jax.make_jaxpr(sliced_body)(*args))
+    return dataclasses.replace(parts, jaxpr=new_jaxpr, consts=consts, num_consts=len(kept))
 
 
 def cond_branches(eqn) -> list[tuple[jcore.Jaxpr, list]]:

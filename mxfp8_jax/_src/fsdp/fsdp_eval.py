@@ -21,7 +21,8 @@ parameter is read:
 Every other op runs as traced, on global values. The evaluator is a ``fsdp_walk.Traversal`` whose
 values are ``(value, spec)`` pairs; its rules say how each op reads parameters. ``scan`` bodies
 are evaluated the same way, one layer at a time (the stacked units and plain parameters are the
-scan's inputs, sliced like the weights they stand for); a scan over a rematerialised region
+scan's inputs, sliced like the weights they stand for, as are the stacks a ``fori_loop`` reads by
+its counter: ``core.jaxprs.counted_stacks``); a scan over a rematerialised region
 gathers each iteration's first weights in the iteration before, forward and in a backward of
 its own (``fsdp_fetch``); ``jit`` calls are inlined; a
 rematerialised region (``nnx.remat``, ``jax.checkpoint`` without a policy) becomes a
@@ -388,7 +389,10 @@ class _Evaluator(Traversal):
     def _scan(self, eqn, loop: Scan, ins: list) -> list:
         """A ``scan`` reading parameters, rebuilt as a ``lax.scan`` whose body is evaluated
         here: the stacked units and plain parameters are its inputs, sliced like the weights
-        they stand for."""
+        they stand for (stacks a ``fori_loop`` reads by its counter too)."""
+        counted = jaxprs.counted_stacks(eqn, range(loop.parts.num_consts))
+        if counted is not None:
+            loop, ins = Scan(self.body(counted.parts.jaxpr, counted.parts.consts), counted.parts), counted.operands(ins)
         values, in_specs = _unzip(ins)
         consts, carry, xs = loop.split(values)
         c_specs, k_specs, x_specs = loop.split(in_specs)

@@ -1,7 +1,8 @@
-"""A scan over rematerialised layers that gathers each layer's first weights during the layer
-before: FSDP's prefetch of the next layer, double buffered, as the evaluator (``fsdp_eval``)
-builds it for a scan whose body is one ``jax.checkpoint`` region without a policy (``nnx.scan``
-over ``nnx.remat`` blocks).
+"""A scan over layers that gathers each layer's first weights during the layer before: FSDP's
+prefetch of the next layer, double buffered, as the evaluator (``fsdp_eval``) builds it for a
+scan whose body is one ``jax.checkpoint`` region without a policy and integer counters
+(``nnx.scan`` over ``nnx.remat`` blocks; a ``fori_loop`` over them reading the stacks by its
+counter), forward and backward, or has no region at all (forward; the backward is jax's).
 
 XLA:GPU schedules a loop body on its own, so an iteration's first GEMMs (a layer's q, k and v
 projections) wait for their own weights' gathers with nothing of the iteration to run beside.
@@ -34,17 +35,26 @@ from mxfp8_jax._src.fsdp.fsdp_walk import Scan
 
 def first_read(ev, loop: Scan, step, flat_consts, carry, xs_in, slicers, xs):
     """Where a scan's iterations may gather their first weights one iteration ahead
-    (``fetching_scan``): ``(fetch, ops)``, ``fetch(xs_in, layer)`` gathering what the body's
-    first GEMMs of stacked units (``ops``, found by evaluating the body once: ``Fetching``)
-    read of ``layer``, by unit name. None where the scan is not one rematerialised region
-    (no policy) over stacked units under ``prefetch``, or runs in reverse: jax's derivative
-    of the scan stands there."""
+    (``fetching_scan``): ``(fetch, ops, recompute)``, ``fetch(xs_in, layer)`` gathering what
+    the body's first GEMMs of stacked units (``ops``, found by evaluating the body once:
+    ``Fetching``) read of ``layer``, by unit name; ``recompute``: the body is one
+    rematerialised region (no policy) and integer counters, which the scan's own backward
+    recomputes; False for a body without any region (jax's derivative of the forward, whose
+    backward saves the body's residuals). None where the scan is neither, reads no stacked
+    unit, is not under ``prefetch``, or runs in reverse: jax's derivative of the scan stands
+    there."""
     parts = loop.parts
     eqns = loop.body.jaxpr.eqns
     if not ev.islands.prefetch or parts.reverse or parts.length < 2 or ev.recomputing:
         return None
-    if len(eqns) != 1 or jaxprs.kind(eqns[0]) != "remat" or jaxprs.remat_policy(eqns[0])[0] is not None:
+    regions = [e for e in eqns if jaxprs.kind(e) == "remat"]
+    recompute = bool(regions)
+    if not recompute and any(jaxprs.kind(e) == "remat" for e in jaxprs.all_eqns(loop.body.jaxpr)):
+        return None  # a region deeper in the body: evaluated inline, it would not be one
+    if recompute and (len(regions) != 1 or jaxprs.remat_policy(regions[0])[0] is not None):
         return None
+    if recompute and any(_inexact(v) for e in eqns if e is not regions[0] for v in [*e.invars, *e.outvars]):
+        return None  # the body does more than the region and its counters
     if not any(isinstance(x, UnitValue) for x in xs):
         return None
     slices = [jax.ShapeDtypeStruct(a.shape[1:], a.dtype) for a in xs_in]
@@ -72,17 +82,18 @@ def first_read(ev, loop: Scan, step, flat_consts, carry, xs_in, slicers, xs):
             out[unit.name] = fetch_island(ev.islands, op, x.with_leaves(xs_in[leaves]), layer, *after)
         return out
 
-    return fetch, [op for _, op in found]
+    return fetch, [op for _, op in found], recompute
 
 
 def fetching_scan(ev, step, flat_consts, carry, xs_in, parts, first):
-    """A scan over a rematerialised body whose first weight each iteration gathers during
-    the iteration before (double buffering, FSDP's prefetch of the next layer): forward, and
-    in its own backward, a reverse scan that recomputes each iteration's body (as the
+    """A scan whose first weight each iteration gathers during the iteration before (double
+    buffering, FSDP's prefetch of the next layer): forward, and for a rematerialised body in
+    its own backward too, a reverse scan that recomputes each iteration's body (as the
     rematerialised region would) with the next iteration's (the layer before's) first weight
-    gathered meanwhile. ``first``: ``first_read``'s. Values and gradients are those of
-    ``lax.scan`` over the rematerialised body: the same operations, in the same order."""
-    fetch, _ = first
+    gathered meanwhile. A body without remat keeps jax's derivative (its backward's gathers
+    are the ops' own). ``first``: ``first_read``'s. Values and gradients are those of
+    ``lax.scan`` over the body: the same operations, in the same order."""
+    fetch, _, recompute = first
     length, unroll = parts.length, parts.unroll
     index = jnp.arange(length, dtype=jnp.int32)
     inexact = lambda a: jnp.issubdtype(jnp.result_type(a), jnp.inexact)
@@ -95,15 +106,21 @@ def fetching_scan(ev, step, flat_consts, carry, xs_in, parts, first):
             return step(flat_consts, carry, xs_slices), fetching.first
 
     def forward(flat_consts, carry, xs_in):
+        """The scan, and what its backward needs: each iteration's carry in, the last fetch."""
+
         def body(state, inputs):
             carry, fetched = state
             i, xs_slices = inputs
             (new_carry, ys), read = run(flat_consts, carry, xs_slices, fetched)
             upcoming = fetch(xs_in, jnp.minimum(i + 1, length - 1), read)
-            return (new_carry, upcoming), (ys, carry)
+            return (new_carry, upcoming), (ys, carry if recompute else ())
 
         (carry_out, last), (ys, carries) = lax.scan(body, (carry, fetch(xs_in, 0)), (index, xs_in), unroll=unroll)
         return carry_out, ys, carries, last
+
+    if not recompute:  # jax's derivative: its backward saves the body's residuals
+        carry_out, ys, _, _ = forward(list(flat_consts), list(carry), list(xs_in))
+        return carry_out, ys
 
     @jax.custom_vjp
     def scanned(flat_consts, carry, xs_in):
@@ -196,6 +213,11 @@ class Fetching:
             raise Found
         self.found.append((unit, op))
         return None
+
+
+def _inexact(v) -> bool:
+    """Whether a jaxpr operand is a floating value (what a derivative flows through)."""
+    return jnp.issubdtype(v.aval.dtype, jnp.inexact)
 
 
 def _merge(values, chosen, keep) -> list:

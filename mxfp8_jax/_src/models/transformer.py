@@ -5,7 +5,8 @@ The model is written the way Flax users write one, with nothing specific to this
 position embeddings -> ``nnx.RMSNorm`` -> SwiGLU MLP (all projections ``nnx.Linear`` without
 bias), the blocks created stacked with ``nnx.vmap`` and run with ``nnx.scan`` (each iteration
 under ``nnx.remat``; ``layer_loop="python"``: an ``nnx.List`` of blocks run by a Python loop,
-each block under ``nnx.remat``), a final RMSNorm and an ``nnx.Linear`` LM head. ``FSDP`` keeps every
+each block under ``nnx.remat``; ``"fori"``: the stacked blocks picked by a ``lax.fori_loop``'s
+counter, ``blocks[i]`` of their split state), a final RMSNorm and an ``nnx.Linear`` LM head. ``FSDP`` keeps every
 projection (and the head, when the vocabulary is a multiple of 32) as MXFP8 units.
 
 With ``norm="mxfp8"`` each block's two norms are MXFP8 RMSNorm + quantize ops whose output
@@ -47,7 +48,7 @@ from mxfp8_jax._src.ops.rmsnorm import rmsnorm_quant
 
 NORMS = ("nnx", "mxfp8")
 NORM_PATHS = ("fused", "unfused")
-LAYER_LOOPS = ("scan", "python")
+LAYER_LOOPS = ("scan", "python", "fori")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,7 +71,8 @@ class TransformerConfig:
     strategy: str = "auto"  # the fused op's strategy
     gemm: str = "dequantized"  # "mxfp8": the norms' columnwise planes too (FSDP(gemm="mxfp8")'s
     # wgrad), where a device's gathered rows are whole 32-row blocks
-    layer_loop: str = "scan"  # "python": the blocks an nnx.List run by a Python loop
+    layer_loop: str = "scan"  # "python": the blocks an nnx.List run by a Python loop; "fori": the
+    # stacked blocks picked by a lax.fori_loop's counter
 
     def __post_init__(self):
         for name in ("vocab", "hidden", "heads", "head_dim", "mlp", "layers"):
@@ -259,6 +261,13 @@ class TransformerLM(nnx.Module):
         if self.cfg.layer_loop == "python":
             for block in self.blocks:
                 x = layer(x, block)
+        elif self.cfg.layer_loop == "fori":
+            graph, stacked = nnx.split(self.blocks)
+
+            def trip(i, x):
+                return layer(x, nnx.merge(graph, jax.tree.map(lambda a: a[i], stacked)))
+
+            x = lax.fori_loop(0, self.cfg.layers, trip, x)
         else:
             x = nnx.scan(layer, in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)(x, self.blocks)
         return self.head(self.norm(x)).astype(jnp.float32)
