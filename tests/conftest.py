@@ -192,6 +192,9 @@ def pytest_configure(config):
     config.addinivalue_line(
         "markers", "multidevice: runs on several devices (MXFP8_TEST_PLATFORM and MXFP8_TEST_DEVICES choose which)"
     )
+    config.addinivalue_line(
+        "markers", "device_count: a multi-device test CI runs again on 4 devices (all but EIGHT_ONLY's modules)"
+    )
 
 
 # The compatibility subset (``-m compat``), which CI runs again on the oldest supported jax: every
@@ -217,10 +220,24 @@ COMPAT = {
 }
 
 
+# Multi-device modules CI does not run again on 4 devices (``-m device_count`` leaves them out):
+# whole-model steps whose per-count parts (row padding, shard geometry, collective sizes,
+# resharding) the other modules check at both counts; each of these passes at 4 as well.
+EIGHT_ONLY = {
+    "test_fsdp_models.py": "the model styles' steps, bytes and memory",
+    "test_fsdp_overlap.py": "the dependency graph of the step's gathers",
+    "test_fsdp_gemm.py": "the MXFP8-GEMM step and its convergence",
+    "test_fsdp_frozen.py": "frozen units and LoRA",
+    "test_tp.py": "tensor parallelism (tp=2 at either count)",
+}
+
+
 def pytest_collection_modifyitems(config, items):
     for item in items:
         if "devices" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.multidevice)
+            if item.path.name not in EIGHT_ONLY:
+                item.add_marker(pytest.mark.device_count)
         chosen = COMPAT.get(item.path.name, ())
         if chosen is None or getattr(item, "originalname", item.name) in (chosen or ()):
             item.add_marker(pytest.mark.compat)

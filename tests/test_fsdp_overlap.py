@@ -17,6 +17,7 @@ import collections
 import dataclasses
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
@@ -64,12 +65,22 @@ def mse(model, x):
     return (model(x) ** 2).mean()
 
 
-def compiled(model, mesh, loss_fn, batch, prefetch: int):
-    fsdp = FSDP(model, mesh, loss_fn=loss_fn, example_batch=batch, prefetch=prefetch)
-    tx = optax.sgd(0.1)
+def keeps_grads() -> optax.GradientTransformation:
+    """An optimizer whose state is the step's gradients as they are (its updates are zeros):
+    one compiled step gives both the schedule and the gradients."""
+    return optax.GradientTransformation(
+        lambda params: jax.tree.map(jnp.zeros_like, params),
+        lambda grads, state, params=None: (jax.tree.map(jnp.zeros_like, grads), grads),
+    )
+
+
+def compiled(model, mesh, loss_fn, batch, prefetch: int, **options):
+    """``(fsdp, compiled train step, (loss, gradients))`` of one step from ``model``."""
+    fsdp = FSDP(model, mesh, loss_fn=loss_fn, example_batch=batch, prefetch=prefetch, **options)
+    tx = keeps_grads()
     step = fsdp.lower_train_step(loss_fn, tx, fsdp.abstract_state(tx), batch).compile()
-    grads = fsdp.loss_and_grads(loss_fn)(fsdp.init(model, tx), batch)
-    return fsdp, step, grads
+    state, loss = step(fsdp.init(model, tx), fsdp.place_batch(batch))
+    return fsdp, step, (loss, state.opt_state)
 
 
 def forward_gathers(step) -> list[hlo.GatherOverlap]:
@@ -105,13 +116,21 @@ def test_a_python_loop_gathers_each_layer_while_the_layer_before_computes(mesh):
     assert temp1 <= temp0 + layer_bytes(f1, "blocks/1/"), (temp0, temp1)
 
 
-def test_a_scanned_transformer_gathers_without_waiting_for_the_carried_activation(mesh):
+def test_a_scanned_transformer_gathers_without_waiting_for_the_carried_activation(mesh, monkeypatch):
     """The package's transformer (``nnx.scan`` over ``nnx.remat`` blocks): with ``prefetch=1``
     every gather in the loop bodies that has GEMMs before its own can overlap one, forward and
     backward, and none depends on the loop's carried values. The weights of each iteration's
     first GEMMs (the q, k and v projections, which read one activation) are gathered in the
     iteration before and carried to it, in the forward loop (once that iteration's first GEMM
-    has run) and in the backward's (whose recomputed forward reads them first)."""
+    has run) and in the backward's (whose recomputed forward reads them first).
+
+    The norm scales (plain ``[layers, hidden]`` stacks) are gathered whole once, before the
+    loops, so the loop bodies gather only the units' 8-bit planes (on a GPU, which runs one
+    collective at a time, no small gather holds back a weight gather). Gathered per iteration
+    instead (stacks over ``WHOLE_BEFORE_LOOP`` bytes) the gradients are the same bits."""
+    from mxfp8_jax._src.compiled import hlo_schedule
+    from mxfp8_jax._src.fsdp import fsdp_eval
+
     cfg = models.TransformerConfig(layers=2)
     model = models.init_transformer(cfg)
     tokens = np.random.default_rng(0).integers(0, cfg.vocab, (2 * mesh.size, 33)).astype(np.int32)
@@ -153,6 +172,20 @@ def test_a_scanned_transformer_gathers_without_waiting_for_the_carried_activatio
     layer = sum(4 * int(np.prod(p.unit.padded_shape())) // cfg.layers for p in f1.units if p.unit.level)
     assert temp1 <= temp0 + layer, (temp0, temp1, layer)
 
+    def loop_gathers(step):
+        gathers = hlo_schedule.async_collectives(step.as_text(), "all-gather")
+        return [c for c in gathers if c.computation in loops], [c for c in gathers if c.computation not in loops]
+
+    inside, outside = loop_gathers(step1)
+    assert inside and all(d == "u8" for c in inside for d, _ in c.outputs), [c.outputs for c in inside]
+    assert [c for c in outside if ("f32", (cfg.layers, cfg.hidden)) in c.outputs], [c.outputs for c in outside]
+    monkeypatch.setattr(fsdp_eval, "WHOLE_BEFORE_LOOP", 0)
+    _, per_layer, grads_per_layer = compiled(model, mesh, models.next_token_loss, tokens, prefetch=1)
+    loops = {body for body, _ in hlo.while_loops(per_layer.as_text())}
+    inside, _ = loop_gathers(per_layer)
+    assert any(d == "f32" for c in inside for d, _ in c.outputs), [c.outputs for c in inside]
+    assert same_bits(grads1, grads_per_layer)
+
 
 def test_a_fori_loop_picking_stacked_blocks_by_its_counter_is_the_scanned_step(mesh):
     """``layer_loop="fori"``: a ``lax.fori_loop`` picks each stacked block's state by its counter
@@ -168,8 +201,7 @@ def test_a_fori_loop_picking_stacked_blocks_by_its_counter_is_the_scanned_step(m
     ahead = collections.Counter(g.computation for g in hlo.gather_overlaps(text) if g.ahead and "u8" in g.dtypes)
     assert ahead == dict.fromkeys((body for body, _ in loops), 6), ahead
     scanned = models.init_transformer(dataclasses.replace(cfg, layer_loop="scan"))
-    fsdp = FSDP(scanned, mesh, loss_fn=models.next_token_loss, example_batch=tokens)
-    want = fsdp.loss_and_grads(models.next_token_loss)(fsdp.init(scanned, optax.sgd(0.1)), tokens)
+    _, _, want = compiled(scanned, mesh, models.next_token_loss, tokens, prefetch=1)
     assert same_bits(grads, want)
 
 
@@ -185,8 +217,7 @@ def test_a_scan_without_remat_gathers_its_first_weights_ahead_in_the_forward(mes
     (forward, _), (backward, _) = hlo.while_loops(text)
     ahead = collections.Counter(g.computation for g in hlo.gather_overlaps(text) if g.ahead and "u8" in g.dtypes)
     assert ahead == {forward: 6}, (ahead, forward, backward)
-    fsdp = FSDP(model, mesh, loss_fn=models.next_token_loss, example_batch=tokens, prefetch=0)
-    want = fsdp.loss_and_grads(models.next_token_loss)(fsdp.init(model, optax.sgd(0.1)), tokens)
+    _, _, want = compiled(model, mesh, models.next_token_loss, tokens, prefetch=0)
     assert same_bits(grads, want)
 
 
@@ -238,50 +269,16 @@ def test_under_tensor_parallelism_the_loop_gathers_do_not_wait_for_the_carry(dev
     mesh = Mesh(np.array(devs).reshape(len(devs) // 2, 2), ("fsdp", "tp"))
     task = models.SequenceTask(cfg.vocab, 17, seed=1)
     batch = models.next_token_pairs(next(iter(task.batches(1, 2 * len(devs)))))
-    tx = optax.adam(1e-3)
     carried, ahead, grads = {}, {}, {}
     for prefetch in (0, 1):
-        fsdp = FSDP(model, mesh, tp_axis="tp", loss_fn=models.next_token_loss, example_batch=batch, prefetch=prefetch)
-        text = fsdp.lower_train_step(models.next_token_loss, tx, fsdp.abstract_state(tx), batch).compile().as_text()
+        _, step, grads[prefetch] = compiled(model, mesh, models.next_token_loss, batch, prefetch, tp_axis="tp")
+        text = step.as_text()
         loops = {body for body, _ in hlo.while_loops(text)}
         carried[prefetch] = [
             g.carried for g in hlo.gather_overlaps(text) if g.computation in loops and "u8" in g.dtypes and not g.ahead
         ]
         ahead[prefetch] = collections.Counter(g.computation for g in hlo.gather_overlaps(text) if g.ahead)
-        grads[prefetch] = fsdp.loss_and_grads(models.next_token_loss)(fsdp.init(model, tx), batch)
     assert carried[0] and all(carried[0]), carried[0]
     assert carried[1] and not any(carried[1]), carried[1]
     assert not ahead[0] and ahead[1] == dict.fromkeys(loops, 6), ahead
     assert same_bits(grads[0], grads[1])
-
-
-def test_a_scans_small_plain_stacks_are_gathered_once_before_the_loop(mesh, monkeypatch):
-    """The scanned transformer's norm scales (plain ``[layers, hidden]`` stacks) are gathered
-    whole once, before the loops: inside the loop bodies the only gathers left are the units'
-    8-bit planes, so that on a GPU, which runs one collective at a time, no small gather holds
-    back a weight gather. Gathered per iteration instead (the path of stacks over
-    ``WHOLE_BEFORE_LOOP`` bytes) the loss and gradients are the same bit for bit."""
-    from mxfp8_jax._src.compiled import hlo_schedule
-    from mxfp8_jax._src.fsdp import fsdp_eval
-
-    cfg = models.TransformerConfig(layers=2)
-    model = models.init_transformer(cfg)
-    tokens = np.random.default_rng(0).integers(0, cfg.vocab, (2 * mesh.size, 33)).astype(np.int32)
-
-    def loop_gathers(step):
-        loops = {body for body, _ in hlo.while_loops(step.as_text())}
-        gathers = hlo_schedule.async_collectives(step.as_text(), "all-gather")
-        inside = [c for c in gathers if c.computation in loops]
-        return inside, [c for c in gathers if c.computation not in loops]
-
-    _, step, grads = compiled(model, mesh, models.next_token_loss, tokens, prefetch=1)
-    inside, outside = loop_gathers(step)
-    assert inside and all(d == "u8" for c in inside for d, _ in c.outputs), [c.outputs for c in inside]
-    stacks = [c for c in outside if ("f32", (cfg.layers, cfg.hidden)) in c.outputs]
-    assert stacks, [c.outputs for c in outside]
-
-    monkeypatch.setattr(fsdp_eval, "WHOLE_BEFORE_LOOP", 0)
-    _, per_layer, grads_per_layer = compiled(model, mesh, models.next_token_loss, tokens, prefetch=1)
-    inside, _ = loop_gathers(per_layer)
-    assert any(d == "f32" for c in inside for d, _ in c.outputs), [c.outputs for c in inside]
-    assert same_bits(grads, grads_per_layer)

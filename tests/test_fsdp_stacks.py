@@ -168,11 +168,11 @@ def temp_bytes(loop: str, layers: int, mesh) -> int:
 
 def test_memory_per_layer_of_an_indexed_stack_is_that_of_lax_scan(devices):
     """Temp memory of the compiled step per added layer (depth 2 -> 6, wide layers and one
-    sequence per device, so the weights dominate), on 8 devices: the fori_loop, Python-loop and
-    LayerDrop forms within 10% of the lax.scan form's (or below it). On 4 devices the fori form
-    is 1.13x the scan form's (docs/limits.md), so the claim is made where it was measured."""
+    sequence per device, so the weights dominate), on 8 devices: the Python-loop and LayerDrop
+    forms within 10% of the lax.scan form's (or below it). The fori_loop form is run as the
+    scan (``core.jaxprs.counted_stacks``), so it is not measured again."""
     mesh = Mesh(np.array(need_devices(8)), ("fsdp",))
-    loops = ("scan", "fori", "python", "cond")
+    loops = ("scan", "python", "cond")
     slope = {loop: (temp_bytes(loop, 6, mesh) - temp_bytes(loop, 2, mesh)) / 4 for loop in loops}
     assert slope["scan"] > 0, slope
     for loop in loops[1:]:

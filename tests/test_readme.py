@@ -51,7 +51,7 @@ def test_the_tree_reader_places_files_under_their_folders():
 
 TEST_COMMANDS = (
     'pip install -e ".[test]" -c constraints/newest.txt && python -m pytest -q -n 2',
-    "MXFP8_TEST_DEVICES=4 python -m pytest -q -n 2 -m multidevice",
+    "MXFP8_TEST_DEVICES=4 python -m pytest -q -n 2 -m device_count",
     'pip install -e ".[test,gpu-compile]" -c constraints/newest.txt && python -m pytest -q -n 2 -m gpu_compile',
     'pip install -e ".[test]" -c constraints/oldest.txt && python -m pytest -q -n 2 -m compat',
 )
