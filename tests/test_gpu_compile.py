@@ -202,6 +202,19 @@ def test_the_command_compiles_a_model_of_ones_own(tmp_path, capsys, monkeypatch)
         assert ("no code for this GPU" in printed) is (not runs)
 
 
+def test_the_builtin_models_say_how_they_run_their_blocks():
+    """``--model transformer-fori`` picks the stacked blocks by a ``fori_loop``'s counter and
+    ``--no-remat`` takes remat off; the description says both."""
+    work = gpu_compile.builtin_workload(
+        "transformer-fori", hidden=256, layers=2, heads=None, mlp=None, vocab=256, seq=64,
+        tokens_per_device=64, devices=DEVICES, remat=False,
+    )  # fmt: skip
+    model = nnx.eval_shape(work.make)
+    assert (model.cfg.layer_loop, model.cfg.remat) == ("fori", False)
+    assert "lax.fori_loop" in work.description and "no remat" in work.description, work.description
+    assert "transformer-fori" in gpu_compile.MODELS
+
+
 def test_bad_targets_are_clear_errors():
     with pytest.raises(gpu_targets.TargetError, match=r"gpu='h900'.*short names"):
         gpu_targets.target_config("h900")
