@@ -229,6 +229,10 @@ EIGHT_ONLY = {
     "test_fsdp_gemm.py": "the MXFP8-GEMM step and its convergence",
     "test_fsdp_frozen.py": "frozen units and LoRA",
     "test_tp.py": "tensor parallelism (tp=2 at either count)",
+    "test_transformer.py": "the package's transformer trained",
+    "test_fsdp_optim.py": "optax transformations by path",
+    "test_fsdp_scan_axes.py": "stacks scanned over other axes",
+    "test_cli.py": "the command line's runs",
 }
 
 
