@@ -221,8 +221,9 @@ COMPAT = {
 
 
 # Multi-device modules CI does not run again on 4 devices (``-m device_count`` leaves them out):
-# whole-model steps whose per-count parts (row padding, shard geometry, collective sizes,
-# resharding) the other modules check at both counts; each of these passes at 4 as well.
+# whole-model steps, and modules whose checks do not follow the device count. The per-count parts
+# (row padding, shard geometry, collective sizes, resharding) are the other modules' to check, at
+# both counts; each of these passes at 4 as well.
 EIGHT_ONLY = {
     "test_fsdp_models.py": "the model styles' steps, bytes and memory",
     "test_fsdp_overlap.py": "the dependency graph of the step's gathers",
