@@ -85,7 +85,8 @@ os.environ["JAX_PLATFORMS"] = f"{PLATFORM},cpu" if GPU_MODE else "cpu"
 # only, rather than reported as skips on every CPU host.
 collect_ignore = [] if GPU_MODE else ["test_gpu.py"]
 # The steps compiled for compile-only GPU meshes (test_gpu_compile.py, -m gpu_compile) need jax's
-# CUDA plugin, which CI installs in a virtual environment of its own; collected where it is.
+# CUDA plugin, which CI adds to the newest leg's environment after that leg's other tests;
+# collected where it is.
 HAS_CUDA_PLUGIN = "cuda" in _installed_gpu_plugins()
 if not HAS_CUDA_PLUGIN:
     collect_ignore.append("test_gpu_compile.py")

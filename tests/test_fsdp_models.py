@@ -38,7 +38,10 @@ from summation import gamma, order_bound
 
 # one xdist group per style: its tests share the compiled steps cached on one worker
 STYLES = [pytest.param(s, marks=pytest.mark.xdist_group(f"style-{s}"), id=s) for s in ms.STYLES]
-LOOPS = [p for p in STYLES if p.values[0] in ("gemma", "einsum", "dropout")]  # an nnx.List run by a Python loop
+LOOPS = [p for p in STYLES if p.values[0] in ("gemma", "einsum")]  # an nnx.List run by a Python loop
+# "dropout" runs its nnx.List by a Python loop too, under remat and at depth as "gemma" does:
+# its own checks are the masks and streams (the costliest style to compile, by far)
+NOT_DROPOUT = [p for p in STYLES if p.values[0] != "dropout"]
 TOKENS = 16  # per device: activations small beside a layer
 SEQ = 16
 SDS = jax.ShapeDtypeStruct
@@ -153,7 +156,7 @@ def test_stacked_plain_parameters_split_within_a_layer(compiled):
 BEYOND_THE_SHARD = 0.4 - 1 / 8
 
 
-@pytest.mark.parametrize("style", STYLES)
+@pytest.mark.parametrize("style", NOT_DROPOUT)
 def test_step_memory_is_flat_in_depth(style, compiled, mesh):
     """Temp memory of the step within what it must hold at each depth: the fp32 gradient shard,
     what the model itself saves and works with (its unsharded step on one device's batch) and
@@ -333,7 +336,7 @@ def assert_grads_close(fsdp, got, want, terms, label):
         assert (np.abs(g - w) <= allowed).all(), (label, k, float(np.abs(g - w).max()), float(allowed.max()))
 
 
-@pytest.mark.parametrize("style", [p for p in STYLES if p.values[0] != "dropout"])
+@pytest.mark.parametrize("style", NOT_DROPOUT)
 def test_gradients_match_the_unsharded_model(style, mesh):
     cfg = ms.StyleConfig(depth=1)  # one block: the plumbing of every op; depth is the other tests'
     model = exact_values(ms.build(style, cfg))
