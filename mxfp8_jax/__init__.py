@@ -20,6 +20,7 @@ from mxfp8_jax._src.kernels.cpu_isa import cpu_isa, cpu_isas, set_cpu_isa, use_c
 from mxfp8_jax._src.numerics.format import BLOCK, ScaleRule, e8m0_to_float32, e8m0_view
 from mxfp8_jax._src.numerics.tensor import (
     MXFP8Tensor,
+    MXFP8Tensor2D,
     PaddedMXFP8Tensor,
     pad_columnwise_scale,
     pad_rowwise_scale,
@@ -46,6 +47,7 @@ __all__ = [
     "GlobalLayout",
     "GpuFallbackWarning",
     "MXFP8Tensor",
+    "MXFP8Tensor2D",
     "PaddedMXFP8Tensor",
     "Partial",
     "QuantizedDBuffer",

@@ -96,3 +96,13 @@ def mxfp8_weights(w, rule: str = "rceil"):
         dequantize_rowwise(p["rowwise_data"], p["rowwise_scale"]),
         dequantize_columnwise(p["columnwise_data"], p["columnwise_scale"]),
     )
+
+
+def quantize_tiles(x, rule: str = "rceil"):
+    """x [M, K] (both multiples of 32) -> (codes uint8 [M, K], scales uint8 [M/32, K/32]): one
+    scale per 32x32 tile, each tile quantized as one block of 1024 elements."""
+    x = np.asarray(x)
+    m, k = x.shape
+    tiles = x.reshape(m // 32, 32, k // 32, 32).transpose(0, 2, 1, 3).reshape(m // 32, k // 32, 1024)
+    q, s = quantize_blocks(tiles, rule)
+    return q.reshape(m // 32, k // 32, 32, 32).transpose(0, 2, 1, 3).reshape(m, k), s

@@ -286,3 +286,24 @@ def quantize_columnwise(x2d: jax.Array, rule: ScaleRule) -> tuple[jax.Array, jax
     scale = e8m0_scale(jnp.max(abs_bits(bits), axis=1), rule)
     data = e4m3_scaled(bits, scale[:, None, :]).reshape(m, k)
     return data, scale
+
+
+# ------------------------------------------------------------------------------------------------
+# 2-D blocks: one scale per 32x32 tile
+
+
+def quantize_tiles(x2d: jax.Array, rule: ScaleRule) -> tuple[jax.Array, jax.Array]:
+    """[M, K] -> (data float8_e4m3fn [M, K], scale uint8 [M/32, K/32]): one scale per 32x32
+    tile, the scale rule applied to the tile's amax, every element cast with its tile's scale
+    (the 1x32 rules with the block grown to the tile)."""
+    m, k = x2d.shape
+    bits = f32_bits(x2d).reshape(m // BLOCK, BLOCK, k // BLOCK, BLOCK)
+    scale = e8m0_scale(jnp.max(abs_bits(bits), axis=(1, 3)), rule)
+    data = e4m3_scaled(bits, scale[:, None, :, None]).reshape(m, k)
+    return data, scale
+
+
+def tile_scales(scale: jax.Array, *, columnwise: bool) -> jax.Array:
+    """A tile plane's scales ``[M/32, K/32]`` as a 1x32 plane's: each tile's byte for its 32
+    rows (rowwise ``[M, K/32]``) or its 32 columns (columnwise ``[M/32, K]``)."""
+    return jnp.repeat(scale, BLOCK, axis=1 if columnwise else 0)

@@ -1,4 +1,5 @@
-"""The MXFP8Tensor pytree, plane updates, and TE's physical scale padding/swizzle (docs/design.md §2).
+"""The MXFP8Tensor pytree, plane updates, and TE's physical scale padding/swizzle (docs/design.md
+§2); MXFP8Tensor2D, one plane of 32x32 blocks serving both directions.
 
 Planes (each possibly ``None``):
 
@@ -185,6 +186,84 @@ class MXFP8Tensor:
             columnwise_scale=col,
             shape=tuple(self.shape),
         )
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class MXFP8Tensor2D:
+    """An MXFP8 tensor with 2-D blocks: one plane of E4M3 data and one E8M0 scale per 32x32
+    tile of its 2-D view ``[M, K]`` (``M = prod(shape[:-1])``, ``K = shape[-1]``, both
+    multiples of 32).
+
+    A tile's scale serves both GEMM directions, so one plane does: the rowwise view (1x32
+    blocks along K) and the columnwise view (32x1 blocks along M) are this data with the tile's
+    byte repeated over its 32 rows or 32 columns (``view``). Both views dequantize to the same
+    values.
+
+    Invariants (checked by ``validate``): data ``float8_e4m3fn [M, K]``, scale ``uint8
+    [M/32, K/32]``.
+    """
+
+    data: jax.Array
+    scale: jax.Array
+    shape: tuple[int, ...] = dataclasses.field(metadata=dict(static=True))
+    dtype: Any = dataclasses.field(default=jnp.bfloat16, metadata=dict(static=True))
+
+    @property
+    def matrix_shape(self) -> tuple[int, int]:
+        """The 2-D view ``(M, K)`` that the plane uses."""
+        return math.prod(self.shape[:-1]), self.shape[-1]
+
+    def validate(self) -> MXFP8Tensor2D:
+        """Checks the class invariants; returns self. Works on tracers (shapes are static).
+
+        Returns:
+          ``self``, unchanged; a broken invariant raises ValueError.
+        """
+        m, k = self.matrix_shape
+        if m % BLOCK or k % BLOCK:
+            raise ValueError(f"shape {tuple(self.shape)}: a 32x32-block tensor needs M={m} and K={k} multiples of 32")
+        if tuple(self.data.shape) != (m, k) or jnp.dtype(self.data.dtype) != jnp.float8_e4m3fn:
+            got = f"{jnp.dtype(self.data.dtype)}{tuple(self.data.shape)}"
+            raise ValueError(f"data must be float8_e4m3fn of shape {(m, k)}, got {got}")
+        sshape = (m // BLOCK, k // BLOCK)
+        if tuple(self.scale.shape) != sshape or jnp.dtype(self.scale.dtype) != jnp.uint8:
+            raise ValueError(
+                f"scale must be uint8 of shape {sshape}, got {jnp.dtype(self.scale.dtype)}{tuple(self.scale.shape)}"
+            )
+        return self
+
+    def view(self, *, rowwise: bool = True, columnwise: bool = True) -> MXFP8Tensor:
+        """The 1x32 tensor with these values: the plane as the rowwise and/or columnwise data,
+        each with the tile scales repeated to that plane's shape.
+
+        Args:
+          rowwise: include the rowwise view (blocks of 32 along K).
+          columnwise: include the columnwise view (blocks of 32 along M).
+
+        Returns:
+          An ``MXFP8Tensor`` of the same ``shape`` and ``dtype`` holding the chosen planes (the
+          data array shared by both); at least one must be chosen (ValueError otherwise).
+        """
+        self.validate()
+        if not (rowwise or columnwise):
+            raise ValueError("at least one of rowwise=True or columnwise=True is required")
+        row = (self.data, fmt.tile_scales(self.scale, columnwise=False)) if rowwise else (None, None)
+        col = (self.data, fmt.tile_scales(self.scale, columnwise=True)) if columnwise else (None, None)
+        return MXFP8Tensor(*row, *col, shape=tuple(self.shape), dtype=self.dtype)
+
+    def dequantize(self, *, dtype: DTypeLike | None = None) -> jax.Array:
+        """``fp32(q) * 2^(byte - 127)`` of the plane with its tile's byte, as ``dtype``, in the
+        logical ``shape`` (exact in fp32; bf16 rounded to nearest even; not differentiable).
+
+        Args:
+          dtype: a floating-point output type (TypeError otherwise); ``None`` gives
+            ``self.dtype``.
+
+        Returns:
+          An array of ``dtype`` and shape ``self.shape``.
+        """
+        return self.view(columnwise=False).dequantize(dtype=dtype)
 
 
 def _dequantize(data, scale, *, axis: int, dtype):

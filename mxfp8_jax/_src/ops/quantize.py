@@ -15,7 +15,13 @@ from mxfp8_jax._src.core.tracing import is_traced
 from mxfp8_jax._src.kernels import backend as backends
 from mxfp8_jax._src.kernels import ffi_calls
 from mxfp8_jax._src.numerics import format as fmt
-from mxfp8_jax._src.numerics.tensor import MXFP8Tensor, carries_tangent, not_differentiable, zero_tangent
+from mxfp8_jax._src.numerics.tensor import (
+    MXFP8Tensor,
+    MXFP8Tensor2D,
+    carries_tangent,
+    not_differentiable,
+    zero_tangent,
+)
 
 INPUT_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
 
@@ -43,6 +49,9 @@ def check_input(x, *, rowwise: bool, columnwise: bool, argname: str = "x") -> tu
     return m, k
 
 
+BLOCKS = ("1x32", "32x32")
+
+
 def quantize(
     x: jax.Array,
     *,
@@ -50,7 +59,8 @@ def quantize(
     columnwise: bool = True,
     scale_rule: str = "rceil",
     backend: str = "auto",
-) -> MXFP8Tensor:
+    blocks: str = "1x32",
+) -> MXFP8Tensor | MXFP8Tensor2D:
     """Quantizes ``x`` to MXFP8.
 
     Rowwise blocks run along the last axis, columnwise blocks along the rows of the 2-D view
@@ -65,10 +75,14 @@ def quantize(
       scale_rule: ``"rceil"`` (TE, cuBLAS, MAX) or ``"floor"`` (OCP MX v1.0).
       backend: ``"auto"`` (the kernel where the lowering platform has one), ``"ffi"`` (the
         kernel or an error) or ``"jax"`` (the pure-JAX reference; the same bytes).
+      blocks: ``"1x32"`` (the planes above) or ``"32x32"``: one plane with one scale per 32x32
+        tile of ``[M, K]`` (both multiples of 32), which serves both directions
+        (``MXFP8Tensor2D``; ``rowwise``/``columnwise`` do not apply). The 32x32 quantize has
+        no kernel yet: ``"auto"`` runs the reference, ``"ffi"`` raises.
 
     Returns:
       An ``MXFP8Tensor`` holding the requested planes (the others ``None``); its ``shape`` and
-      ``dtype`` record ``x``'s.
+      ``dtype`` record ``x``'s. With ``blocks="32x32"``, an ``MXFP8Tensor2D``.
 
     Example::
 
@@ -82,6 +96,10 @@ def quantize(
     """
     # checked as given: jnp.asarray would turn a float64 array into float32 silently
     x = x if hasattr(x, "dtype") else jnp.asarray(x)
+    if blocks not in BLOCKS:
+        raise ValueError(f"blocks={blocks!r} is not a known MXFP8 block shape; use one of {list(BLOCKS)}")
+    if blocks == "32x32":
+        return _quantize_tiles(x, rowwise, columnwise, scale_rule, backend)
     m, k = check_input(x, rowwise=rowwise, columnwise=columnwise)
     x = jnp.asarray(x)
     rule = fmt.ScaleRule.parse(scale_rule)
@@ -94,6 +112,46 @@ def quantize(
     return MXFP8Tensor(
         rowwise_data=rq, rowwise_scale=rs, columnwise_data=cq, columnwise_scale=cs, shape=tuple(x.shape), dtype=x.dtype
     )
+
+
+def _quantize_tiles(x, rowwise: bool, columnwise: bool, scale_rule: str, backend: str) -> MXFP8Tensor2D:
+    """``quantize(x, blocks="32x32")``, checked: the reference (no kernel yet)."""
+    if not (rowwise and columnwise):
+        raise ValueError(
+            "blocks='32x32' makes one plane that serves both directions: rowwise and columnwise do not apply "
+            "(take one direction with MXFP8Tensor2D.view(rowwise=..., columnwise=...))"
+        )
+    m, k = check_input(x, rowwise=True, columnwise=True)
+    rule = fmt.ScaleRule.parse(scale_rule)
+    backends.check(backend)
+    if backend == "ffi":
+        raise ValueError(
+            "backend='ffi': the 32x32-block quantize has no kernel in this version; use backend='auto' or 'jax' "
+            "(the reference)"
+        )
+    fn = _tiles if is_traced(x) else _tiles_jit
+    data, scale = fn(jnp.asarray(x).reshape(m, k), rule=rule)
+    return MXFP8Tensor2D(data=data, scale=scale, shape=tuple(x.shape), dtype=x.dtype)
+
+
+def _tiles(x2d, *, rule: fmt.ScaleRule):
+    return _tiles_no_grad(x2d, rule)
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(1,))
+def _tiles_no_grad(x2d, rule: fmt.ScaleRule):
+    return fmt.quantize_tiles(x2d, rule)
+
+
+@functools.partial(_tiles_no_grad.defjvp, symbolic_zeros=True)
+def _tiles_jvp(rule, primals, tangents):
+    if carries_tangent(tangents[0]):
+        raise not_differentiable("mx.quantize")
+    out = _tiles_no_grad(*primals, rule)
+    return out, jax.tree.map(zero_tangent, out)
+
+
+_tiles_jit = jax.jit(_tiles, static_argnames=("rule",))
 
 
 def _planes(x2d, *, rowwise: bool, columnwise: bool, rule: fmt.ScaleRule, backend: str):
@@ -127,7 +185,9 @@ def _planes_jvp(rowwise, columnwise, rule, backend, primals, tangents):
 _planes_jit = jax.jit(_planes, static_argnames=("rowwise", "columnwise", "rule", "backend"))
 
 
-def dequantize(t: MXFP8Tensor, *, columnwise: bool = False, dtype: DTypeLike | None = None) -> jax.Array:
+def dequantize(
+    t: MXFP8Tensor | MXFP8Tensor2D, *, columnwise: bool = False, dtype: DTypeLike | None = None
+) -> jax.Array:
     """``fp32(q) * 2^(byte - 127)`` of the rowwise (default) or columnwise plane, as ``dtype``.
 
     Exact in fp32 (subnormal results included); bf16 output is rounded to nearest even. Not
@@ -136,14 +196,17 @@ def dequantize(t: MXFP8Tensor, *, columnwise: bool = False, dtype: DTypeLike | N
 
     Args:
       t: an ``MXFP8Tensor`` satisfying ``MXFP8Tensor.validate`` (E4M3 data, uint8 scales of the
-        planes' shapes).
-      columnwise: dequantize the columnwise plane instead of the rowwise one.
+        planes' shapes), or an ``MXFP8Tensor2D`` (whose one plane both directions read).
+      columnwise: dequantize the columnwise plane instead of the rowwise one (the same values
+        for an ``MXFP8Tensor2D``).
       dtype: a floating-point output type; ``None`` (default) gives ``t.dtype``, the dtype of
         the array ``t`` was quantized from.
 
     Returns:
       A ``[*t.shape]`` array of ``dtype``.
     """
+    if isinstance(t, MXFP8Tensor2D):
+        return t.dequantize(dtype=dtype)
     if not isinstance(t, MXFP8Tensor):
-        raise TypeError(f"t must be an MXFP8Tensor, got {type(t).__name__}")
+        raise TypeError(f"t must be an MXFP8Tensor or MXFP8Tensor2D, got {type(t).__name__}")
     return t.dequantize(columnwise=columnwise, dtype=dtype)

@@ -34,7 +34,7 @@ from jax.typing import DTypeLike
 
 from mxfp8_jax._src.numerics import format as fmt
 from mxfp8_jax._src.numerics.format import BLOCK
-from mxfp8_jax._src.numerics.tensor import MXFP8Tensor
+from mxfp8_jax._src.numerics.tensor import MXFP8Tensor, MXFP8Tensor2D
 
 
 def _te_quantize():
@@ -73,6 +73,12 @@ def to_te(t: MXFP8Tensor, *, dq_dtype: DTypeLike | None = None, flatten: bool = 
     The data arrays are reshaped views of ``t``'s planes and the scales are the same bytes as
     ``float8_e8m0fnu``, compact (see the module docstring); nothing is copied or padded.
     """
+    if isinstance(t, MXFP8Tensor2D):
+        raise TypeError(
+            "t is an MXFP8Tensor2D (32x32 blocks): Transformer Engine's 2-D block recipe exists for PyTorch "
+            "only, and its JAX API has no 32x32 MXFP8 scaling mode. to_te(t.view()) gives TE the same values "
+            "as a 1x32 tensor (each tile's scale repeated over its rows and columns)"
+        )
     if not isinstance(t, MXFP8Tensor):
         raise TypeError(f"t must be an MXFP8Tensor, got {type(t).__name__}")
     t.validate()
