@@ -8,7 +8,8 @@ of them. With ``prefetch=0`` every gather waits for the input of the op that rea
 can overlap a GEMM; with ``prefetch=1`` every forward gather but the first layer's can, in a
 Python loop over ``nnx.Linear`` blocks and in the package's scanned transformer. The two
 programs compute the same loss and gradients bit for bit, and the early gathers cost at most
-one layer's gathered weights of temp memory.
+one layer's gathered weights of temp memory. In the Python loop's backward, each op's gathers
+run beside the GEMMs of the op after it (``fsdp_unit.Handoff``).
 """
 
 from __future__ import annotations
@@ -90,6 +91,11 @@ def forward_gathers(step) -> list[hlo.GatherOverlap]:
     return [g for g in hlo.gather_overlaps(step.as_text()) if "u8" in g.dtypes and g.before and not g.backward]
 
 
+def backward_gathers(step) -> list[hlo.GatherOverlap]:
+    """The 8-bit gathers of the backward (jax's ``transpose`` names them)."""
+    return [g for g in hlo.gather_overlaps(step.as_text()) if "u8" in g.dtypes and g.backward]
+
+
 def same_bits(a, b) -> bool:
     la, lb = jax.tree.leaves(a), jax.tree.leaves(b)
     return len(la) == len(lb) and all(np.array_equal(np.asarray(x), np.asarray(y)) for x, y in zip(la, lb))
@@ -112,6 +118,12 @@ def test_a_python_loop_gathers_each_layer_while_the_layer_before_computes(mesh):
     assert all(g.overlap == 0 for g in waiting), waiting
     overlapped = [g for g in early if g.overlap >= 1]
     assert len(overlapped) == len(early) - 2, early  # all but the first block's down: its own input
+    # the backward: each op's gathers run beside the GEMMs of the op after it (the handoff),
+    # where without prefetch each waits for its own op's cotangent
+    waiting, early = backward_gathers(step0), backward_gathers(step1)
+    assert len(waiting) == len(early) >= 2 * (2 * BLOCKS - 1), (waiting, early)
+    assert all(g.overlap == 0 for g in waiting), waiting
+    assert all(g.overlap >= 1 for g in early), early
     assert same_bits(grads0, grads1)
     temp0 = step0.memory_analysis().temp_size_in_bytes
     temp1 = step1.memory_analysis().temp_size_in_bytes

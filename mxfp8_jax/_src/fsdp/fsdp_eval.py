@@ -124,6 +124,7 @@ class _Evaluator(Traversal):
         self.layers: dict = {}  # region -> {layer: its input, in order of first use}
         self.fetching: fsdp_fetch.Fetching | None = None  # a scan iteration's weight gathered the iteration before
         self.recomputing = False  # evaluating a fetching scan's body: its remat region inlined (``fsdp_fetch``)
+        self.handing: tuple | None = None  # the last linked unit GEMM: (its handoff value, unit, op)
 
     def literal(self, lit) -> tuple:
         return lit.val, None
@@ -208,12 +209,12 @@ class _Evaluator(Traversal):
         )
         var = eqn.invars[1 - position]
         given = self.operands.get(var) if isinstance(var, jcore.Var) else None
-        unit_ndim = eqn.invars[position].aval.ndim
         token = lambda act, act_spec: self.token(unit, act, act_spec)
-        fetched = None
-        if self.fetching is not None and unit.sliced and not unit.pick and not self.branches:
-            fetched = self.fetching.take(unit, op, eqn.invars[1 - position])
-        out, spec = gemm_island(self.islands, op, act, specs[1 - position], unit, unit_ndim, given, token, fetched)
+        take = self.fetching is not None and unit.sliced and not unit.pick and not self.branches
+        fetched = self.fetching.take(unit, op, var) if take else None
+        args = (op, act, specs[1 - position], unit, eqn.invars[position].aval.ndim, given, token, fetched)
+        out, spec, handing = gemm_island(self.islands, *args, *fsdp_fetch.handoff(self, op))
+        self.handing = None if handing is None else (handing, unit, op)
         if fetched is not None:
             self.fetching.read(out, spec)
         return [(out, spec)]

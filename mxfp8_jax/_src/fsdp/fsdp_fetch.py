@@ -28,7 +28,7 @@ from mxfp8_jax._src.core import jaxprs
 from mxfp8_jax._src.fsdp import fsdp_specs
 from mxfp8_jax._src.fsdp.fsdp_islands import fetch_island
 from mxfp8_jax._src.fsdp.fsdp_trace import RETYPE_PRIMITIVES
-from mxfp8_jax._src.fsdp.fsdp_unit import UnitOp
+from mxfp8_jax._src.fsdp.fsdp_unit import NO_HANDOFF, Handoff, UnitOp
 from mxfp8_jax._src.fsdp.fsdp_values import UnitValue
 from mxfp8_jax._src.fsdp.fsdp_walk import Scan
 
@@ -168,6 +168,28 @@ def fetching_scan(ev, step, flat_consts, carry, xs_in, parts, first):
 
     scanned.defvjp(scanned_fwd, scanned_bwd)
     return scanned(list(flat_consts), list(carry), list(xs_in))
+
+
+def handoff(ev, op: UnitOp) -> tuple:
+    """A unit GEMM's part in the backward's handoff (``fsdp_unit.Handoff``), the backward's
+    prefetch for the layers a Python loop runs: under ``prefetch``, the unit GEMMs evaluated at
+    the top of the loss (not in a loop body, region or branch: each another trace) are linked
+    in program order, so that each one's backward gathers the weight of the one before (in the
+    forward). ``(handoff, handed, before)``: its ``Handoff``, the handoff value of the op before
+    and that op's unit (the evaluator's ``handing``: the last op's, None where it gave none)."""
+    linked = (
+        ev.islands.prefetch > 0
+        and ev.region == 0
+        and ev.fetching is None
+        and not ev.branches
+        and not (op.gemm.mxfp8 is not None and op.geometry.precision == "mxfp8")
+    )
+    if not linked:  # the chain breaks here: this op gives no handoff for the next to take
+        return NO_HANDOFF, None, None
+    if ev.handing is None:
+        return Handoff(gives=True), None, None
+    handed, before, takes = ev.handing
+    return Handoff(gives=True, takes=takes), handed, before
 
 
 class Found(Exception):

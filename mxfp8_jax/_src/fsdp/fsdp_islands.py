@@ -29,7 +29,7 @@ from jax.sharding import PartitionSpec
 from mxfp8_jax._src.core.jaxprs import bind
 from mxfp8_jax._src.fsdp import fsdp_specs
 from mxfp8_jax._src.fsdp.fsdp_specs import Spec, entries_of, partition
-from mxfp8_jax._src.fsdp.fsdp_unit import OWN, UnitOp, after, fetch, unit_gemm, unit_lookup
+from mxfp8_jax._src.fsdp.fsdp_unit import NO_HANDOFF, OWN, Handoff, UnitOp, after, fetch, unit_gemm, unit_lookup
 from mxfp8_jax._src.fsdp.fsdp_values import Islands, PlainValue, UnitValue
 from mxfp8_jax._src.ops import mxfp8_gemm
 
@@ -48,13 +48,18 @@ def gemm_island(
     given,
     token: Token,
     fetched=None,
+    handoff: Handoff = NO_HANDOFF,
+    handed=None,
+    before: UnitValue | None = None,
 ):
     """The unit GEMM on each device's part of ``act``: the activation split along the free
     axes the batch split reaches (else along its first free axis the islands' devices
     divide), the result split the same way. ``given``: ``act``'s MXFP8 planes and their spec
     where it is a ``gemm_operand`` (else None); ``token``: what the unit's gathers wait for;
     ``fetched``: the weight ``fetch_island`` gathered for it earlier (it then gathers none).
-    Returns the result and its spec."""
+    ``handoff``: its part in the backward's handoff (``fsdp_unit.Handoff``), ``handed`` the
+    handoff value of the op before and ``before`` that op's unit. Returns the result and its
+    spec, and with ``handoff.gives`` the op's handoff value (each device's own) too."""
     (lc, rc), (lb, rb) = op.params["dimension_numbers"]
     contract, batch = (rc, rb) if op.position == 0 else (lc, lb)
     free = [d for d in range(act.ndim) if d not in contract and d not in batch]
@@ -76,16 +81,29 @@ def gemm_island(
     wait, token, token_spec = token(act, act_spec)
     op = dataclasses.replace(op, early=wait == "none")
 
-    def body(a, shards, given_arrays, pick, token, fetched):
+    def body(a, shards, given_arrays, pick, token, fetched, handed, before):
         g = None if given_meta is None else given_meta(given_arrays)
-        return unit_gemm(op, a, shards, g, pick, {"own": OWN, "none": None}.get(wait, token), _fetched(fetched))
+        before = None if before is None else (before[0], tuple(before[1]))
+        wait_for = {"own": OWN, "none": None}.get(wait, token)
+        return unit_gemm(op, a, shards, g, pick, wait_for, _fetched(fetched), handoff, _fetched(handed), before)
 
     pick_specs = (PartitionSpec(),) * len(unit.pick)
     fetched = () if fetched is None else fetched
     fetched_specs = jax.tree.map(lambda _: PartitionSpec(), fetched)
+    handed = () if handed is None else handed
+    # a handoff is each device's own whole copy (a leading axis split over the devices): a
+    # replicated one would have its cotangent summed over them
+    each = PartitionSpec(islands.entry)
+    handed_specs = jax.tree.map(lambda _: each, handed)
+    before_args = None if before is None else (before.shards, before.pick)
+    before_specs = None if before is None else (before.shard_specs(), (PartitionSpec(),) * len(before.pick))
     specs = (act_spec, unit.shard_specs(), given_specs, pick_specs, token_spec, fetched_specs)
-    fn = islands.island(body, specs, out_spec)
-    return fn(act, unit.shards, arrays, unit.pick, token, fetched), fsdp_specs.nonempty(tuple(out))
+    specs = (*specs, handed_specs, before_specs)
+    result_spec = (out_spec, each) if handoff.gives else out_spec
+    fn = islands.island(body, specs, result_spec)
+    result = fn(act, unit.shards, arrays, unit.pick, token, fetched, handed, before_args)
+    spec = fsdp_specs.nonempty(tuple(out))
+    return (result[0], spec, result[1]) if handoff.gives else (result, spec, None)
 
 
 def _fetched(fetched):

@@ -54,6 +54,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.custom_derivatives import CustomVJPPrimal, SymbolicZero
 
 from mxfp8_jax._src.core import spmd
 from mxfp8_jax._src.fsdp.fsdp_dots import backward_dots, forward_dot
@@ -116,9 +117,38 @@ class UnitOp:
 OWN = "own"  # a gather waits for the op's own input (``unit_gemm``'s ``token``)
 
 
+@dataclasses.dataclass(frozen=True, eq=False)
+class Handoff:
+    """An op's part in the backward's handoff: the unit GEMMs of a Python loop's layers, linked
+    in program order (``fsdp_eval``), each gather their predecessor's backward weight.
+
+    ``gives``: the op also returns a zero ``handoff`` value, shaped as its gathered backward
+    weight (float bits of its planes); where the next op reads it, its cotangent IS that weight,
+    which the op's backward then takes instead of gathering (a symbolic zero cotangent, where
+    nothing read it: it gathers its own). ``takes``: the op before (its ``UnitOp``), whose
+    backward weight this op's backward gathers, once its own cotangent exists, and returns as
+    the cotangent of the handoff it read. So an op's backward gather runs beside the GEMMs of
+    the op after it in the forward (before it in the backward), as FSDP's backward prefetch."""
+
+    gives: bool = False
+    takes: UnitOp | None = None
+
+
+NO_HANDOFF = Handoff()
+
+
 def unit_gemm(
-    op: UnitOp, act: jax.Array, shards: UnitShards, given=None, pick: tuple = (), token=OWN, fetched=None
-) -> jax.Array:
+    op: UnitOp,
+    act: jax.Array,
+    shards: UnitShards,
+    given=None,
+    pick: tuple = (),
+    token=OWN,
+    fetched=None,
+    handoff: Handoff = NO_HANDOFF,
+    handed=None,
+    before=None,
+):
     """The ``dot_general`` of ``op`` with the unit as one operand and ``act`` the other, run on
     this device's ``shards`` (its master rows and planes): one ``custom_vjp``. ``given``: the
     MXFP8 planes of ``act`` when it is one (``mxfp8_gemm.GivenOperand``), used by MXFP8 GEMMs
@@ -128,9 +158,14 @@ def unit_gemm(
     input of an earlier layer: the gather runs while the layers between compute), or None
     (nothing: inside a loop, the gather of the iteration's own slice). ``fetched``: the weight
     as ``fetch`` gathered it earlier (a loop's next layer, gathered in the iteration before),
-    used instead of a gather of its own."""
+    used instead of a gather of its own. ``handoff`` (``Handoff``): ``handed``, the value the op
+    before returned, and ``before``, that op's ``(shards, pick)``; with ``handoff.gives`` the
+    result is ``(y, handoff value)``."""
     pick = tuple(jnp.asarray(i, jnp.int32) for i in pick)
     token = act if token is OWN else token
+    if handoff.gives or handoff.takes is not None:
+        before = None if before is None else (lax.stop_gradient(before[0].master), before[0].planes, before[1])
+        return _handed_gemm(op, handoff, act, shards.master, shards.planes, pick, token, fetched, handed, before)
     if op.gemm.mxfp8 is not None and op.geometry.precision == "mxfp8":
         canon = _Canonical.of(op, act)
         if given is not None and not canon.takes(given, act):
@@ -215,6 +250,85 @@ def _gemm_bwd(op: UnitOp, residuals, dy):
 
 
 _gemm.defvjp(_gemm_fwd, _gemm_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _handed_gemm(op: UnitOp, handoff: Handoff, act, master, planes, pick, token, fetched, handed, before):
+    """``_gemm`` in the handoff (``Handoff``): the same forward and gradients, its backward
+    weight handed over by the op after it, the op before's gathered for it."""
+    y = _gemm(op, act, master, planes, pick, token, fetched)
+    return (y, _zero_handoff(op, master, planes, pick)) if handoff.gives else y
+
+
+def _handed_gemm_fwd(op: UnitOp, handoff: Handoff, *args):
+    act, master, planes, pick, token, fetched, handed, before = jax.tree.map(
+        lambda a: a.value, args, is_leaf=lambda a: isinstance(a, CustomVJPPrimal)
+    )
+    out = _handed_gemm(op, handoff, act, master, planes, pick, token, fetched, handed, before)
+    return out, (act, _local(op, master, planes, backward=True), pick, before)
+
+
+def _handed_gemm_bwd(op: UnitOp, handoff: Handoff, residuals, cts):
+    act, local, pick, before = residuals
+    dy, given = cts if handoff.gives else (cts, None)
+    if isinstance(dy, SymbolicZero):
+        dy = jnp.zeros(dy.shape, dy.dtype)
+    zero = lambda a: isinstance(a, SymbolicZero)
+    if given is None or any(zero(a) for a in jax.tree.leaves(given, is_leaf=zero)):  # not read: gather
+        local = jax.tree.map(lambda p: pick_layer(p, pick), local)
+        given = _gather(op.geometry, after(local, dy))
+    else:
+        given = _decoded(op, local, pick, given)
+    v = op.value(widened(op.geometry, given, columnwise=not op.transposed))
+    d_act, d_v = backward_dots(op, act, v, dy)
+    d_master = _unpick(op, _to_local_grad(op, d_v), pick)
+    d_handed = None
+    if handoff.takes is not None:  # the op before's backward weight, once this cotangent exists
+        master, planes, before_pick = before
+        prev = handoff.takes
+        prev_local = jax.tree.map(lambda p: pick_layer(p, before_pick), _local(prev, master, planes, backward=True))
+        d_handed = _encoded(_gather(prev.geometry, after(prev_local, dy)))
+    return d_act.astype(act.dtype), d_master, None, None, None, None, d_handed, None
+
+
+_handed_gemm.defvjp(_handed_gemm_fwd, _handed_gemm_bwd, symbolic_zeros=True)
+
+
+def _gathered_shapes(op: UnitOp, master, planes, pick):
+    """The shapes and dtypes of the op's gathered backward weight (``_gather``'s result)."""
+    local = jax.tree.map(lambda p: pick_layer(p, pick), _local(op, master, planes, backward=True))
+    return jax.eval_shape(lambda l: _gather(op.geometry, l), local)
+
+
+def _zero_handoff(op: UnitOp, master, planes, pick):
+    """The handoff value an op returns: zeros shaped as its encoded gathered backward weight,
+    with a leading axis of 1 (the device's own copy)."""
+    shapes = _gathered_shapes(op, master, planes, pick)
+    return jax.tree.map(lambda a: jnp.zeros((1, *a.shape), _carrier(a.dtype)), shapes)
+
+
+def _carrier(dtype):
+    """The floating dtype of the same width that carries ``dtype``'s bits as a cotangent (an
+    integer cotangent would be float0: no data)."""
+    dtype = jnp.dtype(dtype)
+    return jnp.dtype(jnp.float8_e4m3fn) if dtype == jnp.uint8 else dtype
+
+
+def _encoded(gathered):
+    """Gathered planes (or bf16 weight) as the handoff's cotangent: the same bits, floats."""
+    return jax.tree.map(
+        lambda a: (lax.bitcast_convert_type(a, _carrier(a.dtype)) if _carrier(a.dtype) != a.dtype else a)[None],
+        gathered,
+    )
+
+
+def _decoded(op: UnitOp, local, pick, handed):
+    """``_encoded``'s inverse: the handed cotangent as ``_gather`` gives it."""
+    local = jax.tree.map(lambda p: pick_layer(p, pick), local)
+    shapes = jax.eval_shape(lambda l: _gather(op.geometry, l), local)
+    return jax.tree.map(
+        lambda a, s: lax.bitcast_convert_type(a[0], s.dtype) if a.dtype != s.dtype else a[0], handed, shapes
+    )
 
 
 # ------------------------------------------------------------------------------------------------
