@@ -107,7 +107,7 @@ def test_both_views_hold_the_tile_values():
 @pytest.mark.parametrize(
     ("shape", "kwargs", "match"),
     [
-        ((48, 64), {}, "M=48 .* multiple of 32"),
+        ((48, 64), {}, "M=48 .* multiple of 32 for 32x32 blocks"),
         ((64, 48), {}, "K=48 .* multiple of 32"),
         ((64, 64), {"rowwise": False}, "one plane that serves both directions"),
         ((64, 64), {"backend": "ffi"}, "no kernel"),

@@ -242,11 +242,21 @@ def _gemm_fwd(op: UnitOp, act, master, planes, pick, token, fetched):
 
 def _gemm_bwd(op: UnitOp, residuals, dy):
     act, local, pick = residuals
+    return *_gemm_grads(op, act, pick, dy, *_backward_bytes(op, local, pick, dy)), None, None, None, None
+
+
+def _backward_bytes(op: UnitOp, local, pick, dy):
+    """The op's own gather for its backward: ``(gathered bytes, what widening them waits for)``."""
     local = jax.tree.map(lambda p: pick_layer(p, pick), local)
     local = after(local, None if op.early else dy)  # the gather waits for the gradient that needs it
-    v = op.value(gathered(op.geometry, local, columnwise=not op.transposed, ready=dy if op.early else None))
+    return _gather(op.geometry, local), (dy if op.early else None)
+
+
+def _gemm_grads(op: UnitOp, act, pick, dy, gathered_bytes, ready):
+    """``(d act, d master rows)`` of ``_gemm`` from its gathered backward weight."""
+    v = op.value(widened(op.geometry, gathered_bytes, columnwise=not op.transposed, ready=ready))
     d_act, d_v = backward_dots(op, act, v, dy)
-    return d_act.astype(act.dtype), _unpick(op, _to_local_grad(op, d_v), pick), None, None, None, None
+    return d_act.astype(act.dtype), _unpick(op, _to_local_grad(op, d_v), pick)
 
 
 _gemm.defvjp(_gemm_fwd, _gemm_bwd)
@@ -275,35 +285,34 @@ def _handed_gemm_bwd(op: UnitOp, handoff: Handoff, residuals, cts):
         dy = jnp.zeros(dy.shape, dy.dtype)
     zero = lambda a: isinstance(a, SymbolicZero)
     if given is None or any(zero(a) for a in jax.tree.leaves(given, is_leaf=zero)):  # not read: gather
-        local = jax.tree.map(lambda p: pick_layer(p, pick), local)
-        given = _gather(op.geometry, after(local, dy))
+        bytes_ready = _backward_bytes(op, local, pick, dy)
     else:
-        given = _decoded(op, local, pick, given)
-    v = op.value(widened(op.geometry, given, columnwise=not op.transposed))
-    d_act, d_v = backward_dots(op, act, v, dy)
-    d_master = _unpick(op, _to_local_grad(op, d_v), pick)
+        # handed early as 8-bit planes: widened only once this op's own cotangent exists
+        shapes = _gathered_shapes(op, local, pick)
+        bytes_ready = jax.tree.map(lambda a, s: lax.bitcast_convert_type(a[0], s.dtype), given, shapes), dy
+    d_act, d_master = _gemm_grads(op, act, pick, dy, *bytes_ready)
     d_handed = None
     if handoff.takes is not None:  # the op before's backward weight, once this cotangent exists
         master, planes, before_pick = before
-        prev = handoff.takes
-        prev_local = jax.tree.map(lambda p: pick_layer(p, before_pick), _local(prev, master, planes, backward=True))
-        d_handed = _encoded(_gather(prev.geometry, after(prev_local, dy)))
-    return d_act.astype(act.dtype), d_master, None, None, None, None, d_handed, None
+        prev_local = _local(handoff.takes, master, planes, backward=True, pick=before_pick)
+        d_handed = _encoded(_gather(handoff.takes.geometry, after(prev_local, dy)))
+    return d_act, d_master, None, None, None, None, d_handed, None
 
 
 _handed_gemm.defvjp(_handed_gemm_fwd, _handed_gemm_bwd, symbolic_zeros=True)
 
 
-def _gathered_shapes(op: UnitOp, master, planes, pick):
-    """The shapes and dtypes of the op's gathered backward weight (``_gather``'s result)."""
-    local = jax.tree.map(lambda p: pick_layer(p, pick), _local(op, master, planes, backward=True))
+def _gathered_shapes(op: UnitOp, local, pick):
+    """The shapes and dtypes of the op's gathered backward weight (``_gather``'s result) from
+    its local backward shards ``local`` (stacked where ``pick`` picks a layer)."""
+    local = jax.tree.map(lambda p: pick_layer(p, pick), local)
     return jax.eval_shape(lambda l: _gather(op.geometry, l), local)
 
 
 def _zero_handoff(op: UnitOp, master, planes, pick):
     """The handoff value an op returns: zeros shaped as its encoded gathered backward weight,
     with a leading axis of 1 (the device's own copy)."""
-    shapes = _gathered_shapes(op, master, planes, pick)
+    shapes = _gathered_shapes(op, _local(op, master, planes, backward=True), pick)
     return jax.tree.map(lambda a: jnp.zeros((1, *a.shape), _carrier(a.dtype)), shapes)
 
 
@@ -315,19 +324,11 @@ def _carrier(dtype):
 
 
 def _encoded(gathered):
-    """Gathered planes (or bf16 weight) as the handoff's cotangent: the same bits, floats."""
+    """Gathered planes (or bf16 weight) as the handoff's cotangent: the same bits, floats (the
+    receiving op bitcasts them back to its ``_gathered_shapes``)."""
     return jax.tree.map(
         lambda a: (lax.bitcast_convert_type(a, _carrier(a.dtype)) if _carrier(a.dtype) != a.dtype else a)[None],
         gathered,
-    )
-
-
-def _decoded(op: UnitOp, local, pick, handed):
-    """``_encoded``'s inverse: the handed cotangent as ``_gather`` gives it."""
-    local = jax.tree.map(lambda p: pick_layer(p, pick), local)
-    shapes = jax.eval_shape(lambda l: _gather(op.geometry, l), local)
-    return jax.tree.map(
-        lambda a, s: lax.bitcast_convert_type(a[0], s.dtype) if a.dtype != s.dtype else a[0], handed, shapes
     )
 
 

@@ -121,7 +121,9 @@ def _quantize_tiles(x, rowwise: bool, columnwise: bool, scale_rule: str, backend
             "blocks='32x32' makes one plane that serves both directions: rowwise and columnwise do not apply "
             "(take one direction with MXFP8Tensor2D.view(rowwise=..., columnwise=...))"
         )
-    m, k = check_input(x, rowwise=True, columnwise=True)
+    m, k = check_input(x, rowwise=True, columnwise=False)
+    if m % fmt.BLOCK:
+        raise ValueError(f"x: M={m} (product of the leading axes) must be a multiple of 32 for 32x32 blocks")
     rule = fmt.ScaleRule.parse(scale_rule)
     backends.check(backend)
     if backend == "ffi":
