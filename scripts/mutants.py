@@ -250,8 +250,8 @@ MUTANTS = (
         (
             (
                 "mxfp8_jax/_src/fsdp/fsdp_unit.py",
-                "columnwise=not op.transposed, ready=dy if op.early else None))\n",
-                "columnwise=not op.transposed, ready=dy if op.early else None))\n"
+                "gathered_bytes, columnwise=not op.transposed, ready=ready))\n",
+                "gathered_bytes, columnwise=not op.transposed, ready=ready))\n"
                 '    v = v if op.geometry.precision == "mxfp8" else -v\n',
             ),
         ),
@@ -268,8 +268,8 @@ MUTANTS = (
             ),
             (
                 "mxfp8_jax/_src/fsdp/fsdp_unit.py",
-                "v = op.value(gathered(op.geometry, local, columnwise=not op.transposed, ready=",
-                "v = op.value(gathered(op.geometry, local, columnwise=op.transposed, ready=",
+                "v = op.value(widened(op.geometry, gathered_bytes, columnwise=not op.transposed, ready=",
+                "v = op.value(widened(op.geometry, gathered_bytes, columnwise=op.transposed, ready=",
             ),
         ),
         ("tests/test_fsdp_scale.py::test_gradients_match_single_device_reference",),
