@@ -37,7 +37,7 @@ from jax import lax
 from jax.extend import core as jcore
 
 # The range of jax releases CI runs the suite on (pyproject.toml and docs/install.md say the same).
-TESTED_JAX = ("0.10.2", "0.12.0.1")
+TESTED_JAX = ("0.10.2", "0.12.1")
 
 
 def version_tuple(text: str) -> tuple[int, ...]:
