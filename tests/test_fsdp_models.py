@@ -192,7 +192,9 @@ def reads(style: str, p) -> tuple[int, int]:
 @pytest.mark.parametrize("style", NOT_DROPOUT)
 def test_step_gathers_units_as_8_bit_planes(style, compiled):
     """Each GEMM gathers its unit once forward and once backward (a scan's q, k and v once more
-    a step: the unused fetch of its last trip), each lookup once: MXFP8 units
+    a step: the unused fetch of its last trip; its last GEMM's too: in the backward's handoff
+    each trip gathers the layer before's, layer 0 twice, and the last layer's is gathered after
+    the loop), each lookup once: MXFP8 units
     as uint8 planes (codes + scales), the forward's rowwise ([N, K/32] scales), the backward's
     columnwise ([N/32, K] scales); bf16 units as 16-bit words; fp32 gathers (plain parameters)
     move at most 5% of the model's fp32 bytes."""
@@ -214,10 +216,14 @@ def test_step_gathers_units_as_8_bit_planes(style, compiled):
             # a scan's first GEMMs (q, k and v) take planes gathered one trip ahead: the last
             # trip's are gathered once more, unused (fsdp_fetch)
             ahead = int(g.level >= 1 and re.search(r"/(query|key|value|[qkv]_proj)/kernel$", p.name) is not None)
-            want["u8"] += layers * 2 * 2 * gemms + 2 * ahead  # codes + scales, forward + backward
+            # and the body's last GEMM (the MLP's output projection) once more: in the backward,
+            # each trip gathers the layer before's for the next (the handoff), the last layer's
+            # after the loop (fsdp_fetch)
+            last = int(g.level >= 1 and re.search(r"/(fc2/kernel|mlp/wo/kernel|moe/wo)$", p.name) is not None)
+            want["u8"] += layers * 2 * 2 * gemms + 2 * ahead + 2 * last  # codes + scales, forward + backward
             codes.add((*batch, g.out_padded, g.in_features))
             scales[(*batch, g.out_padded, g.in_features // 32)] += layers * gemms + ahead  # forward: rowwise
-            scales[(*batch, g.out_padded // 32, g.in_features)] += layers * gemms  # backward: columnwise
+            scales[(*batch, g.out_padded // 32, g.in_features)] += layers * gemms + last  # backward: columnwise
         else:
             want["u16"] += layers * (2 * gemms + lookups)
     got = {d: sum(c.count for c in gathers if c.dtypes == (d,)) for d in want}

@@ -220,17 +220,25 @@ def test_a_fori_loop_picking_stacked_blocks_by_its_counter_is_the_scanned_step(m
 
 
 def test_a_scan_without_remat_gathers_its_first_weights_ahead_in_the_forward(mesh):
-    """``remat=False``: the forward loop gathers the next layer's q, k and v an iteration ahead;
-    the backward is jax's derivative of the scan (it saves the forward's residuals, and each
-    op's backward gathers its own weights). Gradients bit for bit those of ``prefetch=0``."""
+    """``remat=False``: the forward loop gathers the next layer's q, k and v an iteration ahead.
+    The backward is jax's derivative of the scan (it saves the forward's residuals), with the
+    layer's unit GEMMs linked in the handoff: each op's backward gathers the backward weight of
+    the op before it, and the first op's, that of the layer before's last op, which the loop
+    carries to the next iteration. Gradients bit for bit those of ``prefetch=0``."""
     cfg = models.TransformerConfig(layers=2, remat=False)
     model = models.init_transformer(cfg)
     tokens = np.random.default_rng(0).integers(0, cfg.vocab, (2 * mesh.size, 33)).astype(np.int32)
     _, step, grads = compiled(model, mesh, models.next_token_loss, tokens, prefetch=1)
     text = step.as_text()
     (forward, _), (backward, _) = hlo.while_loops(text)
-    ahead = collections.Counter(g.computation for g in hlo.gather_overlaps(text) if g.ahead and "u8" in g.dtypes)
-    assert ahead == {forward: 6}, (ahead, forward, backward)
+    gathers = [g for g in hlo.gather_overlaps(text) if "u8" in g.dtypes]
+    ahead = collections.Counter(g.computation for g in gathers if g.ahead)
+    # forward: q, k and v (codes and scales); backward: the down projection's planes
+    assert ahead == {forward: 6, backward: 2}, (ahead, forward, backward)
+    # the other backward gathers can run beside a GEMM of the op after them in the forward,
+    # but one op's: the cotangents of q, k and v come together, from the attention's backward
+    handed = [g for g in gathers if g.computation == backward and not g.ahead]
+    assert len(handed) == 12 and sum(g.overlap >= 1 for g in handed) == 10, handed
     _, _, want = compiled(model, mesh, models.next_token_loss, tokens, prefetch=0)
     assert same_bits(grads, want)
 

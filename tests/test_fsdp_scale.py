@@ -181,10 +181,12 @@ def test_scanned_step_gathers_one_layer_per_iteration(mesh, mode):
     assert shapes(bwd, "reduce-scatter") == [("f32", (rows, d))]
     assert shapes(fwd, "reduce-scatter") == []
     # outside the loops: the scalar loss mean and the first layer's rowwise planes (each forward
-    # iteration gathers the next layer's, double buffered, with or without remat); no fp32
-    # gather of master weights
+    # iteration gathers the next layer's, double buffered, with or without remat), without remat
+    # the last layer's columnwise ones too (each backward iteration gathers the layer before's
+    # for the next: the handoff); no fp32 gather of master weights
+    planes = row + (col if mode == "scan" else [])
     assert sorted((c.op, c.outputs) for c in outside) == sorted(
-        [("all-reduce", (("f32", ()),))] + [("all-gather", ((t, s),)) for t, s in row]
+        [("all-reduce", (("f32", ()),))] + [("all-gather", ((t, s),)) for t, s in planes]
     )
     assert all(c.dtypes == ("u8",) for c in fwd + bwd if c.op == "all-gather")
 

@@ -22,9 +22,8 @@ Every other op runs as traced, on global values. The evaluator is a ``fsdp_walk.
 values are ``(value, spec)`` pairs; its rules say how each op reads parameters. ``scan`` bodies
 are evaluated the same way, one layer at a time (the stacked units and plain parameters are the
 scan's inputs, sliced like the weights they stand for, as are the stacks a ``fori_loop`` reads by
-its counter: ``core.jaxprs.counted_stacks``); a scan over a rematerialised region
-gathers each iteration's first weights in the iteration before, forward and in a backward of
-its own (``fsdp_fetch``); ``jit`` calls are inlined; a
+its counter: ``core.jaxprs.counted_stacks``); a scan gathers each iteration's first weights in
+the iteration before, the backward's too (``fsdp_fetch``); ``jit`` calls are inlined; a
 rematerialised region (``nnx.remat``, ``jax.checkpoint`` without a policy) becomes a
 ``custom_vjp`` that saves its inputs and, in the backward, recomputes it after the cotangent
 arrives: a data dependency, so XLA can neither run the recomputed gathers early nor merge them
@@ -125,6 +124,7 @@ class _Evaluator(Traversal):
         self.fetching: fsdp_fetch.Fetching | None = None  # a scan iteration's weight gathered the iteration before
         self.recomputing = False  # evaluating a fetching scan's body: its remat region inlined (``fsdp_fetch``)
         self.handing: tuple | None = None  # the last linked unit GEMM: (its handoff value, unit, op)
+        self.linking = True  # unit GEMMs evaluated now are linked (``fsdp_fetch.handoff``)
 
     def literal(self, lit) -> tuple:
         return lit.val, None
@@ -353,27 +353,29 @@ class _Evaluator(Traversal):
         return "layer", earlier, spec
 
     @contextlib.contextmanager
-    def inside(self):
+    def inside(self, linked: bool = False):
         """Evaluating a body of its own (a rematerialised region, a loop body, a branch): layers
-        seen there are not waited for outside it, nor the outer ones inside (``token``)."""
-        saved = self.region
+        seen there are not waited for outside it, nor the outer ones inside (``token``); its unit
+        GEMMs are linked in the handoff only where ``linked`` (a fetching scan's body)."""
+        saved = self.region, self.linking
         self.regions += 1
-        self.region = self.regions
+        self.region, self.linking = self.regions, linked
         try:
             yield
         finally:
-            self.region = saved
+            self.region, self.linking = saved
 
     @contextlib.contextmanager
     def fetched(self, fetching: fsdp_fetch.Fetching):
         """Evaluating a fetching scan's body (``fsdp_fetch``): the first GEMMs take their weights
-        from ``fetching``, the remat region is inlined; the evaluator's state as it was after."""
+        from ``fetching``, the remat region is inlined, the first linked GEMM takes what it hands;
+        the evaluator's state as it was after, but a loop ends the handoff's chain."""
         saved = self.fetching, self.recomputing, dict(self.splits)
-        self.fetching, self.recomputing = fetching, True
+        self.fetching, self.recomputing, self.handing = fetching, True, fetching.handing
         try:
             yield fetching
         finally:
-            self.fetching, self.recomputing, self.splits = saved
+            (self.fetching, self.recomputing, self.splits), self.handing = saved, None
 
     def _transposed(self, unit: UnitValue, dims, position: int) -> bool:
         g = unit.geometry
@@ -427,7 +429,7 @@ class _Evaluator(Traversal):
         def step(flat_consts, carry, xs_slices):
             consts = [rebuild(x, flat_consts[start : start + count]) for start, count, x in rebuilt]
             sliced = [make(xs_slices[start : start + count]) for start, count, make in slicers]
-            with self.inside():
+            with self.inside(linked=self.fetching is not None and self.fetching.linked):
                 outs = loop.body(list(zip([*consts, *carry, *sliced], [*c_specs, *k_specs, *body_x_specs])))
             outs, out_specs = _unzip(outs)
             forwarded.clear()

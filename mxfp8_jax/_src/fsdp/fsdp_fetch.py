@@ -2,7 +2,9 @@
 prefetch of the next layer, double buffered, as the evaluator (``fsdp_eval``) builds it for a
 scan whose body is one ``jax.checkpoint`` region without a policy and integer counters
 (``nnx.scan`` over ``nnx.remat`` blocks; a ``fori_loop`` over them reading the stacks by its
-counter), forward and backward, or has no region at all (forward; the backward is jax's).
+counter), forward and backward, or has no region at all: then the forward, and the backward is
+jax's derivative of the scan, with the body's unit GEMMs linked in the backward's handoff
+(``handoff``) and the link carried from iteration to iteration.
 
 XLA:GPU schedules a loop body on its own, so an iteration's first GEMMs (a layer's q, k and v
 projections) wait for their own weights' gathers with nothing of the iteration to run beside.
@@ -19,6 +21,8 @@ not wrapped (the scan recomputes it in its own backward).
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 from jax import lax
@@ -26,7 +30,7 @@ from jax.extend import core as jcore
 
 from mxfp8_jax._src.core import jaxprs
 from mxfp8_jax._src.fsdp import fsdp_specs
-from mxfp8_jax._src.fsdp.fsdp_islands import fetch_island
+from mxfp8_jax._src.fsdp.fsdp_islands import closing_island, fetch_island, zero_handoff_island
 from mxfp8_jax._src.fsdp.fsdp_trace import RETYPE_PRIMITIVES
 from mxfp8_jax._src.fsdp.fsdp_unit import NO_HANDOFF, Handoff, UnitOp
 from mxfp8_jax._src.fsdp.fsdp_values import UnitValue
@@ -35,9 +39,10 @@ from mxfp8_jax._src.fsdp.fsdp_walk import Scan
 
 def first_read(ev, loop: Scan, step, flat_consts, carry, xs_in, slicers, xs):
     """Where a scan's iterations may gather their first weights one iteration ahead
-    (``fetching_scan``): ``(fetch, ops, recompute)``, ``fetch(xs_in, layer)`` gathering what
-    the body's first GEMMs of stacked units (``ops``, found by evaluating the body once:
-    ``Fetching``) read of ``layer``, by unit name; ``recompute``: the body is one
+    (``fetching_scan``): ``(fetch, layer_of, recompute)``, ``fetch(xs_in, layer)`` gathering
+    what the body's first GEMMs of stacked units (found by evaluating the body once:
+    ``Fetching``) read of ``layer``, by unit name; ``layer_of(name, xs_in, layer)``: a stacked
+    unit of the scan, a layer picked; ``recompute``: the body is one
     rematerialised region (no policy) and integer counters, which the scan's own backward
     recomputes; False for a body without any region (jax's derivative of the forward, whose
     backward saves the body's residuals). None where the scan is neither, reads no stacked
@@ -78,11 +83,19 @@ def first_read(ev, loop: Scan, step, flat_consts, carry, xs_in, slicers, xs):
         out = {}
         after = () if token is None else (token[0], fsdp_specs.partition(token[1], token[0].ndim))
         for unit, op in found:
-            x, leaves = stacked[unit.name]
-            out[unit.name] = fetch_island(ev.islands, op, x.with_leaves(xs_in[leaves]), layer, *after)
+            out[unit.name] = fetch_island(ev.islands, op, layer_of(unit.name, xs_in, layer), layer, *after)
         return out
 
-    return fetch, [op for _, op in found], recompute
+    def layer_of(name, xs_in, layer=None):
+        """The stacked unit ``name`` on the scan's inputs ``xs_in``, picking ``layer`` where given
+        (None: not a stacked unit of the scan)."""
+        if name not in stacked:
+            return None
+        x, leaves = stacked[name]
+        x = x.with_leaves(xs_in[leaves])
+        return x if layer is None else dataclasses.replace(x, pick=(jnp.asarray(layer, jnp.int32),))
+
+    return fetch, layer_of, recompute
 
 
 def fetching_scan(ev, step, flat_consts, carry, xs_in, parts, first):
@@ -90,45 +103,59 @@ def fetching_scan(ev, step, flat_consts, carry, xs_in, parts, first):
     buffering, FSDP's prefetch of the next layer): forward, and for a rematerialised body in
     its own backward too, a reverse scan that recomputes each iteration's body (as the
     rematerialised region would) with the next iteration's (the layer before's) first weight
-    gathered meanwhile. A body without remat keeps jax's derivative (its backward's gathers
-    are the ops' own). ``first``: ``first_read``'s. Values and gradients are those of
-    ``lax.scan`` over the body: the same operations, in the same order."""
-    fetch, _, recompute = first
+    gathered meanwhile. A body without remat keeps jax's derivative, its unit GEMMs linked in
+    the handoff (``_chain``): the loop carries the link, and after it an identity on the carry
+    (``closing_island``) gathers, in the backward, what the last iteration's last op needs.
+    ``first``: ``first_read``'s. Values and gradients are those of ``lax.scan`` over the body:
+    the same operations, in the same order."""
+    fetch, layer_of, recompute = first
     length, unroll = parts.length, parts.unroll
     index = jnp.arange(length, dtype=jnp.int32)
     inexact = lambda a: jnp.issubdtype(jnp.result_type(a), jnp.inexact)
 
-    def run(flat_consts, carry, xs_slices, fetched):
-        """The body on the fetched weights, and the output of its first GEMM that read them
-        (what the next fetch waits for: XLA then cannot run it, or a gather it combines it
-        with, ahead of that GEMM)."""
-        with ev.fetched(Fetching(fetched)) as fetching:
-            return step(flat_consts, carry, xs_slices), fetching.first
+    def run(flat_consts, carry, xs_slices, fetched, linked=False, handing=None):
+        """The body on the fetched weights, the output of its first GEMM that read them (what
+        the next fetch waits for: XLA then cannot run it, or a gather it combines it with, ahead
+        of that GEMM), and where ``linked``, its last linked GEMM's ``(handoff value, unit, op)``
+        (``handing``: what its first one takes)."""
+        with ev.fetched(Fetching(fetched, linked=linked, handing=handing)) as fetching:
+            return step(flat_consts, carry, xs_slices), fetching.first, ev.handing
+
+    chain = None if recompute else _chain(ev, run, fetch, layer_of, flat_consts, carry, xs_in)
 
     def forward(flat_consts, carry, xs_in):
-        """The scan, and what its backward needs: each iteration's carry in, the last fetch."""
+        """The scan, and what its backward needs: each iteration's carry in, the last fetch;
+        for a linked body, the last iteration's handoff value."""
 
         def body(state, inputs):
-            carry, fetched = state
+            carry, fetched, link = state
             i, xs_slices = inputs
-            (new_carry, ys), read = run(flat_consts, carry, xs_slices, fetched)
+            handing = None if chain is None else (link, layer_of(chain[1], xs_in, jnp.maximum(i - 1, 0)), chain[2])
+            (new_carry, ys), read, handing = run(flat_consts, carry, xs_slices, fetched, chain is not None, handing)
             upcoming = fetch(xs_in, jnp.minimum(i + 1, length - 1), read)
-            return (new_carry, upcoming), (ys, carry if recompute else ())
+            link = () if chain is None else handing[0]
+            return (new_carry, upcoming, link), (ys, carry if recompute else ())
 
-        (carry_out, last), (ys, carries) = lax.scan(body, (carry, fetch(xs_in, 0)), (index, xs_in), unroll=unroll)
-        return carry_out, ys, carries, last
+        link = () if chain is None else zero_handoff_island(ev.islands, chain[0])
+        state = (carry, fetch(xs_in, 0), link)
+        (carry_out, last, link), (ys, carries) = lax.scan(body, state, (index, xs_in), unroll=unroll)
+        return carry_out, ys, carries, last, link
 
     if not recompute:  # jax's derivative: its backward saves the body's residuals
-        carry_out, ys, _, _ = forward(list(flat_consts), list(carry), list(xs_in))
+        carry_out, ys, _, _, link = forward(list(flat_consts), list(carry), list(xs_in))
+        if chain is not None:  # the last iteration's backward weight, gathered after the loop
+            k = next(k for k, c in enumerate(carry_out) if inexact(c))
+            last = layer_of(chain[1], list(xs_in), length - 1)
+            carry_out[k] = closing_island(ev.islands, chain[2], carry_out[k], link, last)
         return carry_out, ys
 
     @jax.custom_vjp
     def scanned(flat_consts, carry, xs_in):
-        carry_out, ys, _, _ = forward(flat_consts, carry, xs_in)
+        carry_out, ys, _, _, _ = forward(flat_consts, carry, xs_in)
         return carry_out, ys
 
     def scanned_fwd(flat_consts, carry, xs_in):
-        carry_out, ys, carries, last = forward(flat_consts, carry, xs_in)
+        carry_out, ys, carries, last, _ = forward(flat_consts, carry, xs_in)
         return (carry_out, ys), (flat_consts, xs_in, carries, last)
 
     def scanned_bwd(res, cts):
@@ -143,7 +170,7 @@ def fetching_scan(ev, step, flat_consts, carry, xs_in, parts, first):
 
             def f(dc, dk, dx):
                 consts = _merge(flat_consts, dc, inexact)
-                (new_carry, ys), _ = run(consts, _merge(carry, dk, inexact), _merge(xs_slices, dx, inexact), fetched)
+                (new_carry, ys), _, _ = run(consts, _merge(carry, dk, inexact), _merge(xs_slices, dx, inexact), fetched)
                 outs = [*new_carry, *ys]
                 return [o for o in outs if inexact(o)], [o for o in outs if not inexact(o)]
 
@@ -170,17 +197,44 @@ def fetching_scan(ev, step, flat_consts, carry, xs_in, parts, first):
     return scanned(list(flat_consts), list(carry), list(xs_in))
 
 
+def _chain(ev, run, fetch, layer_of, flat_consts, carry, xs_in):
+    """The handoff through a scan body without remat (``handoff``), carried from iteration to
+    iteration: ``(shapes, unit name, op)`` of the body's last linked GEMM (its handoff value's
+    global shapes, the stacked unit it reads, its ``UnitOp``), whose backward weight the body's
+    first linked GEMM gathers for the layer before; found by evaluating the body once. None
+    where the body links none, its last reads no layer of a stacked unit, or no carry is a
+    floating value (what the closing op, ``fsdp_islands.closing_island``, rides on)."""
+    if not ev.islands.prefetch or not any(jnp.issubdtype(jnp.result_type(c), jnp.inexact) for c in carry):
+        return None
+    found = []
+
+    def probe(flat_consts, carry, xs_in):
+        _, _, handing = run(flat_consts, carry, [a[0] for a in xs_in], fetch(xs_in, 0), True)
+        if handing is None:
+            return None
+        value, unit, op = handing
+        found.append((unit.name, op, unit.sliced and not unit.pick))
+        return value
+
+    shapes = jax.eval_shape(probe, list(flat_consts), list(carry), list(xs_in))
+    if not found or not found[0][2] or layer_of(found[0][0], list(xs_in)) is None:
+        return None
+    return shapes, found[0][0], found[0][1]
+
+
 def handoff(ev, op: UnitOp) -> tuple:
     """A unit GEMM's part in the backward's handoff (``fsdp_unit.Handoff``), the backward's
     prefetch for the layers a Python loop runs: under ``prefetch``, the unit GEMMs evaluated at
-    the top of the loss (not in a loop body, region or branch: each another trace) are linked
-    in program order, so that each one's backward gathers the weight of the one before (in the
-    forward). ``(handoff, handed, before)``: its ``Handoff``, the handoff value of the op before
-    and that op's unit (the evaluator's ``handing``: the last op's, None where it gave none)."""
+    the top of the loss (not in a region or branch: each another trace) are linked in program
+    order, so that each one's backward gathers the weight of the one before (in the
+    forward). So are those of a fetching scan's body without remat, from one iteration to the
+    next: the body's first linked GEMM takes the handoff value the iteration before's last one
+    gave, and gathers that op's weight of the layer before (``_chain``). ``(handoff, handed,
+    before)``: its ``Handoff``, the handoff value of the op before and that op's unit (the
+    evaluator's ``handing``: the last op's, None where it gave none)."""
     linked = (
         ev.islands.prefetch > 0
-        and ev.region == 0
-        and ev.fetching is None
+        and ev.linking
         and not ev.branches
         and not (op.gemm.mxfp8 is not None and op.geometry.precision == "mxfp8")
     )
@@ -203,8 +257,9 @@ class Fetching:
     GEMM of a stacked unit and the others of the same activation up to one of another (there
     evaluation stops): a layer's q, k and v projections, its MLP's gate and up."""
 
-    def __init__(self, fetched=None, *, discover: bool = False) -> None:
+    def __init__(self, fetched=None, *, discover: bool = False, linked: bool = False, handing=None) -> None:
         self.fetched, self.discover = dict(fetched or {}), discover
+        self.linked, self.handing = linked, handing  # the body's GEMMs linked; what the first takes
         self.first: tuple | None = None  # the output of the first GEMM that took them, its spec
         self.found: list = []
         self.act = None

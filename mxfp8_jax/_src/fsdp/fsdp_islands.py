@@ -29,7 +29,17 @@ from jax.sharding import PartitionSpec
 from mxfp8_jax._src.core.jaxprs import bind
 from mxfp8_jax._src.fsdp import fsdp_specs
 from mxfp8_jax._src.fsdp.fsdp_specs import Spec, entries_of, partition
-from mxfp8_jax._src.fsdp.fsdp_unit import NO_HANDOFF, OWN, Handoff, UnitOp, after, fetch, unit_gemm, unit_lookup
+from mxfp8_jax._src.fsdp.fsdp_unit import (
+    NO_HANDOFF,
+    OWN,
+    Handoff,
+    UnitOp,
+    after,
+    fetch,
+    handed_weight,
+    unit_gemm,
+    unit_lookup,
+)
 from mxfp8_jax._src.fsdp.fsdp_values import Islands, PlainValue, UnitValue
 from mxfp8_jax._src.ops import mxfp8_gemm
 
@@ -122,6 +132,39 @@ def fetch_island(islands: Islands, op: UnitOp, unit: UnitValue, layer, token=(),
         PartitionSpec(),
     )
     return fn(unit.shards, jnp.asarray(layer, jnp.int32), token)
+
+
+def zero_handoff_island(islands: Islands, shapes):
+    """A handoff value of zeros (``shapes``: the global shapes a linked op's has), made on each
+    device as its own part: what a linked loop carries into its first iteration."""
+    each = PartitionSpec(islands.entry)
+    make = lambda: jax.tree.map(lambda s: jnp.zeros((1, *s.shape[1:]), s.dtype), shapes)
+    return islands.island(make, (), jax.tree.map(lambda _: each, shapes))()
+
+
+def closing_island(islands: Islands, op: UnitOp, value, link, unit: UnitValue):
+    """``value`` unchanged; in the backward, the cotangent of the handoff value ``link`` is the
+    backward weight of ``op`` on the layer ``unit.pick`` names of the stacked ``unit``: what a
+    linked loop's last iteration receives in the backward, gathered while the ops after the
+    loop compute (it waits for nothing)."""
+    gather = islands.island(
+        lambda shards, pick: handed_weight(op, shards.master, shards.planes, pick),
+        (unit.shard_specs(), (PartitionSpec(),) * len(unit.pick)),
+        jax.tree.map(lambda _: PartitionSpec(islands.entry), link),
+    )
+
+    @jax.custom_vjp
+    def close(value, link, shards, pick):
+        return value
+
+    def close_fwd(value, link, shards, pick):
+        return value, (shards, pick)
+
+    def close_bwd(residuals, ct):
+        return ct, gather(*residuals), None, None
+
+    close.defvjp(close_fwd, close_bwd)
+    return close(value, link, unit.shards, unit.pick)
 
 
 def lookup_island(islands: Islands, op: UnitOp, others: tuple, other_specs, unit: UnitValue, out_spec, out_ndim):

@@ -294,8 +294,7 @@ def _handed_gemm_bwd(op: UnitOp, handoff: Handoff, residuals, cts):
     d_handed = None
     if handoff.takes is not None:  # the op before's backward weight, once this cotangent exists
         master, planes, before_pick = before
-        prev_local = _local(handoff.takes, master, planes, backward=True, pick=before_pick)
-        d_handed = _encoded(_gather(handoff.takes.geometry, after(prev_local, dy)))
+        d_handed = handed_weight(handoff.takes, master, planes, before_pick, dy)
     return d_act, d_master, None, None, None, None, d_handed, None
 
 
@@ -314,6 +313,12 @@ def _zero_handoff(op: UnitOp, master, planes, pick):
     with a leading axis of 1 (the device's own copy)."""
     shapes = _gathered_shapes(op, _local(op, master, planes, backward=True), pick)
     return jax.tree.map(lambda a: jnp.zeros((1, *a.shape), _carrier(a.dtype)), shapes)
+
+
+def handed_weight(op: UnitOp, master, planes, pick, token=None):
+    """The backward weight of ``op`` (of the layer ``pick`` names of stacked shards) gathered
+    whole once ``token`` exists, as a handoff's cotangent carries it (``_encoded``)."""
+    return _encoded(_gather(op.geometry, after(_local(op, master, planes, backward=True, pick=pick), token)))
 
 
 def _carrier(dtype):
