@@ -202,8 +202,10 @@ def _chain(ev, run, fetch, layer_of, flat_consts, carry, xs_in):
     iteration: ``(shapes, unit name, op)`` of the body's last linked GEMM (its handoff value's
     global shapes, the stacked unit it reads, its ``UnitOp``), whose backward weight the body's
     first linked GEMM gathers for the layer before; found by evaluating the body once. None
-    where the body links none, its last reads no layer of a stacked unit, or no carry is a
-    floating value (what the closing op, ``fsdp_islands.closing_island``, rides on)."""
+    where the body links none, its last reads no layer of a stacked unit or a bf16 one (16-bit
+    weights carried through the loop: XLA:GPU then exposed more gather time than it hid, see
+    docs/fsdp.md), or no carry is a floating value (what the closing op,
+    ``fsdp_islands.closing_island``, rides on)."""
     if not ev.islands.prefetch or not any(jnp.issubdtype(jnp.result_type(c), jnp.inexact) for c in carry):
         return None
     found = []
@@ -219,6 +221,8 @@ def _chain(ev, run, fetch, layer_of, flat_consts, carry, xs_in):
     shapes = jax.eval_shape(probe, list(flat_consts), list(carry), list(xs_in))
     if not found or not found[0][2] or layer_of(found[0][0], list(xs_in)) is None:
         return None
+    if found[0][1].geometry.precision != "mxfp8":
+        return None  # a bf16 weight carried through the loop: XLA:GPU's schedule lost more than it won
     return shapes, found[0][0], found[0][1]
 
 
