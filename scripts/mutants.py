@@ -477,6 +477,38 @@ GPU_MUTANTS = (
         (_HIPCPU + "test_quantize_matches_the_cpu_kernel[cuda]",),
     ),
     Mutant(
+        "gpu-tiles-amax-one-column-run",
+        "32x32 kernel (a shuffle): a tile's amax joined only over the lanes of one column run (32 rows "
+        "of 4 or 8 columns), not the whole 32-lane group",
+        (
+            (
+                "xla_ffi/gpu/quantize_tiles.cu",
+                "for (int m = 1; m < kGroupLanes; m <<= 1) amax = max(amax, shfl_xor(amax, m, kGroupLanes));",
+                "for (int m = S; m < kGroupLanes; m <<= 1) amax = max(amax, shfl_xor(amax, m, kGroupLanes));",
+            ),
+        ),
+        (_HIPCPU + "test_tiles_match_the_cpu_kernel",),
+    ),
+    Mutant(
+        "gpu-tiles-scale-row-stride",
+        "32x32 kernel (an index): a band's tile scales at tile_row * M/32 instead of tile_row * K/32",
+        (
+            (
+                "xla_ffi/gpu/quantize_tiles.cu",
+                "s[tile_row * tiles_k + tile_col] = scale;",
+                "s[tile_row * (M / kBlock) + tile_col] = scale;",
+            ),
+        ),
+        (_HIPCPU + "test_tiles_match_the_cpu_kernel",),
+    ),
+    Mutant(
+        "gpu-tiles-fast-form-with-nan",
+        "32x32 kernel, fast form, CUDA only (a vendor branch): a warp holding a NaN takes the hardware "
+        "cast, which loses a -NaN's sign",
+        (("xla_ffi/gpu/quantize_tiles.cu", "if (any_lane(nan)) return false;", "if (any_lane(false)) return false;"),),
+        (_HIPCPU + "test_tiles_match_the_cpu_kernel[cuda]",),
+    ),
+    Mutant(
         "gpu-rmsnorm-tree-short",
         "RMSNorm (a shuffle): the lane tree stops before its last exchange (width 1)",
         (
@@ -743,7 +775,9 @@ def main(argv=None) -> int:
             make_copy(copy, extensions)
             apply(m, copy)
             passed, secs, out = run_tests(copy, tuple(opts.tests or m.tests), opts.timeout)
-            failed = [ln.split(" - ")[0][7:] for ln in out.splitlines() if ln.startswith(("FAILED ", "ERROR "))]
+            failed = [
+                ln.split(" - ")[0][7:] for ln in out.splitlines() if ln.startswith(("FAILED tests/", "ERROR tests/"))
+            ]
             verdict = "missed" if passed else "caught"
             if not passed and "BuildError" in out:  # the copy's kernels did not build: proves nothing
                 verdict = "unbuilt"

@@ -30,7 +30,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 FFI = ROOT / "xla_ffi"
 PATHS = ("cuda", "rocm")  # vendor paths: the shim each executable is built with
-KERNEL_SOURCES = ("quantize.cu", "quantize_segments.cu", "rmsnorm_quantize.cu")
+KERNEL_SOURCES = ("quantize.cu", "quantize_tiles.cu", "quantize_segments.cu", "rmsnorm_quantize.cu")
 DRIVER = ROOT / "tests" / "hipcpu" / "driver.cc"
 # Exact IEEE arithmetic, as the GPU builds ask for (no fast-math, no contraction into FMA).
 FLAGS = ("-std=c++17", "-O1", "-fno-fast-math", "-ffp-contract=off", "-Wall", "-Wno-unknown-pragmas")

@@ -13,12 +13,13 @@ switching at every barrier and lane exchange) once per vendor path, through the 
   around the builtins, not the builtins.
 
 Each test runs one driver executable (tests/hipcpu/driver.cc) over a batch of cases written to
-files, and compares every plane it writes with the CPU kernels (``backend="ffi"``, the segments
-kernel, the CPU fused gather), byte for byte. The driver starts with flush-to-zero set, as
-XLA:CPU's threads have it, so the kernels must set the IEEE environment themselves (the shim's
-launch does, in every worker thread). Output buffers start poisoned, so an unwritten byte fails
-too; every buffer, inputs included, lies between guard bytes and ends where an inaccessible page
-begins, so a read or write past its end stops the driver naming the case.
+files, and compares every plane it writes with the CPU kernels (``backend="ffi"`` of the 1x32 and
+32x32 quantize, the segments kernel, the CPU fused gather), byte for byte. The driver starts
+with flush-to-zero set, as XLA:CPU's threads have it, so the kernels must set the IEEE
+environment themselves (the shim's launch does, in every worker thread). Output buffers start
+poisoned, so an unwritten byte fails too; every buffer, inputs included, lies between guard bytes
+and ends where an inaccessible page begins, so a read or write past its end stops the driver
+naming the case.
 
 Marked ``hipcpu`` (``-m hipcpu`` runs them alone). Without HIP-CPU they skip, saying how to get
 it; with ``MXFP8_REQUIRE_HIPCPU=1`` (CI) they fail instead.
@@ -373,6 +374,91 @@ def quantize_cases() -> list[Case]:
 @pytest.mark.parametrize("path", PATHS)
 def test_quantize_matches_the_cpu_kernel(drivers, path, tmp_path):
     compare(drivers[path], quantize_cases(), tmp_path)
+
+
+# ------------------------------------------------------------------------------------------------
+# mxfp8_quantize_tiles (32x32 blocks)
+
+
+@functools.cache
+def _cpu_tiles(rule):
+    return jax.jit(lambda x: mx.quantize(x, blocks="32x32", scale_rule=rule, backend="ffi"))
+
+
+def tiles_case(name, x, rule="rceil") -> Case:
+    x = np.ascontiguousarray(x)
+    m, k = x.shape
+    t = _cpu_tiles(rule)(jnp.asarray(x))
+    want = dict(q=as_bytes(t.data), s=as_bytes(t.scale))
+    return Case("tiles", name, dict(x=x, type=_type(x.dtype), M=m, K=k, rule=_rule_code(rule)), want)
+
+
+def _as_tiles(rows: np.ndarray, tiles_k: int) -> np.ndarray:
+    """Rows of 32 (a multiple of 32 * tiles_k of them), 32 at a time made into 32x32 tiles: tile
+    t holds rows 32t..32t+31, and the tiles lie tiles_k to a band."""
+    t = rows.reshape(-1, tiles_k, 32, 32)  # [bands, tiles_k, 32 rows, 32 columns]
+    return np.ascontiguousarray(t.transpose(0, 2, 1, 3).reshape(-1, tiles_k * 32))
+
+
+@functools.cache
+def tiles_cases() -> list[Case]:
+    rng = np.random.default_rng(42)
+    cases = []
+    for rule in ("rceil", "floor"):
+        # every bf16 and fp16 bit pattern: 1024 consecutive ones a tile, in a band and in a column
+        # of tiles; shuffled
+        cases.append(tiles_case(f"tiles_bf16_all_{rule}", _bits(BF16, ALL_16).reshape(2048, 32), rule))
+        cases.append(tiles_case(f"tiles_bf16_all_band_{rule}", _as_tiles(_bits(BF16, ALL_16), 64), rule))
+        shuffled = _bits(BF16, rng.permutation(ALL_16)).reshape(256, 256)
+        cases.append(tiles_case(f"tiles_bf16_all_shuffled_{rule}", shuffled, rule))
+        cases.append(tiles_case(f"tiles_f16_all_{rule}", _as_tiles(_bits(np.float16, ALL_16), 8), rule))
+        # scale boundaries and specials (edge rows, 32 a tile, so each tile holds maxima of several
+        # regimes and some a special), and one edge row a tile over small values, in each format
+        edges = _edge_blocks()
+        for dt in (np.float32, BF16, np.float16):
+            with np.errstate(over="ignore"):
+                cases.append(tiles_case(f"tiles_edges_{_type(dt)}_{rule}", _as_tiles(edges, 1).astype(dt), rule))
+                one = np.zeros((len(edges), 32, 32), np.float32) + np.linspace(-1e-3, 1e-3, 32, dtype=np.float32)
+                one[:, 9] = edges
+                cases.append(tiles_case(f"tiles_edge_each_{_type(dt)}_{rule}", _as_tiles(one, 4).astype(dt), rule))
+        # fp32 subnormals and tiny maxima; arbitrary fp32 bits
+        sub = rng.integers(1, 1 << 23, size=(64, 96), dtype=np.uint32) | (
+            rng.integers(0, 2, size=(64, 96), dtype=np.uint32) << 31
+        )
+        sub[:, 32:64] = rng.integers(1, 1 << 8, size=(64, 32), dtype=np.uint32)
+        cases.append(tiles_case(f"tiles_f32_subnormal_{rule}", sub.view(np.float32), rule))
+        bits = rng.integers(0, 2**32, (256, 256), dtype=np.uint64).astype(np.uint32)
+        cases.append(tiles_case(f"tiles_f32_random_bits_{rule}", bits.view(np.float32), rule))
+        # random data of every type, each tile at its own scale
+        for dt in (np.float32, np.float16, BF16):
+            scale = np.kron(np.exp2(rng.integers(-20, 14, size=(3, 17))), np.ones((32, 32)))
+            x = (rng.standard_normal((96, 544)) * scale).astype(dt)
+            cases.append(tiles_case(f"tiles_random_{_type(dt)}_{rule}", x, rule))
+    # NaN of either sign and Inf inside tiles; a NaN in one tile only (the fast form's vote)
+    x = rng.normal(size=(64, 128)).astype(np.float32)
+    x[0, 3], x[33, 40], x[2, 70], x[40, 100], x[41, 101] = np.nan, -np.nan, np.inf, -np.inf, np.nan
+    for dt in (np.float32, BF16, np.float16):
+        cases.append(tiles_case(f"tiles_nan_inf_{_type(dt)}", x.astype(dt)))
+    one = rng.normal(size=(128, 256)).astype(BF16)
+    one[70, 200] = -np.nan
+    cases.append(tiles_case("tiles_one_nan_tile_bf16", one, "floor"))
+    z = np.zeros((64, 96), np.float32)
+    z[1::2] = -0.0
+    for dt in (np.float32, BF16, np.float16):
+        cases.append(tiles_case(f"tiles_zeros_{_type(dt)}", z.astype(dt)))
+    # grid shapes: one tile; one band; one column of tiles; a count of tiles that leaves a thread
+    # block part empty; many tiles
+    for m, k in ((32, 32), (32, 160), (160, 32), (96, 160), (64, 2048), (1024, 96)):
+        for dt in (np.float32, BF16, np.float16):
+            with np.errstate(over="ignore"):  # fp16 rows past 65504 are Inf rows
+                x = (rng.standard_normal((m, k)) * np.exp2(rng.integers(-30, 30, (m, 1)))).astype(dt)
+            cases.append(tiles_case(f"tiles_shape_{m}x{k}_{_type(dt)}", x))
+    return cases
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_tiles_match_the_cpu_kernel(drivers, path, tmp_path):
+    compare(drivers[path], tiles_cases(), tmp_path)
 
 
 # ------------------------------------------------------------------------------------------------

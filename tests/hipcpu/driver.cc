@@ -5,13 +5,15 @@
 //
 //   driver run CASES    runs the cases of the file CASES, one per line:
 //                         quantize  x= out= type= M= K= rule= rowwise= columnwise=
+//                         tiles     x= out= type= M= K= rule=
 //                         segments  x= desc= out= type= S= P= desc64= rule= rowwise= columnwise=
 //                         rmsnorm   x= gamma= out= R= H= eps= offset= fp32= columnwise= rule=
 //                         gather    x=a,b,.. rows=n0,n1,.. gamma= out= H= eps= offset= fp32=
 //                                   columnwise= rule=
 //                       (type f32/bf16/f16; eps and offset as fp32 bits in hex; x, desc and gamma
 //                       files of raw bytes). Each case writes the planes it asked for to
-//                       OUT.row_q, .row_s, .col_q, .col_s, .normed, .residual. Output buffers
+//                       OUT.row_q, .row_s, .col_q, .col_s, .normed, .residual (tiles: OUT.q,
+//                       .s). Output buffers
 //                       start filled with 0x5A; every buffer, inputs too, lies between guard
 //                       bytes and ends at an inaccessible page: an access past it stops the run
 //                       naming the case, a changed guard byte fails the case.
@@ -178,6 +180,16 @@ void run_quantize(const Case& c) {
   out.finish(c.str("out"));
 }
 
+void run_tiles(const Case& c) {
+  const auto x = read_file(c.str("x"));
+  const int64_t M = c.num("M"), K = c.num("K");
+  Outputs out;
+  uint8_t* q = out.add("q", M * K);
+  uint8_t* s = out.add("s", M * K / (32 * 32));
+  check_launch(gpu::launch_quantize_tiles(nullptr, c.type(), x->data(), M, K, q, s, c.rule()));
+  out.finish(c.str("out"));
+}
+
 void run_segments(const Case& c) {
   const auto x = read_file(c.str("x"));
   const auto desc = read_file(c.str("desc"));
@@ -269,6 +281,7 @@ int run(const char* cases_path) {
     current_case = name.c_str();
     try {
       if (c.kind == "quantize") run_quantize(c);
+      else if (c.kind == "tiles") run_tiles(c);
       else if (c.kind == "segments") run_segments(c);
       else if (c.kind == "rmsnorm") run_rmsnorm(c);
       else if (c.kind == "gather") run_gather(c);

@@ -50,6 +50,7 @@ message(STATUS "mxfp8: CUDA handlers for ${MXFP8_CUDA_ARCHS} (nvcc ${CMAKE_CUDA_
 
 add_library(mxfp8_cuda_kernels OBJECT
   gpu/quantize.cu
+  gpu/quantize_tiles.cu
   gpu/quantize_segments.cu
   gpu/rmsnorm_quantize.cu
   gpu/allgather.cu

@@ -72,7 +72,7 @@ set(_hip_flags -x hip -std=c++17 -O3 ${_hip_arch_flags} -nogpulib -mcode-object-
     -idirafter ${MXFP8_HIP_INCLUDE_DIR})
 set(_hip_objects)
 string(REPLACE ";" "," _mxfp8_hip_archs_csv "${MXFP8_HIP_ARCHS}")
-foreach(_src quantize quantize_segments rmsnorm_quantize allgather runtime)
+foreach(_src quantize quantize_tiles quantize_segments rmsnorm_quantize allgather runtime)
   set(_obj ${CMAKE_CURRENT_BINARY_DIR}/hip/${_src}.o)
   set(_defs)
   if(_src STREQUAL "runtime")  # the module reports what it was built for

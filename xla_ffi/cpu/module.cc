@@ -12,6 +12,7 @@ namespace nb = nanobind;
 
 namespace mxfp8::cpu {
 extern "C" XLA_FFI_Error* QuantizeHandler(XLA_FFI_CallFrame*);
+extern "C" XLA_FFI_Error* QuantizeTilesHandler(XLA_FFI_CallFrame*);
 extern "C" XLA_FFI_Error* QuantizeSegmentsHandler(XLA_FFI_CallFrame*);
 extern "C" XLA_FFI_Error* RmsnormQuantizeHandler(XLA_FFI_CallFrame*);
 extern "C" XLA_FFI_Error* AllgatherRmsnormQuantizeHandler(XLA_FFI_CallFrame*);
@@ -27,6 +28,7 @@ NB_MODULE(_mxfp8_cpu, m) {
   m.def("registrations", []() {
     nb::dict d;
     d["mxfp8_quantize"] = capsule(mxfp8::cpu::QuantizeHandler);
+    d["mxfp8_quantize_tiles"] = capsule(mxfp8::cpu::QuantizeTilesHandler);
     d["mxfp8_quantize_segments"] = capsule(mxfp8::cpu::QuantizeSegmentsHandler);
     d["mxfp8_rmsnorm_quantize"] = capsule(mxfp8::cpu::RmsnormQuantizeHandler);
     d["mxfp8_allgather_rmsnorm_quantize"] = capsule(mxfp8::cpu::AllgatherRmsnormQuantizeHandler);

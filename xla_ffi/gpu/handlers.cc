@@ -43,6 +43,18 @@ ffi::Error Quantize(void* stream, ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> 
                                 a.K, p, static_cast<ScaleRule>(scale_rule)));
 }
 
+ffi::Error QuantizeTiles(void* stream, ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> q,
+                         ffi::Result<ffi::AnyBuffer> s, int32_t scale_rule) {
+  QuantizeTilesArgs a;
+  ffi::Error e = check_quantize_tiles_args(x, q, s, &a);
+  if (e.failure()) return e;
+  if (a.n == 0) return ffi::Error::Success();
+  return status(
+      "mxfp8_quantize_tiles",
+      launch_quantize_tiles(stream, a.t, static_cast<const uint8_t*>(x.untyped_data()), a.M, a.K,
+                            bytes(q), bytes(s), static_cast<ScaleRule>(scale_rule)));
+}
+
 ffi::Error QuantizeSegments(void* stream, ffi::AnyBuffer x, ffi::AnyBuffer desc,
                             ffi::Result<ffi::AnyBuffer> row_q, ffi::Result<ffi::AnyBuffer> row_s,
                             ffi::Result<ffi::AnyBuffer> col_q, ffi::Result<ffi::AnyBuffer> col_s,
@@ -352,6 +364,9 @@ ffi::Error AllgatherRmsnormQuantize(
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(QuantizeHandler, Quantize,
                               quantize_binding<ffi::PlatformStream<void*>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(QuantizeTilesHandler, QuantizeTiles,
+                              quantize_tiles_binding<ffi::PlatformStream<void*>>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(QuantizeSegmentsHandler, QuantizeSegments,
                               quantize_segments_binding<ffi::PlatformStream<void*>>());

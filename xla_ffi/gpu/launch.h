@@ -19,6 +19,10 @@ namespace mxfp8::gpu {
 const char* launch_quantize(void* stream, InType t, const uint8_t* x, int64_t M, int64_t K,
                             const Planes& p, ScaleRule rule);
 
+// [M, K] input, M and K multiples of 32: codes q [M, K], one scale per 32x32 tile s [M/32, K/32].
+const char* launch_quantize_tiles(void* stream, InType t, const uint8_t* x, int64_t M, int64_t K,
+                                  uint8_t* q, uint8_t* s, ScaleRule rule);
+
 // A packed segment of S elements; desc: P device-resident rows (offset, rows, row_len), int64
 // when desc64 else int32.
 const char* launch_quantize_segments(void* stream, InType t, const uint8_t* x, int64_t S,

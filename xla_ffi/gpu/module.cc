@@ -14,6 +14,7 @@ namespace nb = nanobind;
 
 namespace mxfp8::gpu {
 extern "C" XLA_FFI_Error* QuantizeHandler(XLA_FFI_CallFrame*);
+extern "C" XLA_FFI_Error* QuantizeTilesHandler(XLA_FFI_CallFrame*);
 extern "C" XLA_FFI_Error* QuantizeSegmentsHandler(XLA_FFI_CallFrame*);
 extern "C" XLA_FFI_Error* RmsnormQuantizeHandler(XLA_FFI_CallFrame*);
 extern "C" XLA_FFI_Error* AllgatherRmsnormQuantizeHandler(XLA_FFI_CallFrame*);
@@ -33,6 +34,7 @@ NB_MODULE(MXFP8_GPU_MODULE, m) {
   m.def("registrations", []() {
     nb::dict d;
     d["mxfp8_quantize"] = capsule(mxfp8::gpu::QuantizeHandler);
+    d["mxfp8_quantize_tiles"] = capsule(mxfp8::gpu::QuantizeTilesHandler);
     d["mxfp8_quantize_segments"] = capsule(mxfp8::gpu::QuantizeSegmentsHandler);
     d["mxfp8_rmsnorm_quantize"] = capsule(mxfp8::gpu::RmsnormQuantizeHandler);
     // Experimental (xla_ffi/README.md): Python calls it only for strategy="p2p".

@@ -100,6 +100,52 @@ def quantize(x2d: jax.Array, *, scale_rule: int, rowwise: bool, columnwise: bool
 
 
 @functools.cache
+def _quantize_tiles_call(scale_rule: int) -> kernel_sharding.Partitioned:
+    """The partitioned ``mxfp8_quantize_tiles`` call of one scale rule."""
+
+    def body(x2d):
+        m, k = x2d.shape
+        shapes = (
+            jax.ShapeDtypeStruct((m, k), jnp.float8_e4m3fn),
+            jax.ShapeDtypeStruct((m // BLOCK, k // BLOCK), jnp.uint8),
+        )
+        return tuple(jax.ffi.ffi_call("mxfp8_quantize_tiles", shapes)(x2d, scale_rule=np.int32(scale_rule)))
+
+    # a tile is 32 rows by 32 columns: both axes stay cut in whole tiles, and the scales
+    # [M/32, K/32] follow the data along each
+    dims = kernel_sharding.Dims(
+        operands=(("m", "k"),), results=(("m", "k"), ("m/32", "k/32")), blocked=frozenset({"m", "k"})
+    )
+    return kernel_sharding.Partitioned(body, dims)
+
+
+@functools.cache
+def _quantize_tiles_fn(scale_rule: int):
+    """``_quantize_tiles_call`` with its vmap rule (custom partitioning has none of its own)."""
+    fn = jax.custom_batching.custom_vmap(_quantize_tiles_call(scale_rule))
+
+    @fn.def_vmap
+    def _batched(axis_size, in_batched, x):
+        # the [B, M, K] batch is one [B*M, K] call: M is a multiple of 32, so no tile straddles
+        # two examples, and example b's tiles are rows [b*M/32, (b+1)*M/32) of the scales
+        b, m, k = x.shape
+        q, s = fn(x.reshape(b * m, k))
+        return (q.reshape(b, m, k), s.reshape(b, m // BLOCK, k // BLOCK)), (True, True)
+
+    return fn
+
+
+def quantize_tiles(x2d: jax.Array, *, scale_rule: int):
+    """``mxfp8_quantize_tiles``: ``x2d [M, K]`` (both multiples of 32) -> ``(q [M, K]
+    float8_e4m3fn, s [M/32, K/32] uint8)``, one scale per 32x32 tile.
+
+    Under ``jit`` a sharded ``x2d`` stays sharded (``kernel_sharding``) along either axis where
+    every shard holds whole 32x32 tiles; the scales follow.
+    """
+    return tuple(_quantize_tiles_fn(int(scale_rule))(x2d))
+
+
+@functools.cache
 def _segments_call(scale_rule: int, rowwise: bool, columnwise: bool) -> kernel_sharding.Partitioned:
     """The partitioned ``mxfp8_quantize_segments`` call of one configuration."""
 

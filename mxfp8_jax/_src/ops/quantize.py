@@ -77,8 +77,9 @@ def quantize(
         kernel or an error) or ``"jax"`` (the pure-JAX reference; the same bytes).
       blocks: ``"1x32"`` (the planes above) or ``"32x32"``: one plane with one scale per 32x32
         tile of ``[M, K]`` (both multiples of 32), which serves both directions
-        (``MXFP8Tensor2D``; ``rowwise``/``columnwise`` do not apply). The 32x32 quantize has
-        no kernel yet: ``"auto"`` runs the reference, ``"ffi"`` raises.
+        (``MXFP8Tensor2D``; ``rowwise``/``columnwise`` do not apply). Its kernel
+        (``mxfp8_quantize_tiles``) has CPU, CUDA and ROCm handlers, chosen by ``backend`` as
+        for 1x32 blocks; under ``jit`` a sharded input stays sharded in whole 32x32 tiles.
 
     Returns:
       An ``MXFP8Tensor`` holding the requested planes (the others ``None``); its ``shape`` and
@@ -115,7 +116,7 @@ def quantize(
 
 
 def _quantize_tiles(x, rowwise: bool, columnwise: bool, scale_rule: str, backend: str) -> MXFP8Tensor2D:
-    """``quantize(x, blocks="32x32")``, checked: the reference (no kernel yet)."""
+    """``quantize(x, blocks="32x32")``, checked: the reference or the kernel, as ``backend`` says."""
     if not (rowwise and columnwise):
         raise ValueError(
             "blocks='32x32' makes one plane that serves both directions: rowwise and columnwise do not apply "
@@ -126,34 +127,35 @@ def _quantize_tiles(x, rowwise: bool, columnwise: bool, scale_rule: str, backend
         raise ValueError(f"x: M={m} (product of the leading axes) must be a multiple of 32 for 32x32 blocks")
     rule = fmt.ScaleRule.parse(scale_rule)
     backends.check(backend)
-    if backend == "ffi":
-        raise ValueError(
-            "backend='ffi': the 32x32-block quantize has no kernel in this version; use backend='auto' or 'jax' "
-            "(the reference)"
-        )
     fn = _tiles if is_traced(x) else _tiles_jit
-    data, scale = fn(jnp.asarray(x).reshape(m, k), rule=rule)
+    data, scale = fn(jnp.asarray(x).reshape(m, k), rule=rule, backend=backend)
     return MXFP8Tensor2D(data=data, scale=scale, shape=tuple(x.shape), dtype=x.dtype)
 
 
-def _tiles(x2d, *, rule: fmt.ScaleRule):
-    return _tiles_no_grad(x2d, rule)
+def _tiles(x2d, *, rule: fmt.ScaleRule, backend: str):
+    return _tiles_no_grad(x2d, rule, backend)
 
 
-@functools.partial(jax.custom_jvp, nondiff_argnums=(1,))
-def _tiles_no_grad(x2d, rule: fmt.ScaleRule):
-    return fmt.quantize_tiles(x2d, rule)
+@functools.partial(jax.custom_jvp, nondiff_argnums=(1, 2))
+def _tiles_no_grad(x2d, rule: fmt.ScaleRule, backend: str):
+    def reference(x2d):
+        return fmt.quantize_tiles(x2d, rule)
+
+    def kernel(x2d):
+        return ffi_calls.quantize_tiles(x2d, scale_rule=rule.code)
+
+    return backends.run("mxfp8_quantize_tiles", backend, kernel, reference, x2d)
 
 
 @functools.partial(_tiles_no_grad.defjvp, symbolic_zeros=True)
-def _tiles_jvp(rule, primals, tangents):
+def _tiles_jvp(rule, backend, primals, tangents):
     if carries_tangent(tangents[0]):
         raise not_differentiable("mx.quantize")
-    out = _tiles_no_grad(*primals, rule)
+    out = _tiles_no_grad(*primals, rule, backend)
     return out, jax.tree.map(zero_tangent, out)
 
 
-_tiles_jit = jax.jit(_tiles, static_argnames=("rule",))
+_tiles_jit = jax.jit(_tiles, static_argnames=("rule", "backend"))
 
 
 def _planes(x2d, *, rowwise: bool, columnwise: bool, rule: fmt.ScaleRule, backend: str):

@@ -1,8 +1,8 @@
-// The argument checks of mxfp8_quantize, mxfp8_quantize_segments and mxfp8_rmsnorm_quantize,
-// one function per target that the CPU handler (cpu/*.cc) and the GPU one (gpu/handlers.cc) both
-// call: the same rules, in the same order, with the same messages, and the sizes they decode.
-// What a handler does with an empty call is its own (each returns early where its kernels
-// need it). Host code of the handlers only: the kernels never see an XLA header.
+// The argument checks of mxfp8_quantize, mxfp8_quantize_tiles, mxfp8_quantize_segments and
+// mxfp8_rmsnorm_quantize, one function per target that the CPU handler (cpu/*.cc) and the GPU one
+// (gpu/handlers.cc) both call: the same rules, in the same order, with the same messages, and the
+// sizes they decode. What a handler does with an empty call is its own (each returns early where
+// its kernels need it). Host code of the handlers only: the kernels never see an XLA header.
 #pragma once
 
 #include <cstddef>
@@ -38,6 +38,31 @@ inline ffi::Error check_quantize_args(const ffi::AnyBuffer& x, ffi::Result<ffi::
   const size_t n = static_cast<size_t>(M * K);
   if (!plane_sizes_ok(n, rowwise, columnwise, row_q, row_s, col_q, col_s))
     return invalid("mxfp8_quantize: result sizes do not match the input");
+  *a = {t, M, K, n};
+  return ffi::Error::Success();
+}
+
+// mxfp8_quantize_tiles: x [..., K] read as [M, K], one scale per 32x32 tile.
+struct QuantizeTilesArgs {
+  InType t = InType::kF32;
+  int64_t M = 0, K = 0;
+  size_t n = 0;  // M * K elements
+};
+
+inline ffi::Error check_quantize_tiles_args(const ffi::AnyBuffer& x, ffi::Result<ffi::AnyBuffer>& q,
+                                            ffi::Result<ffi::AnyBuffer>& s, QuantizeTilesArgs* a) {
+  InType t;
+  if (!input_type(x.element_type(), &t))
+    return invalid("mxfp8_quantize_tiles: input must be f32, bf16 or f16");
+  const auto dims = x.dimensions();
+  if (dims.size() < 2) return invalid("mxfp8_quantize_tiles: input must have rank >= 2");
+  const int64_t K = dims.back();
+  const int64_t M = static_cast<int64_t>(x.element_count()) / (K ? K : 1);
+  if (K % kBlock || M % kBlock)
+    return invalid("mxfp8_quantize_tiles: M and K must be multiples of 32");
+  const size_t n = static_cast<size_t>(M * K);
+  if (q->size_bytes() != n || s->size_bytes() != n / (kBlock * kBlock))
+    return invalid("mxfp8_quantize_tiles: result sizes do not match the input");
   *a = {t, M, K, n};
   return ffi::Error::Success();
 }

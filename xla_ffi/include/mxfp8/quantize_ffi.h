@@ -1,8 +1,8 @@
-// The XLA FFI signatures of mxfp8_quantize, mxfp8_quantize_segments and mxfp8_rmsnorm_quantize,
-// one definition each for the CPU handlers (cpu/*.cc) and the GPU ones (gpu/handlers.cc): only
-// the execution context differs, XLA:CPU's thread pool or the GPU stream. Operands, results and
-// attributes are described in cpu/quantize.cc, cpu/quantize_segments.cc and
-// cpu/rmsnorm_quantize.cc.
+// The XLA FFI signatures of mxfp8_quantize, mxfp8_quantize_tiles, mxfp8_quantize_segments and
+// mxfp8_rmsnorm_quantize, one definition each for the CPU handlers (cpu/*.cc) and the GPU ones
+// (gpu/handlers.cc): only the execution context differs, XLA:CPU's thread pool or the GPU stream.
+// Operands, results and attributes are described in cpu/quantize.cc, cpu/quantize_tiles.cc,
+// cpu/quantize_segments.cc and cpu/rmsnorm_quantize.cc.
 #pragma once
 
 #include <cstdint>
@@ -25,6 +25,17 @@ auto quantize_binding() {
       .template Attr<int32_t>("scale_rule")
       .template Attr<bool>("rowwise")
       .template Attr<bool>("columnwise");
+}
+
+template <typename Context>
+auto quantize_tiles_binding() {
+  namespace ffi = xla::ffi;
+  return ffi::Ffi::Bind()
+      .Ctx<Context>()
+      .template Arg<ffi::AnyBuffer>()  // x
+      .template Ret<ffi::AnyBuffer>()  // q
+      .template Ret<ffi::AnyBuffer>()  // s
+      .template Attr<int32_t>("scale_rule");
 }
 
 template <typename Context>
