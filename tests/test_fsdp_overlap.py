@@ -130,6 +130,31 @@ def test_a_python_loop_gathers_each_layer_while_the_layer_before_computes(mesh):
     assert temp1 <= temp0 + layer_bytes(f1, "blocks/1/"), (temp0, temp1)
 
 
+class RematBlocks(Blocks):
+    """The same blocks, each under ``nnx.remat`` (as Flax's Gemma example writes them)."""
+
+    def __call__(self, x):
+        for block in self.blocks:
+            x = nnx.remat(lambda b, h: b(h))(block, x)
+        return self.head(x)
+
+
+def test_a_python_loop_of_remat_blocks_gathers_each_block_while_the_block_before_computes(mesh):
+    """Each block is a region of its own; under ``prefetch=1`` its forward gathers wait for the
+    input of the block before (``fsdp_fetch.region_ahead``), not its own. In the backward the
+    recomputed forward waits for the block's cotangent, as without prefetch."""
+    model = RematBlocks(nnx.Rngs(0))
+    x = np.random.default_rng(0).normal(size=(8 * mesh.size, D)).astype(np.float32)
+    _, step0, grads0 = compiled(model, mesh, mse, x, prefetch=0)
+    _, step1, grads1 = compiled(model, mesh, mse, x, prefetch=1)
+    waiting, early = forward_gathers(step0), forward_gathers(step1)
+    assert len(waiting) == len(early) == 2 * (2 * BLOCKS - 1), (waiting, early)
+    assert all(g.overlap == 0 for g in waiting), waiting
+    # all but the first block's down projection, which waits for the block's own input
+    assert sum(g.overlap >= 1 for g in early) == len(early) - 2, early
+    assert same_bits(grads0, grads1)
+
+
 def test_a_scanned_transformer_gathers_without_waiting_for_the_carried_activation(mesh, monkeypatch):
     """The package's transformer (``nnx.scan`` over ``nnx.remat`` blocks): with ``prefetch=1``
     every gather in the loop bodies that has GEMMs before its own can overlap one, forward and

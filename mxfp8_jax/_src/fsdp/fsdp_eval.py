@@ -78,7 +78,7 @@ from mxfp8_jax._src.fsdp.fsdp_values import (
     not_a_unit,
     rebuild,
 )
-from mxfp8_jax._src.fsdp.fsdp_walk import Body, Remat, Scan, Traversal, While, first
+from mxfp8_jax._src.fsdp.fsdp_walk import Body, Remat, Scan, Traversal, While, first, static_index
 from mxfp8_jax._src.ops import mxfp8_gemm
 
 # a plain stack a scan slices is gathered whole before the loop up to this size (``stacked_plain``)
@@ -105,10 +105,9 @@ def _unzip(pairs) -> tuple[list, list[Spec]]:
 
 class _Evaluator(Traversal):
     """The loss evaluated on ``(value, spec)`` pairs: an op on arrays only runs as traced (a
-    collective over tp in an island); an op reading a parameter goes by the rule tables: an
-    index of a stack (``rules``), a unit's view, GEMM or lookup (``unit_rules``), a plain
-    parameter's view or island (``plain_rules``), a call, region, loop or branch evaluated here
-    (``kind_rules``)."""
+    collective over tp in an island); an op reading a parameter goes by the rule tables: a
+    stack's index (``rules``), a unit's view, GEMM or lookup (``unit_rules``), a plain one's
+    view or island (``plain_rules``), a call, region, loop or branch (``kind_rules``)."""
 
     def __init__(self, islands: Islands, drop_constraints: bool = False) -> None:
         self.islands = islands
@@ -125,6 +124,7 @@ class _Evaluator(Traversal):
         self.recomputing = False  # evaluating a fetching scan's body: its remat region inlined (``fsdp_fetch``)
         self.handing: tuple | None = None  # the last linked unit GEMM: (its handoff value, unit, op)
         self.linking = True  # unit GEMMs evaluated now are linked (``fsdp_fetch.handoff``)
+        self.region_input = None  # the last top-level region's input (``fsdp_fetch.region_ahead``)
 
     def literal(self, lit) -> tuple:
         return lit.val, None
@@ -307,13 +307,16 @@ class _Evaluator(Traversal):
         return [(dataclasses.replace(x, ops=(*x.ops, (eqn.primitive, dict(eqn.params)))), None)]
 
     def _plain_island(self, eqn, values, specs) -> list | None:
-        """The op in an island (``plain_island``) where an activation the batch split reaches
-        is among its operands and its result is split."""
+        """The op in an island (``plain_island``) if it reads an activation and its result is split."""
         out_specs = self.propagation.eqn(eqn, specs)
         acts = [k for k, a in enumerate(values) if not isinstance(a, Symbolic) and specs[k] is not None]
         if len(eqn.outvars) != 1 or not acts or out_specs[0] is None:
             return None
-        return [(plain_island(self.islands, eqn, values, specs, out_specs[0], acts[0]), out_specs[0])]
+        split = [a for a in values if isinstance(a, PlainValue) and a.shard_axis is not None]
+        act, spec = values[acts[0]], fsdp_specs.partition(specs[acts[0]], jnp.ndim(values[acts[0]]))
+        wait = self.token(split[0], act, spec) if split else ("own",)
+        after = wait[1:] if wait[0] == "layer" else ()  # a Python loop's: as its units' gathers
+        return [(plain_island(self.islands, eqn, values, specs, out_specs[0], acts[0], after), out_specs[0])]
 
     def _plain_dot(self, eqn, values, specs) -> list | None:
         """A GEMM none of whose operands is split along an axis it contracts (each device's
@@ -325,16 +328,15 @@ class _Evaluator(Traversal):
 
     # -- islands ----------------------------------------------------------------------------------
 
-    def token(self, unit: UnitValue, act, act_spec):
-        """What the forward gathers of ``unit`` wait for: ``(how, island operand, its spec)``.
-        ``"own"``: the op's own input (``prefetch=0``, or no earlier layer to wait for);
-        ``"none"``: nothing (a layer a loop reads per iteration: a slice of a scan's stacked
-        input or a traced index; XLA may start it any time in the iteration, and XLA:GPU's
-        collective pipeliner one iteration ahead); ``"layer"``: the input of the layer
-        ``prefetch`` layers before in a Python loop over a list of layers (``UnitValue.layer``),
-        the operand.
-        A layer's input is its first unit op's activation, and only a layer of the same
-        region (not across a rematerialised region or a loop body) is waited for."""
+    def token(self, unit: UnitValue | PlainValue, act, act_spec):
+        """What the forward gathers of ``unit`` (or a plain parameter) wait for: ``(how, island
+        operand, its spec)``. ``"own"``: the op's own input (``prefetch=0``, or no earlier layer
+        to wait for); ``"none"``: nothing (a layer a loop reads per iteration: a slice of a
+        scan's stacked input or a traced index; XLA may start it any time in the iteration);
+        ``"layer"``: the input of the layer ``prefetch`` layers before in a Python loop over a
+        list of layers (``UnitValue.layer``), the operand. A layer's input is the activation of
+        its first op reading a parameter; only a layer of the same region (not across a
+        rematerialised region or a loop body) is waited for."""
         if not self.islands.prefetch:
             return "own", (), ()
         if unit.sliced or unit.pick:
@@ -354,9 +356,8 @@ class _Evaluator(Traversal):
 
     @contextlib.contextmanager
     def inside(self, linked: bool = False):
-        """Evaluating a body of its own (a rematerialised region, a loop body, a branch): layers
-        seen there are not waited for outside it, nor the outer ones inside (``token``); its unit
-        GEMMs are linked in the handoff only where ``linked`` (a fetching scan's body)."""
+        """Evaluating a body of its own (a region, a loop body, a branch): its layers and the
+        outer ones wait not for each other (``token``); ``linked``: its GEMMs are (``handoff``)."""
         saved = self.region, self.linking
         self.regions += 1
         self.region, self.linking = self.regions, linked
@@ -540,7 +541,7 @@ class _Evaluator(Traversal):
         values, in_specs = _unzip(ins)
         operands, slicers = list(values[1:]), {}
         for k, x in enumerate(operands):
-            found = _static_index(branches, k) if isinstance(x, Symbolic) else None
+            found = static_index(branches, k) if isinstance(x, Symbolic) else None
             picked = None if found is None else self.index(found[0], [x])
             if isinstance(picked, UnitValue):
                 picked = dataclasses.replace(picked, shards=picked.picked_shards(), pick=())
@@ -610,6 +611,8 @@ class _Evaluator(Traversal):
         out_specs: list = []
 
         inline = self.recomputing
+        earlier, spec, self.region_input = fsdp_fetch.region_ahead(self, region, values, in_specs)
+        flat = [*flat, *earlier]
 
         def run(*flat):
             """The region's body; inlined (``recomputing``) it may read fetched weights, wrapped
@@ -619,6 +622,7 @@ class _Evaluator(Traversal):
             self.fetching, self.recomputing = (self.fetching if inline else None), False
             try:
                 with self.inside():
+                    self.layers[self.region] = {None: (flat[-1], spec)} if earlier else {}
                     outs, specs = _unzip(region.body(list(zip(args, in_specs))))
             finally:
                 self.fetching, self.recomputing = saved
@@ -668,28 +672,6 @@ class _Evaluator(Traversal):
     }
     # ``traced_rules[primitive name]``: the island of an op on arrays only (a model's collective)
     traced_rules: ClassVar = dict.fromkeys(fsdp_specs.COLLECTIVES, collective_island)
-
-
-def _static_index(branches: list[Body], k: int) -> list | None:
-    """The equations of ``branches`` that read the ``k``-th operand, when each is a ``slice``
-    with the same static indices and nothing else reads it (None otherwise)."""
-    found, params = [], None
-    for branch in branches:
-        inner = branch.jaxpr
-        v = inner.invars[k]
-        if v in inner.outvars:
-            return None
-        for e in inner.eqns:
-            if not any(u is v for u in e.invars):
-                continue
-            parts = jaxprs.slice_parts(e)
-            if parts is None or parts.starts is None or e.invars[0] is not v:
-                return None
-            if params is not None and e.params != params:
-                return None
-            params = e.params
-            found.append(e)
-    return found or None
 
 
 def _reshape_op(shape: tuple[int, ...], out_aval) -> tuple:

@@ -33,7 +33,7 @@ from mxfp8_jax._src.fsdp import fsdp_specs
 from mxfp8_jax._src.fsdp.fsdp_islands import closing_island, fetch_island, zero_handoff_island
 from mxfp8_jax._src.fsdp.fsdp_trace import RETYPE_PRIMITIVES
 from mxfp8_jax._src.fsdp.fsdp_unit import NO_HANDOFF, Handoff, UnitOp
-from mxfp8_jax._src.fsdp.fsdp_values import UnitValue
+from mxfp8_jax._src.fsdp.fsdp_values import Symbolic, UnitValue
 from mxfp8_jax._src.fsdp.fsdp_walk import Scan
 
 
@@ -224,6 +224,28 @@ def _chain(ev, run, fetch, layer_of, flat_consts, carry, xs_in):
     if found[0][1].geometry.precision != "mxfp8":
         return None  # a bf16 weight carried through the loop: XLA:GPU's schedule lost more than it won
     return shapes, found[0][0], found[0][1]
+
+
+def region_ahead(ev, region, values, specs) -> tuple:
+    """A Python loop's rematerialised blocks gathering one block ahead: under ``prefetch``, the
+    forward gathers of a region without a policy evaluated at the top of the loss wait for the
+    input of the region before (``ev.region_input``: its first floating input, the block's
+    activation) instead of their own. ``([that input], its PartitionSpec, this region's
+    input)``: the first passed into the region as one more input (a residual the region before
+    saves anyway), ``[]`` where there is none; the last, the next region's ``region_input``. In
+    the backward the recomputed forward still waits for the cotangent."""
+    before = ev.region_input
+    if not ev.islands.prefetch or ev.region != 0 or ev.recomputing or region.policy is not None:
+        return [], None, before
+    act = next(((v, s) for v, s in zip(values, specs) if _floating(v) and s is not None), None)
+    if before is None:
+        return [], None, act
+    return [before[0]], fsdp_specs.partition(before[1], jnp.ndim(before[0])), act or before
+
+
+def _floating(v) -> bool:
+    """Whether ``v`` is an array of floats (an activation, not a parameter's symbolic value)."""
+    return not isinstance(v, Symbolic) and hasattr(v, "dtype") and jnp.issubdtype(v.dtype, jnp.floating)
 
 
 def handoff(ev, op: UnitOp) -> tuple:

@@ -179,10 +179,11 @@ def lookup_island(islands: Islands, op: UnitOp, others: tuple, other_specs, unit
     return fn(unit.shards, others, unit.pick)
 
 
-def plain_island(islands: Islands, eqn, ins: list, in_specs: list[Spec], out_spec: Spec, token: int):
+def plain_island(islands: Islands, eqn, ins: list, in_specs: list[Spec], out_spec: Spec, token: int, earlier=()):
     """``eqn`` on plain parameters and activations, on each device's part: each plain parameter
-    gathered there once the activation ``ins[token]`` exists, its gradient reduce-scattered
-    from the devices' parts."""
+    gathered there once the activation ``ins[token]`` exists (``earlier``: once that array,
+    split as the spec beside it, does instead: an earlier layer's input), its gradient
+    reduce-scattered from the devices' parts."""
     specs, arrays = [], []
     for a, s in zip(ins, in_specs):
         if isinstance(a, PlainValue):
@@ -195,8 +196,12 @@ def plain_island(islands: Islands, eqn, ins: list, in_specs: list[Spec], out_spe
             specs.append(partition(s, np.ndim(a)))
             arrays.append(a)
 
+    if earlier:
+        arrays.append(earlier[0])
+        specs.append(earlier[1])
+
     def body(*local):
-        dep = local[token]
+        dep = local[len(ins)] if earlier else local[token]
         args = []
         for a, loc in zip(ins, local):
             if isinstance(a, PlainValue):

@@ -219,7 +219,7 @@ class Steps:
                 gemm = self.plan.gemms if p.kind == "mxfp8" else dataclasses.replace(self.plan.gemms, mxfp8=None)
                 values.append(UnitValue(p.name, p.unit, p.dtype, shards, view, gemm=gemm, path=p.path))
             else:
-                values.append(PlainValue(p.name, master[p.name], p.shard_axis, p.dtype))
+                values.append(PlainValue(p.name, master[p.name], p.shard_axis, p.dtype, path=p.path))
         return values
 
     def step_keys(self, rest) -> list:

@@ -84,8 +84,13 @@ class UnitValue:
         its path up to and including the list index (an int): ``("blocks", 3, "attn", "q",
         "kernel")`` -> ``("blocks", 3)``. None outside such a list: the unit is in no layer of a
         Python loop over layers."""
-        index = next((k for k, key in enumerate(self.path) if isinstance(key, int)), None)
-        return None if index is None else tuple(self.path[: index + 1])
+        return layer_of(self.path)
+
+
+def layer_of(path: tuple) -> tuple | None:
+    """A parameter's layer of a Python loop over a list of layers (``UnitValue.layer``)."""
+    index = next((k for k, key in enumerate(path) if isinstance(key, int)), None)
+    return None if index is None else tuple(path[: index + 1])
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -99,6 +104,14 @@ class PlainValue:
     shard_axis: int | None
     dtype: Any
     ops: tuple = ()
+    path: tuple = ()  # the parameter's nnx path (a list's index an int)
+    sliced: bool = False  # a scan's slice of it (gathered whole before the loop)
+    pick: tuple = ()  # never picked: a plain parameter's index reads it whole
+
+    @property
+    def layer(self) -> tuple | None:
+        """Its layer of a Python loop over a list of layers (``UnitValue.layer``)."""
+        return layer_of(self.path)
 
     def value(self, whole: jax.Array) -> jax.Array:
         """The parameter whole -> the value the loss reads (its layout ops replayed)."""

@@ -189,3 +189,25 @@ class Traversal:
     def inline_region(self, eqn, region: Remat, ins: list) -> list:
         """A remat region's body walked as is, as a call's (a kind rule)."""
         return region.body(ins)
+
+
+def static_index(branches: list[Body], k: int) -> list | None:
+    """The equations of ``branches`` that read the ``k``-th operand, when each is a ``slice``
+    with the same static indices and nothing else reads it (None otherwise)."""
+    found, params = [], None
+    for branch in branches:
+        inner = branch.jaxpr
+        v = inner.invars[k]
+        if v in inner.outvars:
+            return None
+        for e in inner.eqns:
+            if not any(u is v for u in e.invars):
+                continue
+            parts = jaxprs.slice_parts(e)
+            if parts is None or parts.starts is None or e.invars[0] is not v:
+                return None
+            if params is not None and e.params != params:
+                return None
+            params = e.params
+            found.append(e)
+    return found or None
