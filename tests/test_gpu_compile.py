@@ -135,28 +135,45 @@ def test_the_gpu_step_multiplies_every_unit_in_bf16(meshes, gpu, loop):
     assert step.memory_analysis().temp_size_in_bytes <= temp_bound(LAYERS)
 
 
-@pytest.mark.parametrize("gpu", ["b200", "h100"])
-def test_mxfp8_gemms_are_block_scaled_on_b200_and_bf16_on_h100(meshes, gpu):
-    """``gemm="mxfp8"``: B200 runs every GEMM of the recipe as one cuDNN block-scaled dot and no
-    bf16 or fp32 GEMM for them (the head, a bf16 unit, keeps its bf16 GEMMs); H100, without
-    block-scaled MMA, multiplies the exactly dequantized operands as bf16 (``gemm_path``
-    "bf16"), never fp32."""
-    fsdp, step = compiled(meshes, gpu, gemm="mxfp8")
+def test_mxfp8_gemms_are_bf16_on_h100(meshes):
+    """``gemm="mxfp8"`` on H100, without block-scaled MMA: the exactly dequantized operands
+    multiplied as bf16 (``gemm_path`` "bf16"), never fp32."""
+    fsdp, step = compiled(meshes, "h100", gemm="mxfp8")
+    units = unit_gemms(step.as_text())
+    assert units and {g.precision for g in units} == {"bf16"}, {g.precision for g in units}
+    assert_units_flops(flops(units), 4 * LAYERS * BLOCK_FLOPS + 3 * HEAD_FLOPS)
+
+
+def test_mxfp8_gemms_are_block_scaled_on_b200(meshes):
+    """``gemm="mxfp8"`` on B200: every GEMM of the recipe is one cuDNN block-scaled dot on the
+    E4M3 codes and E8M0 scales, and no bf16 or fp32 GEMM for them (the head, a bf16 unit, keeps
+    its bf16 GEMMs). XLA:GPU from jaxlib 0.12.1 resolves that cuDNN call only with a live cuDNN:
+    where it cannot here, compiling says so (``NeedsDevice``, naming the call and what to do)
+    instead of XLA's message, and the program is checked as lowered."""
+    fsdp, batch = wrapped(meshes, "b200", gemm="mxfp8")
+    tx = optax.adamw(1e-4)
+    lowered = fsdp.lower_train_step(models.next_token_loss, tx, fsdp.abstract_state(tx), batch)
+    calls = [line for line in lowered.as_text().splitlines() if "custom_call @__op$block_scaled_dot(" in line]
+    # jax outlines the calls of equal shapes (tests/test_fsdp_gemm.py counts them per GEMM)
+    assert calls
+    for line in calls:
+        operands = re.findall(r"tensor<([^>]*)>", line.rsplit(" : ", 1)[1].split(" -> ")[0])
+        assert [t.rsplit("x", 1)[1] for t in operands] == ["f8E4M3FN", "f8E4M3FN", "f8E8M0FNU", "f8E8M0FNU"]
+    try:
+        step = fsdp.compile_train_step(models.next_token_loss, tx, fsdp.abstract_state(tx), batch)
+    except xla_costs.NeedsDevice as e:
+        assert "__cudnn$blockScaledDot" in str(e) and "gemm='mxfp8'" in str(e) and "GPU host" in str(e)
+        assert isinstance(e.__cause__, jax.errors.JaxRuntimeError)
+        return
     text = step.as_text()
     units = unit_gemms(text)
-    assert not [g for g in units if g.fp32]
     scaled = [g for g in units if g.block_scaled]
     bf16 = [g for g in units if g.precision == "bf16"]
     assert len(scaled) + len(bf16) == len(units)
-    if gpu == "b200":
-        assert all(g.kind == "__cudnn$blockScaledDot" for g in scaled)
-        assert_units_flops(flops(scaled), 4 * LAYERS * BLOCK_FLOPS)
-        assert flops(bf16) == 3 * HEAD_FLOPS
-        calls = [c.target for c in hlo.custom_calls(text)]
-        assert calls.count("__cudnn$blockScaledDot") == len(scaled)
-    else:
-        assert not scaled
-        assert_units_flops(flops(bf16), 4 * LAYERS * BLOCK_FLOPS + 3 * HEAD_FLOPS)
+    assert all(g.kind == "__cudnn$blockScaledDot" for g in scaled)
+    assert_units_flops(flops(scaled), 4 * LAYERS * BLOCK_FLOPS)
+    assert flops(bf16) == 3 * HEAD_FLOPS
+    assert [c.target for c in hlo.custom_calls(text)].count("__cudnn$blockScaledDot") == len(scaled)
 
 
 def test_temp_grows_by_the_saved_carry_per_layer(meshes):
@@ -185,12 +202,18 @@ def test_the_command_compiles_a_model_of_ones_own(tmp_path, capsys, monkeypatch)
     )
     monkeypatch.chdir(tmp_path)
     out = tmp_path / "out.json"
-    gpu_compile.main(["--model", "my_model:workload", "--gpu", "b200", "--variants", "mxfp8,gspmd", "--json", str(out)])
+    variants = "mxfp8,gspmd,mxfp8-gemm"
+    gpu_compile.main(["--model", "my_model:workload", "--gpu", "b200", "--variants", variants, "--json", str(out)])
     printed = capsys.readouterr().out
     assert "not from a run" in printed and "Latency estimator: speed-of-light" in printed
     assert "my_model:workload" in printed
     report = json.loads(out.read_text())
-    (mx, gspmd) = report["results"]
+    # the MXFP8 GEMM step: compiled, or said not to be (the cuDNN call, above), the others still
+    skipped = report["not_compiled"]
+    assert [r["variant"] for r in report["results"]] == ["mxfp8", "gspmd"] + (["mxfp8-gemm"] if not skipped else [])
+    assert [(r["gpu"], r["variant"]) for r in skipped] in ([], [("b200", "mxfp8-gemm")])
+    assert all("not compiled here" in printed and "__cudnn$blockScaledDot" in r["reason"] for r in skipped)
+    (mx, gspmd) = report["results"][:2]
     assert (mx["variant"], gspmd["variant"]) == ("mxfp8", "gspmd")
     # 2 units x (forward, dgrad, wgrad), but the dgrad of `up`, whose input needs no gradient
     assert mx["gemms"]["fp32"] == mx["gemms"]["fp32_of_units"] == 0 and mx["gemms"]["per_step"] == {"bf16": 5}
@@ -355,8 +378,9 @@ def test_the_realistic_step_hides_its_gathers_behind_gemms(meshes, tmp_path):
     prices (each repriced GEMM scheduled at its FLOPs at the program's 16-bit-result rate), so
     that its own estimates of the step and of the exposed gathers are the replay's (within 5%
     and 10%), and by them the exposed gathers are at most 5% of the step. In each loop body,
-    forward and backward, no weight gather is waited for (the next iteration's first weights,
-    q, k and v, gathered during this one), and most run beside at least their latency of GEMMs
+    forward and backward, at most one weight gather is waited for, and briefly (the next
+    iteration's first weights, q, k and v, gathered during this one), and most run beside at
+    least their latency of GEMMs
     (a few beside the attention's other kernels too); no all-reduce is left in the loops (the
     norm scales' per-layer gradients are reduce-scattered with the units'); and temp memory
     exceeds ``prefetch=0``'s by less than two layers' 8-bit planes and one layer's bf16
@@ -396,10 +420,13 @@ def test_the_realistic_step_hides_its_gathers_behind_gemms(meshes, tmp_path):
     bodies = {g.computation for g in looped}
     assert len(bodies) == 2
     for body in bodies:
-        waited = {g.name for g in looped if g.computation == body and g.stall > 0.5}  # µs
+        stalls = {g.name: g.stall for g in looped if g.computation == body}  # µs
+        waited = {name for name, us in stalls.items() if us > 0.5}
         covered = {g.name for g in looped if g.computation == body and g.hidden}
-        ran = {g.name for g in looped if g.computation == body}
-        assert not waited and len(covered) >= len(ran) - 2, (body, sorted(waited), sorted(covered), sorted(ran))
+        # jax 0.12.1's XLA closes one gather of the recomputed forward early (to start the
+        # next one) and waits about 4 µs for it: at most one, under a thousandth of the step
+        assert len(waited) <= 1 and max(stalls.values()) < 1e-3 * result.step_us, (body, stalls)
+        assert len(covered) >= len(stalls) - 2, (body, sorted(covered), sorted(stalls))
     loops = {c.computation for c in hlo_schedule.async_collectives(text, "all-gather") if (c.count or 0) > 1}
     assert loops and not [c for c in hlo.collectives(text) if c.op == "all-reduce" and c.computation in loops]
     # the memory bound against every gather waiting for its op's input
@@ -409,3 +436,36 @@ def test_the_realistic_step_hides_its_gathers_behind_gemms(meshes, tmp_path):
     bound = 2 * weights * (1 + 1 / 32) + 2 * weights
     grown = step.memory_analysis().temp_size_in_bytes - step0.memory_analysis().temp_size_in_bytes
     assert grown <= bound, (grown / 2**20, bound / 2**20)
+
+
+def test_a_python_loops_step_hides_its_gathers(meshes, tmp_path):
+    """The transformer's blocks run by a Python loop without remat, at the realistic shape on 8
+    H100s, compiled as ``train_step`` compiles it: every forward gather of a layer (its 8-bit
+    planes and its norm's scale, which XLA combines) waits for the input of the layer before,
+    every backward one for the cotangent of the op after it (the handoff). XLA:GPU then runs at
+    most a few gathers synchronously (nothing scheduled between start and done; dozens with
+    ``prefetch=0``), and by its own estimate the exposed gathers are at most 5% of the step,
+    against more with ``prefetch=0``, whose step is longer."""
+    hidden, layers, mlp = 2048, 8, 8192
+    work = gpu_compile.builtin_workload(
+        "transformer-loop", hidden=hidden, layers=layers, heads=None, mlp=mlp, vocab=VOCAB, seq=2048,
+        tokens_per_device=4096, devices=DEVICES, remat=False,
+    )  # fmt: skip
+    model = nnx.eval_shape(work.make)
+    tx = optax.adamw(1e-4)
+
+    def scheduled(prefetch: int):
+        dump = tmp_path / f"prefetch{prefetch}"
+        fsdp = FSDP(model, meshes["h100"], loss_fn=work.loss_fn, example_batch=work.batch, prefetch=prefetch)
+        low = fsdp.lower_train_step(work.loss_fn, tx, fsdp.abstract_state(tx), work.batch)
+        step, _ = xla_costs.compile(low, {"xla_dump_to": str(dump), "xla_dump_latency_hiding_schedule": True})
+        text = step.as_text()
+        stats = hlo_schedule.schedule_stats(next(dump.glob("*.schedule.txt")).read_text(), text)
+        sync = sum(c.count or 0 for c in hlo_schedule.async_collectives(text, "all-gather") if c.sync)
+        return hlo_schedule.step_estimate(stats), sync
+
+    (early, sync_early), (late, sync_late) = scheduled(1), scheduled(0)
+    assert early["all_gather_wasted_us"] <= 0.05 * early["total_us"], early
+    assert late["all_gather_wasted_us"] > 0.05 * late["total_us"], late
+    assert early["total_us"] < late["total_us"], (early, late)
+    assert sync_early <= 4 and sync_late >= 20, (sync_early, sync_late)

@@ -24,6 +24,11 @@ nothing (tests/test_gpu_compile.py checks that the second schedule has the profi
 A profile the user gives wins: the ``xla_gpu_pgle_profile_file_or_directory_path`` option (in
 the options or ``XLA_FLAGS``), an ``fdo_profile``, or jax's own profile-guided compilation
 (``jax_enable_pgle``); ``compile`` then compiles once, as asked.
+
+``compile_lowered`` is the one place a lowered program is compiled (``compile`` and the FSDP
+steps use it): a program that XLA:GPU cannot compile without a device (a cuDNN call, on a
+compile-only device of ``jax.experimental.topologies``) raises ``NeedsDevice``, which says why
+and what to do, instead of XLA's own message.
 """
 
 from __future__ import annotations
@@ -46,6 +51,33 @@ _QUIET = {"xla_gpu_pgle_accuracy_checker": "PGLE_STRICTNESS_LEVEL_OFF"}
 # where a compilation does not say its GPU's bandwidth (a dump without the target description)
 FALLBACK_BANDWIDTH = 1.0e12  # bytes per second: below every datacenter GPU's since the V100
 _COPIES = ("dynamic-slice", "dynamic-update-slice")
+
+
+class NeedsDevice(RuntimeError):
+    """XLA:GPU cannot compile the program for compile-only devices: it holds a cuDNN call, which
+    this XLA resolves only with a live cuDNN (jaxlib 0.12.1 and later; 0.12.0.1 compiled it)."""
+
+
+_NO_CUDNN = re.compile(r"deviceless cuDNN compilation is not enabled.*?custom call: (?P<target>\S+)", re.S)
+
+
+def compile_lowered(lowered, options: dict | None = None):
+    """``lowered.compile(options)``, with ``NeedsDevice`` for a cuDNN call on compile-only GPUs."""
+    import jax
+
+    try:
+        return lowered.compile(options or None)
+    except jax.errors.JaxRuntimeError as e:
+        m = _NO_CUDNN.search(str(e))
+        if m is None:
+            raise
+        raise NeedsDevice(
+            f"XLA:GPU of jaxlib {jax.lib.__version__} compiles cuDNN's {m['target']} only with a live "
+            "cuDNN, and compile-only devices have none (it needs a GPU, or cuDNN 9.15 or later and the "
+            "CUDA driver on this host). An MXFP8 GEMM step (gemm='mxfp8') for Blackwell calls it: "
+            "compile that one on a GPU host; here, compile gemm='dequantized' or a GPU without "
+            "block-scaled MMA (H100)"
+        ) from e
 
 
 @dataclasses.dataclass(frozen=True)
@@ -138,10 +170,11 @@ def compile(lowered, options: dict | None = None) -> tuple[Any, Corrections | No
     ``options`` say."""
     options = dict(options or {})
     if user_profiled(options):
-        return lowered.compile(options or None), None
+        return compile_lowered(lowered, options), None
     dump = pathlib.Path(tempfile.mkdtemp(prefix="mxfp8-xla-costs-"))
     try:
-        first = lowered.compile({**options, "xla_dump_to": str(dump), "xla_dump_latency_hiding_schedule": True})
+        dumped = {**options, "xla_dump_to": str(dump), "xla_dump_latency_hiding_schedule": True}
+        first = compile_lowered(lowered, dumped)
         schedules = sorted(dump.glob("*.schedule.txt"), key=lambda p: p.stat().st_size)
         if not schedules:  # no latency-hiding scheduler ran (not a GPU program)
             return first, None
@@ -150,7 +183,7 @@ def compile(lowered, options: dict | None = None) -> tuple[Any, Corrections | No
         shutil.rmtree(dump, ignore_errors=True)
     if not found:
         return first, found
-    second = lowered.compile({**options, "fdo_profile": found.profile().encode(), **_QUIET})
+    second = compile_lowered(lowered, {**options, "fdo_profile": found.profile().encode(), **_QUIET})
     return second, found
 
 

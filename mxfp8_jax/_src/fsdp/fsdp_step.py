@@ -90,7 +90,7 @@ class Steps:
 
     def compile(self, lowered, options: dict | None = None):
         """A lowered step compiled as ``jit`` compiles it (``options``: more XLA options)."""
-        return xla_costs.compile(lowered, options)[0] if self.corrected else lowered.compile(options)
+        return xla_costs.compile(lowered, options)[0] if self.corrected else xla_costs.compile_lowered(lowered, options)
 
     @functools.cached_property
     def compiler_options(self) -> dict | None:
