@@ -112,6 +112,37 @@ def test_quantize_columnwise_only(dtype):
     _check_quantize(jnp.asarray(x, dtype), rowwise=False, columnwise=True)
 
 
+# ------------------------------------------------------------------------------------------------
+# mxfp8_quantize_tiles (32x32 blocks)
+
+
+@functools.cache
+def _gpu_tiles(rule):
+    return _gpu_jit(lambda x: mx.quantize(x, blocks="32x32", scale_rule=rule), "mxfp8_quantize_tiles")
+
+
+def _check_tiles(x, rule="rceil"):
+    got = _gpu_tiles(rule)(x)
+    ref = jax.jit(lambda a: mx.quantize(a, blocks="32x32", scale_rule=rule, backend="jax"))(jax.device_put(x, _cpu()))
+    np.testing.assert_array_equal(as_bytes(got.data), as_bytes(ref.data), err_msg=f"codes ({rule})")
+    np.testing.assert_array_equal(np.asarray(got.scale), np.asarray(ref.scale), err_msg=f"tile scales ({rule})")
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16, jnp.float32])
+@pytest.mark.parametrize("shape", [(32, 32), (64, 96), (256, 4128), (4, 96, 2048)])
+@pytest.mark.parametrize("rule", ["rceil", "floor"])
+def test_quantize_tiles_random(dtype, shape, rule):
+    rng = np.random.default_rng(hash(("tiles", str(dtype), shape, rule)) % 2**32)
+    x = rng.standard_normal(shape) * np.exp2(rng.integers(-30, 30, shape[:-1] + (1,)))
+    _check_tiles(jnp.asarray(x, dtype), rule)
+
+
+@pytest.mark.parametrize("dtype", [ml_dtypes.bfloat16, np.float16])
+@pytest.mark.parametrize("rule", ["rceil", "floor"])
+def test_quantize_tiles_all_16bit_patterns(dtype, rule):
+    _check_tiles(_all_16bit(dtype, 0), rule)
+
+
 def _all_16bit(dtype, seed):
     """All 65,536 bit patterns of a 16-bit float type, shuffled into a [2048, 32] matrix."""
     bits = np.random.default_rng(seed).permutation(np.arange(65536, dtype=np.uint16))

@@ -25,6 +25,7 @@ from mxfp8_jax._src.ops import fused as fused_impl
 PLATFORMS = ("cuda", "rocm")
 TARGETS = (
     "mxfp8_quantize",
+    "mxfp8_quantize_tiles",
     "mxfp8_quantize_segments",
     "mxfp8_rmsnorm_quantize",
     "mxfp8_allgather_rmsnorm_quantize",
@@ -77,6 +78,19 @@ def test_quantize_call(platform, dtype, tname, rowwise, columnwise):
     assert "scale_rule = 1 : i32" in attrs
     assert f"rowwise = {str(rowwise).lower()}" in attrs
     assert f"columnwise = {str(columnwise).lower()}" in attrs
+
+
+@pytest.mark.parametrize("platform", PLATFORMS)
+@pytest.mark.parametrize("dtype,tname", [(jnp.bfloat16, "bf16"), (jnp.float16, "f16"), (jnp.float32, "f32")])
+def test_quantize_tiles_call(platform, dtype, tname):
+    m, k = 64, 96
+    fn = lambda x: ffi_calls.quantize_tiles(x, scale_rule=1)
+    (call,) = _custom_calls(_lower(fn, _spec((m, k), dtype), platform=platform), "mxfp8_quantize_tiles")
+    operands, results, attrs = call
+    assert operands == [f"tensor<{m}x{k}x{tname}>"]
+    # one E4M3 plane and one scale byte per 32x32 tile
+    assert results == [f"tensor<{m}x{k}xf8E4M3FN>", f"tensor<{m // 32}x{k // 32}xui8>"]
+    assert "scale_rule = 1 : i32" in attrs
 
 
 @pytest.mark.parametrize("platform", PLATFORMS)
@@ -235,6 +249,15 @@ def test_public_quantize_dispatch(platform):
         assert call[0] == ["tensor<128x64xbf16>"]
     # whatever the path, the program returns E4M3 data and uint8 scales of the 2-D view
     assert re.search(r"tensor<128x64xf8E4M3FN>", text)
+
+
+@pytest.mark.parametrize("platform", PLATFORMS)
+def test_public_quantize_tiles_dispatch(platform):
+    fn = lambda x: mx.quantize(x, blocks="32x32", backend="auto")
+    text = _lower(fn, _spec((2, 32, 64), jnp.bfloat16), platform=platform)
+    for call in _expect_call(text, "mxfp8_quantize_tiles", platform):
+        assert call[0] == ["tensor<64x64xbf16>"]
+    assert re.search(r"tensor<64x64xf8E4M3FN>", text) and re.search(r"tensor<2x2xui8>", text)
 
 
 @pytest.mark.parametrize("platform", PLATFORMS)
