@@ -239,11 +239,12 @@ def train(
     gemm: str = "dequantized",
     label: str | None = None,
     eval_every: int | None = None,
+    weight_blocks: str = "1x32",
 ) -> dict:
     """Trains ``work.model``'s weights (the module is not modified) with ``precision`` FSDP
-    weights (``gemm``: how MXFP8 units multiply); returns losses, timings, the validation loss
-    where the task has held-out data (every ``eval_every`` steps too: ``"validation"``), and the
-    step's collectives (read from its compiled HLO)."""
+    weights (``gemm``: how MXFP8 units multiply; ``weight_blocks``: their blocks); returns
+    losses, timings, the validation loss where the task has held-out data (every ``eval_every``
+    steps too: ``"validation"``), and the step's collectives (read from its compiled HLO)."""
     import optax
 
     from mxfp8_jax._src.compiled import hlo
@@ -259,6 +260,7 @@ def train(
         loss_fn=work.loss_fn,
         example_batch=first,
         gemm=gemm,
+        weight_blocks=weight_blocks,
     )
     tx = optax.adam(work.schedule)
     state = fsdp.init(work.model, tx)

@@ -307,3 +307,14 @@ def test_differentiating_the_2d_quantize_is_an_error(backend):
 
     with pytest.raises(TypeError, match="not differentiable"):
         jax.grad(loss)(jnp.ones((32, 32)))
+
+
+def test_the_quantize_bench_times_the_tiles_kernel(capsys):
+    """``python -m mxfp8_jax.bench.quantize --planes tiles``: the 32x32 kernel, checked against
+    the reference before it is timed, its bytes one code plane and one scale per tile."""
+    from mxfp8_jax.bench import quantize as bench
+
+    result = bench.run(64, 96, "bfloat16", iters=1, repeats=1, reference=False, blocks="32x32")
+    assert result["blocks"] == "32x32"
+    assert result["bytes_moved"] == 64 * 96 * 2 + 64 * 96 + (64 // 32) * (96 // 32)
+    assert "one of 32x32 tiles" in capsys.readouterr().out

@@ -14,7 +14,9 @@ with the same schedule in every run of one invocation:
   exactly dequantized weights in bf16;
 - ``mxfp8 gemm``: ``FSDP(precision="mxfp8", gemm="mxfp8")``, seed 0: the forward, dgrad and
   wgrad GEMMs on E4M3 operands (the native block-scaled GEMM on CUDA/ROCm, the exact path on
-  CPUs: the path is printed).
+  CPUs: the path is printed);
+- ``mxfp8 32x32``: ``FSDP(precision="mxfp8", weight_blocks="32x32")``, seed 0: the gather run
+  with one plane of 32x32 weight blocks per unit.
 
 The table gives the validation loss at steps 0, 100, 300 and the end, and each run's step time
 (on a GPU host also tokens/s); ``--png`` draws the curves, the bf16 seeds as a band. Embeddings
@@ -59,19 +61,27 @@ def run(
             f"reference (pass --allow-reference to accept that)"
         )
     mesh = Mesh(np.array(devs), ("data",))
-    plan = [(f"bf16 seed {s}", "bf16", "dequantized", s) for s in range(seeds)]
-    plan += [("mxfp8 gather", "mxfp8", "dequantized", 0), ("mxfp8 gemm", "mxfp8", "mxfp8", 0)]
+    plan = [(f"bf16 seed {s}", "bf16", "dequantized", s, "1x32") for s in range(seeds)]
+    plan += [("mxfp8 gather", "mxfp8", "dequantized", 0, "1x32"), ("mxfp8 gemm", "mxfp8", "mxfp8", 0, "1x32")]
+    plan += [("mxfp8 32x32", "mxfp8", "dequantized", 0, "32x32")]
     progress = training.progress_bar(width=12) if show_progress else None
     works: dict[int, training.Workload] = {}
     runs = []
     try:
-        for label, precision, gemm, seed in plan:
+        for label, precision, gemm, seed, blocks in plan:
             if seed not in works:
                 works[seed] = training.Workload(
                     "transformer", hidden=hidden, layers=layers, seed=seed, steps=steps, data="text"
                 )
             r = training.train(
-                works[seed], precision, mesh=mesh, progress=progress, gemm=gemm, label=label, eval_every=eval_every
+                works[seed],
+                precision,
+                mesh=mesh,
+                progress=progress,
+                gemm=gemm,
+                label=label,
+                eval_every=eval_every,
+                weight_blocks=blocks,
             )
             tokens = works[seed].per_device_batch * mesh.size * training.SEQ_LEN
             runs.append(
@@ -79,6 +89,7 @@ def run(
                     "label": label,
                     "precision": precision,
                     "gemm": gemm,
+                    "weight_blocks": blocks,
                     "seed": seed,
                     "validation": r["validation"],
                     "losses": r["losses"],
@@ -156,7 +167,7 @@ def draw(report: dict, path: str) -> None:
 
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2), dpi=120)
     bf16 = [r for r in report["runs"] if r["precision"] == "bf16"]
-    colors = {"mxfp8 gather": "tab:blue", "mxfp8 gemm": "tab:red"}
+    colors = {"mxfp8 gather": "tab:blue", "mxfp8 gemm": "tab:red", "mxfp8 32x32": "tab:green"}
     late = min(100, report["steps"] // 3)
     for ax, start in zip(axes, (0, late)):
         if bf16:

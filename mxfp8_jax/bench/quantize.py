@@ -1,7 +1,12 @@
 """Quantize throughput: the FFI kernel vs the jitted pure-JAX reference vs a plain memcpy.
 
     python -m mxfp8_jax.bench.quantize [--m 4096 --k 4096 --dtype bfloat16 float32 --isa avx2
-                                        --repeats 3 --json out.json]
+                                        --planes both|rowwise|columnwise|tiles --repeats 3
+                                        --json out.json]
+
+``--planes tiles`` times the 32x32-block quantize (``blocks="32x32"``: one plane, one scale per
+tile, the kernel ``mxfp8_quantize_tiles``), what an FSDP unit of 32x32 blocks runs after each
+optimizer step in place of the two 1x32 planes.
 
 All run in the same process on the same input. GB/s counts the bytes each one must move (input
 read + planes written; the memcpy reads and writes its buffer once), and the floor is the time the
@@ -44,11 +49,13 @@ def run(
     isa: str | None = None,
     repeats: int = 3,
     reference: bool = True,
+    blocks: str = "1x32",
 ) -> dict:
     from mxfp8_jax._src.core import platforms
 
     platform = platforms.default()  # "cuda" / "rocm", as the extension names them
-    _ffi.require("mxfp8_quantize", platform)  # never silently benchmark the fallback
+    tiles = blocks == "32x32"
+    _ffi.require("mxfp8_quantize_tiles" if tiles else "mxfp8_quantize", platform)  # never the fallback
     if platform != "cpu" and isa is not None:
         raise ValueError(f"isa={isa!r} selects a CPU instruction set; the default backend is {platform!r}")
     if platform == "cpu":
@@ -58,9 +65,10 @@ def run(
     x = (jax.random.normal(jax.random.key(0), (m, k), jnp.float32) * 3).astype(dtype)
     in_bytes = x.size * x.dtype.itemsize
     planes = int(rowwise) + int(columnwise)
-    out_bytes = planes * (m * k + m * k // 32)
-    kernel = jax.jit(lambda a: mx.quantize(a, rowwise=rowwise, columnwise=columnwise, backend="ffi"))
-    ref_fn = jax.jit(lambda a: mx.quantize(a, rowwise=rowwise, columnwise=columnwise, backend="jax"))
+    out_bytes = m * k + (m // 32) * (k // 32) if tiles else planes * (m * k + m * k // 32)
+    which = {"blocks": "32x32"} if tiles else {"rowwise": rowwise, "columnwise": columnwise}
+    kernel = jax.jit(lambda a: mx.quantize(a, backend="ffi", **which))
+    ref_fn = jax.jit(lambda a: mx.quantize(a, backend="jax", **which))
     # The kernel and the reference must agree before either is timed.
     a, b = kernel(x), ref_fn(x)
     for pa, pb in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
@@ -93,8 +101,9 @@ def run(
         (f"memcpy, {memcpy.nbytes >> 20} MiB", f"{t_copy * 1e3:.2f}", f"{copy_bw / 1e9:.2f}", "-", "1.00"),
     ]
     print_table(
-        f"MXFP8 quantize {m}x{k} {dtype}, planes: {'rowwise ' if rowwise else ''}{'columnwise' if columnwise else ''} "
-        f"({platform}{', ' + isa if isa else ''}; {len(ratios)} rounds)",
+        f"MXFP8 quantize {m}x{k} {dtype}, planes: "
+        + ("one of 32x32 tiles " if tiles else f"{'rowwise ' if rowwise else ''}{'columnwise' if columnwise else ''} ")
+        + f"({platform}{', ' + isa if isa else ''}; {len(ratios)} rounds)",
         ["path", "ms", "GB/s", "time / kernel", "rate / memcpy rate"],
         rows,
     )
@@ -105,6 +114,7 @@ def run(
         "dtype": dtype,
         "rowwise": rowwise,
         "columnwise": columnwise,
+        "blocks": blocks,
         "isa": isa,
         "bytes_moved": moved,
         "kernel_s": t_kernel,
@@ -129,7 +139,9 @@ def main(argv=None) -> None:
     p.add_argument(
         "--dtype", nargs="+", default=["bfloat16"], choices=["bfloat16", "float16", "float32"], help="one run each"
     )
-    p.add_argument("--planes", default="both", choices=["rowwise", "columnwise", "both"])
+    p.add_argument(
+        "--planes", default="both", choices=["rowwise", "columnwise", "both", "tiles"], help="tiles: 32x32 blocks"
+    )
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--repeats", type=int, default=3, help="rounds of memcpy / kernel timing, alternating")
     p.add_argument("--no-reference", action="store_true", help="skip timing the (slow) pure-JAX reference")
@@ -154,6 +166,7 @@ def main(argv=None) -> None:
             a.isa,
             a.repeats,
             not a.no_reference,
+            "32x32" if a.planes == "tiles" else "1x32",
         )
         for dtype in a.dtype
     ]

@@ -179,6 +179,12 @@ class FSDP:
         as ``jax.jit`` would). A profile of the user's own (XLA's
         ``xla_gpu_pgle_profile_file_or_directory_path``, jax's ``jax_enable_pgle``) wins.
         Steps for CPUs compile once either way.
+      weight_blocks: the MXFP8 units' weight blocks: ``"1x32"`` (default: a rowwise and a
+        columnwise plane, 1x32 blocks along each GEMM's own contraction) or ``"32x32"`` (one
+        plane with one scale per 32x32 tile, which serves the forward and the dgrad: half the
+        stored planes, one quantize, 8 + 8/1024 bits a weight per gather), or a mapping of
+        regular expressions on the parameter name to those (the first that matches wins;
+        ``"1x32"`` where none does). Activations and gradients keep 1x32 blocks.
 
     Platform-dependent choices follow the program, never this process's default backend: they
     are made where the step is lowered for its platform (``lax.platform_dependent``), or from
@@ -212,24 +218,10 @@ class FSDP:
         backward_gemm: str = "auto",
         model_constraints: str = "keep",
         xla_costs: str = "corrected",
+        weight_blocks: Any = "1x32",
     ) -> None:
-        self._plan: Plan = make_plan(
-            model,
-            mesh,
-            precision=precision,
-            scale_rule=scale_rule,
-            tp_axis=tp_axis,
-            loss_fn=loss_fn,
-            example_batch=example_batch,
-            precision_by_path=precision_by_path,
-            gemm=gemm,
-            gemm_path=gemm_path,
-            trainable=trainable,
-            prefetch=prefetch,
-            backward_gemm=backward_gemm,
-            model_constraints=model_constraints,
-            xla_costs=xla_costs,
-        )
+        options = {k: v for k, v in locals().items() if k not in ("self", "model", "mesh")}  # the keywords above
+        self._plan: Plan = make_plan(model, mesh, **options)
         self._layout = StateLayout(self._plan)
         self._steps = Steps(self._plan, self._layout)
         self._jitted: dict[tuple, Callable] = {}
@@ -244,6 +236,7 @@ class FSDP:
     precision = _field("precision", "The units' default precision (``mxfp8`` or ``bf16``).")
     scale_rule = _field("scale_rule", "The MXFP8 scale rule, as ``format.ScaleRule``'s value.")
     precision_by_path = _field("precision_by_path", "The per-parameter precision rule, as given.")
+    weight_blocks = _field("weight_blocks", "The MXFP8 units' weight blocks rule, as given.")
     trainable = _field("trainable", "The nnx filter naming the trained variables, as given.")
     prefetch = _field("prefetch", "How many layers ahead each unit's forward gather starts.")
     model_constraints = _field("model_constraints", "Whether the step keeps or drops the model's own constraints.")
@@ -425,6 +418,7 @@ class FSDP:
 
         def call(state, batch):
             self._plan.topology.check_context()
+            self._layout.check_state(state, "state")
             self._layout.check_live(state)
             return jitted(state, self.place_batch(batch))
 
@@ -453,6 +447,7 @@ class FSDP:
 
         def call(state, batch):
             self._plan.topology.check_context()
+            self._layout.check_state(state, "state")
             self._layout.check_live(state)
             return jitted(state, self.place_batch(batch))
 
@@ -480,6 +475,7 @@ class FSDP:
 
         def call(state, batch):
             self._plan.topology.check_context()
+            self._layout.check_state(state, "state")
             self._layout.check_live(state)
             return jitted(state, self.place_batch(batch))
 

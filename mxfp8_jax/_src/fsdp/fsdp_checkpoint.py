@@ -10,7 +10,8 @@ Stored under these names (``mxfp8_jax._src.buffers.checkpoint`` writes them shar
     step
 
 and the metadata: the global precision, the scale rule and the precision each trained parameter
-was resolved to (``"mxfp8"``, ``"bf16"``, ``"plain"``). Never the mesh, the padding or the
+was resolved to (``"mxfp8"``, ``"bf16"``, ``"plain"``), and each MXFP8 unit's weight blocks (a
+record: a checkpoint restores into either block shape). Never the mesh, the padding or the
 planes (recomputed on restore), so a checkpoint restores onto any mesh.
 
 The functions take the ``Plan`` (``plan``: its parameters, precisions and the model's other
@@ -74,6 +75,9 @@ def save(plan: Plan, layout: StateLayout, state, directory, *, async_save: bool,
         "precision": plan.precision,
         "scale_rule": plan.scale_rule,
         "precisions": {p.name: p.kind for p in plan.trained},
+        # recorded, not required: the planes are made again from the master, in the blocks of
+        # the plan that restores (a 1x32 checkpoint resumes into 32x32 units and back)
+        "weight_blocks": {p.name: p.unit.blocks for p in plan.mxfp8_units if p.trained},
         "key_impls": {n: str(jax.random.key_impl(r)) for n, r in zip(plan.rest_names, state.rest) if _is_key(r)},
         "step": int(np.asarray(state.step.addressable_data(0))),
     }

@@ -35,10 +35,12 @@ from mxfp8_jax._src.fsdp.fsdp_geometry import PRECISIONS, Gemms
 from mxfp8_jax._src.fsdp.fsdp_plan import (
     XLA_COSTS,
     Plan,
+    check_blocks,
     check_rule,
     check_rule_matches,
     plan_from_uses,
     uses_from_layers,
+    with_blocks,
 )
 from mxfp8_jax._src.fsdp.fsdp_specs import MODEL_CONSTRAINTS, ModelConstraintWarning
 from mxfp8_jax._src.fsdp.fsdp_table import constraints_line
@@ -208,6 +210,7 @@ def make_plan(
     backward_gemm: str = "auto",
     model_constraints: str = "keep",
     xla_costs: str = "corrected",
+    weight_blocks: Any = "1x32",
 ) -> Plan:
     """The FSDP plan of ``model`` over ``mesh``; the arguments are ``mxfp8_jax.flax.FSDP``'s (its
     docstring says what each means), checked here.
@@ -221,6 +224,7 @@ def make_plan(
         raise TypeError(f"model must be a flax.nnx.Module or a pytree of arrays, got {type(model).__name__}")
     topology = Topology.of(mesh, tp_axis)
     _check_options(precision, loss_fn, example_batch, precision_by_path, prefetch, model_constraints, xla_costs)
+    check_blocks(weight_blocks)
     jaxprs.warn_if_untested()
     scale = ScaleRule.parse(scale_rule).value
     mode = mxfp8_gemm.check_mode(gemm, gemm_path, scale_rule, topology.platform, topology.capability)
@@ -256,6 +260,7 @@ def make_plan(
         frozen=frozenset(j for j, (path, _, _) in enumerate(found) if path not in trained_paths),
     )
     check_rule_matches(precision_by_path, [p.name for p in params])
+    params = with_blocks(params, weight_blocks)
     plan = Plan(
         params,
         topology,
@@ -270,6 +275,7 @@ def make_plan(
         traced=loss_fn is not None,
         trainable=trainable,
         precision_by_path=precision_by_path,
+        weight_blocks=weight_blocks,
         constraints=constraints,
         model_constraints=model_constraints,
         xla_costs=xla_costs,

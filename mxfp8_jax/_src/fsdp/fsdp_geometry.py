@@ -21,6 +21,9 @@ from mxfp8_jax._src.fsdp.fsdp_trace import product
 from mxfp8_jax._src.numerics.format import BLOCK
 
 PRECISIONS = ("mxfp8", "bf16")
+# an MXFP8 unit's weight blocks: two planes of 1x32 blocks (one per GEMM direction), or one plane
+# of 32x32 tiles whose scale serves both directions
+WEIGHT_BLOCKS = ("1x32", "32x32")
 BACKWARD_GEMMS = ("auto", "fp32", "layer")
 
 
@@ -54,7 +57,9 @@ class UnitGeometry:
     before its scan); ``batch_axes`` are parameter axes its GEMMs batch over; ``n_axes`` /
     ``k_axes`` the kept and contracted ones. ``W``'s stack axes are the layer axes, then the
     batch axes, whatever their place in the parameter. ``in_features`` is ``K``,
-    ``out_features`` is ``N`` (a Linear kernel ``[in, out]``).
+    ``out_features`` is ``N`` (a Linear kernel ``[in, out]``). ``blocks``: an MXFP8 unit's
+    weight blocks (``WEIGHT_BLOCKS``): ``"1x32"``, a rowwise and a columnwise plane, or
+    ``"32x32"``, one plane with a scale per 32x32 tile of each layer's ``W``.
     """
 
     in_features: int
@@ -68,6 +73,7 @@ class UnitGeometry:
     batch_axes: tuple[int, ...]
     n_axes: tuple[int, ...]
     k_axes: tuple[int, ...]
+    blocks: str = "1x32"
 
     @classmethod
     def build(
@@ -155,18 +161,21 @@ class UnitGeometry:
 
     def plane_shapes(self, stack: tuple[int, ...] | None = None, rows: int | None = None):
         """``(codes, rowwise scales, columnwise scales)`` of ``rows`` rows (default all):
-        ``[*stack, rows, K]``, ``[*stack, rows, K/32]``, ``[*stack, rows/32, K]``.
+        ``[*stack, rows, K]``, ``[*stack, rows, K/32]``, ``[*stack, rows/32, K]``; for 32x32
+        blocks ``(codes, tile scales [*stack, rows/32, K/32], None)``.
 
         Args:
           stack: the stack axes' sizes (default ``self.stack``).
           rows: the number of rows (default ``out_padded``), a multiple of 32.
 
         Returns:
-          The three shapes as tuples.
+          The three shapes as tuples (the last None for 32x32 blocks).
         """
         stack = self.stack if stack is None else stack
         rows = self.out_padded if rows is None else rows
         k = self.in_features
+        if self.blocks == "32x32":
+            return (*stack, rows, k), (*stack, rows // BLOCK, k // BLOCK), None
         return (*stack, rows, k), (*stack, rows, k // BLOCK), (*stack, rows // BLOCK, k)
 
     @property

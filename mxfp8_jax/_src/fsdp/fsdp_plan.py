@@ -40,7 +40,7 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
-from mxfp8_jax._src.fsdp.fsdp_geometry import PRECISIONS, Gemms, UnitGeometry
+from mxfp8_jax._src.fsdp.fsdp_geometry import PRECISIONS, WEIGHT_BLOCKS, Gemms, UnitGeometry
 from mxfp8_jax._src.fsdp.fsdp_topology import Topology
 from mxfp8_jax._src.fsdp.fsdp_trace import Use, Uses, describe_shape, product
 from mxfp8_jax._src.numerics.format import BLOCK
@@ -171,6 +171,7 @@ class Plan:
     traced: bool = False
     trainable: Any = None
     precision_by_path: Any = None
+    weight_blocks: Any = "1x32"
     constraints: tuple = ()
     model_constraints: str = "keep"
     xla_costs: str = "corrected"
@@ -247,14 +248,23 @@ def check_rule(rule) -> None:
             f"got {type(rule).__name__}"
         )
     for pattern, precision in rule.items():
-        try:
-            re.compile(pattern)
-        except (re.error, TypeError) as err:
-            raise ValueError(
-                f"precision_by_path: the pattern {pattern!r} is not a regular expression ({err}); the keys are "
-                "regular expressions searched in the parameter names (e.g. 'blocks/.*/kernel')"
-            ) from None
+        _check_pattern(pattern, "precision_by_path")
         _check_precision(precision, f"precision_by_path[{pattern!r}]")
+
+
+def _check_pattern(pattern, option: str) -> None:
+    try:
+        re.compile(pattern)
+    except (re.error, TypeError) as err:
+        raise ValueError(
+            f"{option}: the pattern {pattern!r} is not a regular expression ({err}); the keys are "
+            "regular expressions searched in the parameter names (e.g. 'blocks/.*/kernel')"
+        ) from None
+
+
+def _shown(names: list[str]) -> str:
+    """The first few of ``names``, for an error message."""
+    return ", ".join(names[:8]) + (f", ... ({len(names)} in all)" if len(names) > 8 else "")
 
 
 def check_rule_matches(rule, names) -> None:
@@ -265,11 +275,52 @@ def check_rule_matches(rule, names) -> None:
     names = list(names)
     for pattern in rule:
         if not any(re.search(pattern, name) for name in names):
-            shown = ", ".join(names[:8]) + (f", ... ({len(names)} in all)" if len(names) > 8 else "")
             raise ValueError(
                 f"precision_by_path: the pattern {pattern!r} matches no parameter of the model (re.search on "
-                f"the names: {shown})"
+                f"the names: {_shown(names)})"
             )
+
+
+def check_blocks(weight_blocks) -> None:
+    """``weight_blocks`` is one of ``WEIGHT_BLOCKS`` or a mapping of regular expressions to them."""
+    if isinstance(weight_blocks, str):
+        if weight_blocks not in WEIGHT_BLOCKS:
+            raise ValueError(
+                f"weight_blocks={weight_blocks!r} must be one of {WEIGHT_BLOCKS} or a mapping {{regex: blocks}}"
+            )
+        return
+    if not isinstance(weight_blocks, Mapping):
+        raise TypeError(
+            f"weight_blocks must be one of {WEIGHT_BLOCKS} or a mapping {{regex: blocks}}, "
+            f"got {type(weight_blocks).__name__}"
+        )
+    for pattern, blocks in weight_blocks.items():
+        _check_pattern(pattern, "weight_blocks")
+        if blocks not in WEIGHT_BLOCKS:
+            raise ValueError(f"weight_blocks[{pattern!r}]={blocks!r} must be one of {WEIGHT_BLOCKS}")
+
+
+def with_blocks(params: tuple[ParamInfo, ...], weight_blocks) -> tuple[ParamInfo, ...]:
+    """``params`` with each MXFP8 unit's weight blocks as ``weight_blocks`` asks (a mapping: the
+    first pattern that ``re.search``es its name, ``"1x32"`` where none does). A pattern that
+    matches no MXFP8 unit is a ``ValueError`` (a typo would otherwise change nothing)."""
+    units = [p for p in params if p.kind == "mxfp8"]
+    if isinstance(weight_blocks, str):
+        rule = {"": weight_blocks}
+    else:
+        rule = dict(weight_blocks)
+        for pattern in rule:
+            if not any(re.search(pattern, p.name) for p in units):
+                shown = _shown([p.name for p in units])
+                raise ValueError(f"weight_blocks: the pattern {pattern!r} matches no MXFP8 unit (the units: {shown})")
+
+    def blocks_of(name: str) -> str:
+        return next((b for pattern, b in rule.items() if re.search(pattern, name)), "1x32")
+
+    return tuple(
+        dataclasses.replace(p, unit=dataclasses.replace(p.unit, blocks=blocks_of(p.name))) if p.kind == "mxfp8" else p
+        for p in params
+    )
 
 
 def _check_precision(precision, where: str) -> None:

@@ -8,8 +8,16 @@ A unit's master rows ``W [*stack, rows, K]`` have up to two planes:
 
 A GEMM that contracts ``K`` reads the rowwise plane, its dgrad (contracting ``N``) the
 columnwise one. Both are stored as uint8 (XLA:CPU widens float8 arrays that cross a loop to
-f16, twice the bytes); the codes are bitcast to ``float8_e4m3fn`` where they are decoded. A
-unit whose one plane serves both directions holds no columnwise plane (``columnwise`` is None).
+f16, twice the bytes); the codes are bitcast to ``float8_e4m3fn`` where they are decoded.
+
+A unit of 32x32 blocks has one plane, which serves both directions: the codes and one scale per
+32x32 tile of each layer's ``W``,
+
+    tiles       E4M3 codes [*stack, rows, K]   E8M0 scales [*stack, rows/32, K/32]
+
+held in the rowwise fields (``columnwise`` is None). A tile's scale is the scale of each of its
+32 rowwise blocks and of each of its 32 columnwise ones, so either direction's scales are the
+tile scales repeated (``direction``), expanded after the gather.
 
 ``UnitShards`` is what a device holds of one unit in a step: its master rows and its planes.
 """
@@ -52,6 +60,11 @@ class UnitPlanes:
     columnwise_scale: jax.Array | None = None
 
     @property
+    def tiled(self) -> bool:
+        """One plane of 32x32 blocks (the rowwise fields), serving both directions."""
+        return self.columnwise_data is None
+
+    @property
     def rowwise(self) -> Plane:
         """The plane blocked along ``K`` (what a GEMM contracting ``K`` gathers)."""
         return Plane(self.rowwise_data, self.rowwise_scale)
@@ -72,42 +85,46 @@ class UnitPlanes:
         Returns:
           The ``Plane`` (codes and scales).
 
-        Raises:
-          ValueError: the columnwise plane of a unit that has none.
+        A unit of 32x32 blocks gives its one plane for either direction (its scales are the
+        tiles': ``direction`` expands them).
         """
-        if not columnwise:
+        if not columnwise or self.tiled:
             return self.rowwise
-        if self.columnwise is None:
-            raise ValueError("this unit stores one plane (rowwise); it has no columnwise plane")
         return self.columnwise
 
     @classmethod
-    def like(cls, value) -> UnitPlanes:
-        """Planes whose four fields are all ``value``.
+    def like(cls, value, blocks: str = "1x32") -> UnitPlanes:
+        """Planes whose fields are all ``value``.
 
         Args:
           value: anything one array of the planes is described by (a sharding, a spec).
+          blocks: the unit's weight blocks: ``"1x32"`` (four fields) or ``"32x32"`` (two).
 
         Returns:
-          ``UnitPlanes(value, value, value, value)``.
+          ``UnitPlanes(value, value, value, value)``, or ``UnitPlanes(value, value)``.
         """
-        return cls(value, value, value, value)
+        return cls(value, value) if blocks == "32x32" else cls(value, value, value, value)
 
     @classmethod
-    def encode(cls, w: jax.Array, scale_rule) -> UnitPlanes:
-        """Both planes of master rows, with no communication.
+    def encode(cls, w: jax.Array, scale_rule, blocks: str = "1x32") -> UnitPlanes:
+        """The planes of master rows, with no communication.
 
         Args:
           w: rows ``[*stack, rows, K]`` of a unit's master, ``rows`` whole 32-row blocks of each
             layer (any floating dtype; quantized from its fp32 values).
           scale_rule: the MXFP8 scale rule (``format.ScaleRule`` or its name or value).
+          blocks: ``"1x32"`` (both planes) or ``"32x32"`` (the one plane of tiles; a tile never
+            spans two layers, whose rows are whole 32-row blocks).
 
         Returns:
           The ``UnitPlanes`` of these rows: the bytes quantizing the whole weight gives for them.
         """
         stack, rows, k = w.shape[:-2], w.shape[-2], w.shape[-1]
-        t = quantize(w.astype(jnp.float32).reshape(-1, k), scale_rule=scale_rule)
         as_bytes = lambda q: lax.bitcast_convert_type(q, jnp.uint8).reshape(w.shape)
+        if blocks == "32x32":
+            t = quantize(w.astype(jnp.float32).reshape(-1, k), scale_rule=scale_rule, blocks="32x32")
+            return cls(as_bytes(t.data), t.scale.reshape(*stack, rows // BLOCK, k // BLOCK))
+        t = quantize(w.astype(jnp.float32).reshape(-1, k), scale_rule=scale_rule)
         return cls(
             as_bytes(t.rowwise_data),
             t.rowwise_scale.reshape(*stack, rows, k // BLOCK),
@@ -116,9 +133,22 @@ class UnitPlanes:
         )
 
 
-def decode(plane: Plane, n: int, *, columnwise: bool) -> jax.Array:
+def direction(plane: Plane, *, columnwise: bool, tiled: bool) -> Plane:
+    """``plane`` with one direction's scales: a ``tiled`` plane's tile scales ``[*batch, rows/32,
+    K/32]`` repeated to that direction's layout (rowwise ``[*batch, rows, K/32]``, columnwise
+    ``[*batch, rows/32, K]``); any other plane as it is."""
+    if not tiled:
+        return plane
+    codes, scales = plane
+    return Plane(codes, jnp.repeat(scales, BLOCK, axis=-1 if columnwise else -2))
+
+
+def decode(plane: Plane, n: int, *, columnwise: bool, tiled: bool = False) -> jax.Array:
     """``W [*batch, n, K]`` fp32 from a gathered ``plane`` of ``[*batch, rows, K]`` (``rows >= n``:
-    the padding rows are dropped), dequantized exactly."""
+    the padding rows are dropped), dequantized exactly; a ``tiled`` plane (32x32 blocks) gives
+    the same values for either direction."""
+    if tiled:
+        plane, columnwise = direction(plane, columnwise=False, tiled=True), False
     codes, scales = plane
     batch, k = codes.shape[:-2], codes.shape[-1]
     codes = lax.bitcast_convert_type(codes[..., :n, :], jnp.float8_e4m3fn).reshape(-1, k)

@@ -184,9 +184,14 @@ class StateLayout:
             master[p.name] = sds(p.stored_shape, jnp.float32, sharding=self.master_sharding(p))
         for p in self.plan.mxfp8_units:
             s = self.master_sharding(p)
-            codes, row_scale, col_scale = (sds(p.tp_global(a), jnp.uint8, sharding=s) for a in p.unit.plane_shapes())
+            codes, row_scale, col_scale = (
+                None if a is None else sds(p.tp_global(a), jnp.uint8, sharding=s) for a in p.unit.plane_shapes()
+            )
             quantized[p.name] = UnitPlanes(
-                rowwise_data=codes, rowwise_scale=row_scale, columnwise_data=codes, columnwise_scale=col_scale
+                rowwise_data=codes,
+                rowwise_scale=row_scale,
+                columnwise_data=None if col_scale is None else codes,
+                columnwise_scale=col_scale,
             )
         rep = NamedSharding(self.plan.topology.mesh, PartitionSpec())
         frozen = {p.name: sds(p.stored_shape, p.dtype, sharding=self.master_sharding(p)) for p in self.plan.frozen}
@@ -211,6 +216,14 @@ class StateLayout:
                 f"{argname} has MXFP8 planes for {planes}, but this plan's MXFP8 units are "
                 f"{sorted(p.name for p in self.plan.mxfp8_units)} (precision={self.plan.precision!r})"
             )
+        for p in self.plan.mxfp8_units:
+            tiled = getattr(state.quantized[p.name], "tiled", None)
+            if tiled is not None and tiled != (p.unit.blocks == "32x32"):
+                raise ValueError(
+                    f"{argname} holds {'one plane of 32x32' if tiled else 'two planes of 1x32'} blocks for {p.name}, "
+                    f"but this plan's unit has {p.unit.blocks} blocks (weight_blocks): a state of another FSDP; "
+                    "restore a checkpoint instead (its planes are made again from the master)"
+                )
         want = {p.name: (p.stored_shape, jnp.dtype(jnp.float32)) for p in self.plan.trained}
         got = {k: (tuple(np.shape(v)), jnp.dtype(v.dtype)) for k, v in state.master.items()}
         want.update({p.name: (p.stored_shape, jnp.dtype(p.dtype)) for p in self.plan.frozen})
@@ -376,9 +389,9 @@ class StateLayout:
         specs = {p.name: self.spec(p) for p in units}
 
         def local(master):  # [*stack, rows, K]: whole 32-row blocks of each layer
-            return {p.name: UnitPlanes.encode(master[p.name], rule) for p in units}
+            return {p.name: UnitPlanes.encode(master[p.name], rule, p.unit.blocks) for p in units}
 
-        planes_specs = {name: UnitPlanes.like(s) for name, s in specs.items()}
+        planes_specs = {p.name: UnitPlanes.like(specs[p.name], p.unit.blocks) for p in units}
         fn = spmd.shard_map(local, self.plan.topology.mesh, (specs,), planes_specs)
         return lambda master: fn({p.name: master[p.name] for p in units})
 
@@ -411,7 +424,7 @@ class StateLayout:
 
     def shardings(self, state: TrainState):
         master = {p.name: self.master_sharding(p) for p in self.plan.trained}
-        quantized = {p.name: UnitPlanes.like(self.master_sharding(p)) for p in self.plan.mxfp8_units}
+        quantized = {p.name: UnitPlanes.like(self.master_sharding(p), p.unit.blocks) for p in self.plan.mxfp8_units}
         replicated = NamedSharding(self.plan.topology.mesh, PartitionSpec())
         frozen = {p.name: self.master_sharding(p) for p in self.plan.frozen}
         rest = tuple(replicated for _ in state.rest)

@@ -187,7 +187,7 @@ class Steps:
 
             return grads_fn
         master_specs = {p.name: layout.tp_spec(p) for p in plan.trained}
-        planes_specs = {p.name: UnitPlanes.like(layout.tp_spec(p)) for p in plan.mxfp8_units}
+        planes_specs = {p.name: UnitPlanes.like(layout.tp_spec(p), p.unit.blocks) for p in plan.mxfp8_units}
         frozen_specs = {p.name: layout.tp_spec(p) for p in plan.frozen}
         rest_specs = tuple(PartitionSpec() for _ in plan.rest_avals)
 

@@ -119,7 +119,8 @@ def _what(p: ParamInfo) -> str:
     stack = f"{describe_shape(g.stack)} x " if g.stack else ""
     tp = f", {p.tp}-parallel" if p.tp else ""
     frozen = "" if p.trained else ", frozen"
-    return f"{p.kind} {p.role} {stack}N={g.out_features} K={g.in_features}{tp}{frozen}"
+    tiles = ", 32x32 blocks" if p.kind == "mxfp8" and g.blocks == "32x32" else ""
+    return f"{p.kind} {p.role} {stack}N={g.out_features} K={g.in_features}{tiles}{tp}{frozen}"
 
 
 def stored_bytes(p: ParamInfo, n: int) -> int:
@@ -132,6 +133,8 @@ def stored_bytes(p: ParamInfo, n: int) -> int:
         return whole if p.shard_axis is None else whole // n
     elements = int(np.prod(p.stored_shape)) // (p.unit.num_shards * p.tp_size)
     master = 4 if p.trained else jnp.dtype(p.dtype).itemsize
+    if p.kind == "mxfp8" and p.unit.blocks == "32x32":  # master rows + one code plane + tile scales
+        return elements * (master + 1 + 1 / BLOCK**2)
     if p.kind == "mxfp8":  # master rows + two code planes + two scale planes
         return elements * (master + 2 + 2 / BLOCK)
     return elements * master
@@ -149,7 +152,8 @@ def gathered_bytes(p: ParamInfo, n: int) -> int:
             return 0
         return int(int(np.prod(p.shape)) * 4 * p.gathers)
     g = p.unit
-    per_gather = int(np.prod(g.padded_shape())) * (1 + 1 / BLOCK if p.kind == "mxfp8" else 2)
+    per_element = 2 if p.kind != "mxfp8" else 1 + 1 / BLOCK**2 if g.blocks == "32x32" else 1 + 1 / BLOCK
+    per_gather = int(np.prod(g.padded_shape())) * per_element
     return int(per_gather * p.gathers)
 
 

@@ -59,7 +59,7 @@ from jax.custom_derivatives import CustomVJPPrimal, SymbolicZero
 from mxfp8_jax._src.core import spmd
 from mxfp8_jax._src.fsdp.fsdp_dots import backward_dots, forward_dot
 from mxfp8_jax._src.fsdp.fsdp_geometry import Gemms, UnitGeometry
-from mxfp8_jax._src.fsdp.fsdp_planes import Plane, UnitShards, decode
+from mxfp8_jax._src.fsdp.fsdp_planes import Plane, UnitShards, decode, direction
 from mxfp8_jax._src.fsdp.fsdp_trace import P, product
 from mxfp8_jax._src.numerics.format import BLOCK
 from mxfp8_jax._src.ops import mxfp8_gemm
@@ -383,7 +383,7 @@ def _weight(g: UnitGeometry, fetched, columnwise: bool, ready=None) -> tuple[jax
     """The gathered planes of one direction (``_gather``) as the block-scaled GEMM's weight
     operand: rowwise ``[B, N, K]`` blocked along K, columnwise ``[B, K, N]`` blocked along N (no
     dequantize). ``ready``: as for ``gathered``."""
-    codes, scales = after(tuple(fetched), ready)
+    codes, scales = direction(Plane(*after(tuple(fetched), ready)), columnwise=columnwise, tiled=g.blocks == "32x32")
     n, b = g.out_features, product(g.stack[g.level :])
     codes = codes[..., :n, :].reshape(b, n, g.in_features)
     scales = scales[..., : n // BLOCK, :] if columnwise else scales[..., :n, :]
@@ -606,7 +606,7 @@ def widened(g: UnitGeometry, fetched, *, columnwise: bool, ready=None) -> jax.Ar
     ``gathered``)."""
     if g.precision != "mxfp8":
         return after(fetched, ready)[..., : g.out_features, :]
-    return decode(after(Plane(*fetched), ready), g.out_features, columnwise=columnwise)
+    return decode(after(Plane(*fetched), ready), g.out_features, columnwise=columnwise, tiled=g.blocks == "32x32")
 
 
 def _ready(own, token):
