@@ -235,3 +235,36 @@ def test_tensor_parallel_units_hold_whole_tiles(devices):
         model, alone, batches, 2, also=(tp, tp.train_step(models.next_token_loss, test_tp.TX))
     )
     np.testing.assert_allclose(at_states, got, rtol=test_tp.LOSS_RTOL)
+
+
+def test_a_stack_of_2048_layers_gathers_half_of_bf16_per_pass(mesh):
+    """A scanned stack of 2048x2048 layers (a pytree model: ``w [4, 2048, 2048]``) on the run's
+    devices, from the compiled steps (abstract state, nothing runs): every weight gather of the
+    step, counted with its loop's trips, 32x32 units against bf16 units of the same plan: a
+    layer's gather moves 0.5005x bf16's bytes."""
+    from jax import lax
+
+    layers, d = 4, 2048
+    model = {"w": jnp.zeros((layers, d, d), jnp.float32)}
+    x = jax.ShapeDtypeStruct((8 * mesh.size, d), jnp.float32)
+
+    def loss(m, x):
+        h, _ = lax.scan(lambda h, w: (jnp.tanh(h @ w), None), x, m["w"])
+        return jnp.mean(h * h)
+
+    tx = optax.sgd(0.1)
+    moved = {}
+    for name, kw in (("32x32", {"weight_blocks": "32x32"}), ("bf16", {"precision": "bf16"})):
+        fsdp = FSDP(model, mesh, loss_fn=loss, example_batch=x, **kw)
+        text = fsdp.lower_train_step(loss, tx, fsdp.abstract_state(tx), x).compile().as_text()
+        gathers = [c for c in hlo.collectives(text) if c.op == "all-gather"]
+        moved[name] = sum(c.bytes_per_step for c in gathers if c.bytes >= d * d // 1024)
+        dtypes = {t for c in gathers if c.bytes >= d * d // 1024 for t in c.dtypes}
+        assert dtypes == ({"u8"} if name == "32x32" else {"u16"}), (name, dtypes)  # bf16 bits as u16
+    # layer gathers: forward and dgrad of each layer, the forward loop's fetch of a next layer
+    # in its last trip, and for MXFP8 units the backward loop's too (the carried link's first
+    # trip: docs/fsdp.md, Overlap); each 0.5005x bf16's bytes
+    mx, bf = 2 * layers + 2, 2 * layers + 1
+    assert moved["32x32"] == mx * d * d * (1 + 1 / 1024), moved
+    assert moved["bf16"] == bf * d * d * 2, moved
+    assert (moved["32x32"] / mx) / (moved["bf16"] / bf) <= 0.501
