@@ -202,16 +202,25 @@ def _tile_representable(fsdp, model):
     return model
 
 
-@pytest.mark.parametrize("loop", ["scan", "python"])
-def test_a_transformer_trains_the_same_under_either_block_shape(mesh, loop):
-    """The package's transformer (remat blocks, scanned stacks of [layers, N, K] or a Python
-    loop), weights the tiles represent, MXFP8 GEMMs: 32x32 units give 1x32's loss and
-    gradients bit for bit, each layer's tiles gathered and expanded in its own rows."""
+@pytest.mark.parametrize(
+    ("loop", "remat", "gemm"),
+    [
+        ("scan", True, "mxfp8"),
+        ("python", True, "mxfp8"),
+        ("scan", False, "dequantized"),
+        ("python", False, "dequantized"),
+    ],
+)
+def test_a_transformer_trains_the_same_under_either_block_shape(mesh, loop, remat, gemm):
+    """The package's transformer (scanned stacks of [layers, N, K] or a Python loop; remat
+    blocks, or none: the backward's handoff of gathered planes), weights the tiles represent:
+    32x32 units give 1x32's loss and gradients bit for bit, with MXFP8 GEMMs and with dequantized
+    ones, each layer's tiles gathered and expanded in its own rows."""
     from mxfp8_jax import models
 
-    cfg = models.TransformerConfig(layers=2, dtype="float32", layer_loop=loop)
+    cfg = models.TransformerConfig(layers=2, dtype="float32", layer_loop=loop, remat=remat)
     tokens = np.random.default_rng(0).integers(0, cfg.vocab, (2 * mesh.size, 33)).astype(np.int32)
-    kw = dict(loss_fn=models.next_token_loss, example_batch=tokens, gemm="mxfp8")
+    kw = dict(loss_fn=models.next_token_loss, example_batch=tokens, gemm=gemm)
     model = _tile_representable(FSDP(models.init_transformer(cfg), mesh, **kw), models.init_transformer(cfg))
     assert_same_step_under_either_blocks(model, mesh, models.next_token_loss, tokens, **kw)
 
