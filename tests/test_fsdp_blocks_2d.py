@@ -26,6 +26,7 @@ from test_flax import (
     reference_grads,
 )
 
+from mxfp8_jax._src.buffers import checkpoint
 from mxfp8_jax._src.compiled import hlo
 from mxfp8_jax._src.fsdp import fsdp_table
 from mxfp8_jax.flax import FSDP
@@ -178,6 +179,8 @@ def test_a_1x32_checkpoint_resumes_into_32x32_units(mesh, tmp_path):
     tx = optax.sgd(0.1)
     saver = FSDP(model, mesh)
     saver.save(saver.init(model, tx), tmp_path / "c")
+    recorded = checkpoint.read_metadata(tmp_path / "c").metadata["weight_blocks"]
+    assert recorded == {"l1/kernel": "1x32", "l2/kernel": "1x32"}
     fsdp = FSDP(model, mesh, weight_blocks="32x32")
     restored = fsdp.restore(tmp_path / "c", tx)
     fresh = fsdp.init(model, tx)

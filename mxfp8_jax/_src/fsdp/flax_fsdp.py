@@ -418,7 +418,6 @@ class FSDP:
 
         def call(state, batch):
             self._plan.topology.check_context()
-            self._layout.check_state(state, "state")
             self._layout.check_live(state)
             return jitted(state, self.place_batch(batch))
 
@@ -447,7 +446,6 @@ class FSDP:
 
         def call(state, batch):
             self._plan.topology.check_context()
-            self._layout.check_state(state, "state")
             self._layout.check_live(state)
             return jitted(state, self.place_batch(batch))
 
@@ -475,7 +473,6 @@ class FSDP:
 
         def call(state, batch):
             self._plan.topology.check_context()
-            self._layout.check_state(state, "state")
             self._layout.check_live(state)
             return jitted(state, self.place_batch(batch))
 

@@ -139,6 +139,16 @@ class UnitGeometry:
         return len(self.layer_axes)
 
     @property
+    def tiled(self) -> bool:
+        """32x32 blocks: one plane, which serves both GEMM directions."""
+        return self.blocks == "32x32"
+
+    @property
+    def plane_bytes(self) -> float:
+        """Bytes a weight of one MXFP8 plane, its codes and scales (what one gather moves)."""
+        return 1 + 1 / BLOCK**2 if self.tiled else 1 + 1 / BLOCK
+
+    @property
     def rows(self) -> int:
         """Rows of ``W`` each device stores (a multiple of 32 for MXFP8)."""
         return self.out_padded // self.num_shards
@@ -174,7 +184,7 @@ class UnitGeometry:
         stack = self.stack if stack is None else stack
         rows = self.out_padded if rows is None else rows
         k = self.in_features
-        if self.blocks == "32x32":
+        if self.tiled:
             return (*stack, rows, k), (*stack, rows // BLOCK, k // BLOCK), None
         return (*stack, rows, k), (*stack, rows, k // BLOCK), (*stack, rows // BLOCK, k)
 

@@ -218,7 +218,7 @@ class StateLayout:
             )
         for p in self.plan.mxfp8_units:
             tiled = getattr(state.quantized[p.name], "tiled", None)
-            if tiled is not None and tiled != (p.unit.blocks == "32x32"):
+            if tiled is not None and tiled != p.unit.tiled:
                 raise ValueError(
                     f"{argname} holds {'one plane of 32x32' if tiled else 'two planes of 1x32'} blocks for {p.name}, "
                     f"but this plan's unit has {p.unit.blocks} blocks (weight_blocks): a state of another FSDP; "

@@ -119,8 +119,7 @@ class Steps:
         frozen_planes = [p.name for p in self.plan.mxfp8_units if not p.trained]
 
         def step(state: TrainState, batch):
-            self.layout.check_state(state, "state")
-            loss, aux, grads, rest = grads_fn(state, batch)
+            loss, aux, grads, rest = grads_fn(state, batch)  # which checks the state
             params = self.layout.param_tree(state.master)
             self.layout.check_opt_state(tx, params, state.opt_state)
             updates, opt_state = tx.update(self.layout.param_tree(grads), state.opt_state, params)
@@ -183,6 +182,7 @@ class Steps:
         if tp is None:
 
             def grads_fn(state: TrainState, batch):
+                layout.check_state(state, "state")  # when traced: once per structure of state
                 return loss_and_grads(state.master, state.quantized, state.frozen, tuple(state.rest), batch)
 
             return grads_fn
@@ -192,6 +192,7 @@ class Steps:
         rest_specs = tuple(PartitionSpec() for _ in plan.rest_avals)
 
         def grads_fn(state: TrainState, batch):
+            layout.check_state(state, "state")
             batch_specs = jax.tree.map(lambda _: PartitionSpec(None, tp), batch)
             fn = jax.shard_map(
                 loss_and_grads,

@@ -9,7 +9,6 @@ import numpy as np
 
 from mxfp8_jax._src.fsdp.fsdp_plan import KINDS, ParamInfo, Plan
 from mxfp8_jax._src.fsdp.fsdp_trace import describe_shape
-from mxfp8_jax._src.numerics.format import BLOCK
 
 _BACKWARD = {
     "auto": "fp32 where lowered for CPUs, the layer's dtype (fp32 accumulation) for GPUs",
@@ -119,7 +118,7 @@ def _what(p: ParamInfo) -> str:
     stack = f"{describe_shape(g.stack)} x " if g.stack else ""
     tp = f", {p.tp}-parallel" if p.tp else ""
     frozen = "" if p.trained else ", frozen"
-    tiles = ", 32x32 blocks" if p.kind == "mxfp8" and g.blocks == "32x32" else ""
+    tiles = ", 32x32 blocks" if p.kind == "mxfp8" and g.tiled else ""
     return f"{p.kind} {p.role} {stack}N={g.out_features} K={g.in_features}{tiles}{tp}{frozen}"
 
 
@@ -133,10 +132,8 @@ def stored_bytes(p: ParamInfo, n: int) -> int:
         return whole if p.shard_axis is None else whole // n
     elements = int(np.prod(p.stored_shape)) // (p.unit.num_shards * p.tp_size)
     master = 4 if p.trained else jnp.dtype(p.dtype).itemsize
-    if p.kind == "mxfp8" and p.unit.blocks == "32x32":  # master rows + one code plane + tile scales
-        return elements * (master + 1 + 1 / BLOCK**2)
-    if p.kind == "mxfp8":  # master rows + two code planes + two scale planes
-        return elements * (master + 2 + 2 / BLOCK)
+    if p.kind == "mxfp8":  # master rows + its planes (two of 1x32 blocks, or one of 32x32)
+        return elements * (master + (1 if p.unit.tiled else 2) * p.unit.plane_bytes)
     return elements * master
 
 
@@ -152,8 +149,7 @@ def gathered_bytes(p: ParamInfo, n: int) -> int:
             return 0
         return int(int(np.prod(p.shape)) * 4 * p.gathers)
     g = p.unit
-    per_element = 2 if p.kind != "mxfp8" else 1 + 1 / BLOCK**2 if g.blocks == "32x32" else 1 + 1 / BLOCK
-    per_gather = int(np.prod(g.padded_shape())) * per_element
+    per_gather = int(np.prod(g.padded_shape())) * (g.plane_bytes if p.kind == "mxfp8" else 2)
     return int(per_gather * p.gathers)
 
 

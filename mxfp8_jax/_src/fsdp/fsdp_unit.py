@@ -383,7 +383,7 @@ def _weight(g: UnitGeometry, fetched, columnwise: bool, ready=None) -> tuple[jax
     """The gathered planes of one direction (``_gather``) as the block-scaled GEMM's weight
     operand: rowwise ``[B, N, K]`` blocked along K, columnwise ``[B, K, N]`` blocked along N (no
     dequantize). ``ready``: as for ``gathered``."""
-    codes, scales = direction(Plane(*after(tuple(fetched), ready)), columnwise=columnwise, tiled=g.blocks == "32x32")
+    codes, scales = direction(Plane(*after(tuple(fetched), ready)), columnwise=columnwise, tiled=g.tiled)
     n, b = g.out_features, product(g.stack[g.level :])
     codes = codes[..., :n, :].reshape(b, n, g.in_features)
     scales = scales[..., : n // BLOCK, :] if columnwise else scales[..., :n, :]
@@ -606,7 +606,7 @@ def widened(g: UnitGeometry, fetched, *, columnwise: bool, ready=None) -> jax.Ar
     ``gathered``)."""
     if g.precision != "mxfp8":
         return after(fetched, ready)[..., : g.out_features, :]
-    return decode(after(Plane(*fetched), ready), g.out_features, columnwise=columnwise, tiled=g.blocks == "32x32")
+    return decode(after(Plane(*fetched), ready), g.out_features, columnwise=columnwise, tiled=g.tiled)
 
 
 def _ready(own, token):
