@@ -20,7 +20,9 @@ weights), ``mxfp8-gemm`` (``FSDP(gemm="mxfp8")``: block-scaled MXFP8 GEMMs forwa
 backward), ``bf16`` (``FSDP(precision="bf16")``) and ``gspmd`` (the model jitted with its
 parameters and optimizer state sharded by ``NamedSharding``, XLA inserting the collectives);
 on request ``mxfp8-p0`` (``FSDP(prefetch=0)``: every gather waits for its op's input, the
-baseline the overlap's memory is measured against).
+baseline the overlap's memory is measured against), ``mxfp8-32x32`` and ``mxfp8-gemm-32x32``
+(``FSDP(weight_blocks="32x32")``: one plane of 32x32 blocks a unit, GEMMs as ``mxfp8`` and
+``mxfp8-gemm``).
 
 A model of one's own: ``--model module:function``, where ``function()`` returns
 ``(make_model, loss_fn, batch)``: ``make_model()`` builds the ``nnx.Module`` (run under
@@ -50,7 +52,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-VARIANTS = ("mxfp8", "mxfp8-gemm", "mxfp8-p0", "bf16", "gspmd")
+VARIANTS = ("mxfp8", "mxfp8-gemm", "mxfp8-p0", "bf16", "gspmd", "mxfp8-32x32", "mxfp8-gemm-32x32")
 MODELS = ("transformer", "transformer-loop", "transformer-fori")
 # how each builtin model runs its blocks (``TransformerConfig.layer_loop``), as its description says
 _LOOPS = {"transformer": ("scan", "nnx.scan over"), "transformer-loop": ("python", "a Python loop over"),
@@ -226,8 +228,10 @@ def compile_variant(
         kwargs: dict = {"xla_costs": costs}
         if variant == "bf16":
             kwargs["precision"] = "bf16"
-        if variant == "mxfp8-gemm":
+        if variant.startswith("mxfp8-gemm"):
             kwargs["gemm"] = "mxfp8"
+        if variant.endswith("-32x32"):
+            kwargs["weight_blocks"] = "32x32"
         if variant == "mxfp8-p0":
             kwargs["prefetch"] = 0
         fsdp = FSDP(model, mesh, loss_fn=work.loss_fn, example_batch=work.batch, **kwargs)
@@ -685,7 +689,9 @@ def parser() -> argparse.ArgumentParser:
         "--no-remat", dest="remat", action="store_false", help="the builtin model's blocks without nnx.remat"
     )
     p.add_argument(
-        "--variants", default=",".join(v for v in VARIANTS if v != "mxfp8-p0"), help=f"subset of {','.join(VARIANTS)}"
+        "--variants",
+        default="mxfp8,mxfp8-gemm,bf16,gspmd",
+        help=f"subset of {','.join(VARIANTS)}",
     )
     p.add_argument(
         "--xla-flag", action="append", help="an XLA option for the compile, --xla-flag=--xla_name=value (repeatable)"

@@ -263,8 +263,8 @@ MUTANTS = (
         (
             (
                 "mxfp8_jax/_src/fsdp/fsdp_unit.py",
-                "return y, (act, _local(op, master, planes, backward=True), pick)",
-                "return y, (act, _local(op, master, planes, backward=False), pick)",
+                "return fetched if op.reuses else _local(op, master, planes, backward=True)",
+                "return fetched if op.reuses else _local(op, master, planes, backward=False)",
             ),
             (
                 "mxfp8_jax/_src/fsdp/fsdp_unit.py",

@@ -68,8 +68,9 @@ def test_demo_end_to_end(tmp_path):
     gathered = lambda run: {tuple(o[0] for o in c["outputs"]) for c in run["collectives"] if c["op"] == "all-gather"}
     assert gathered(mxfp8) == {("u8",), ("u16",), ("f32",)} and gathered(bf16) == {("u16",), ("f32",)}
     assert mxfp8["bf16_gather_bytes"] < bf16["bf16_gather_bytes"] and mxfp8["mxfp8_gather_bytes"] > 0
-    # the scanned blocks' collectives run once per layer
-    assert {c["per_step"] for c in mxfp8["collectives"]} == {1, 2}
+    # the demo's two scanned blocks: each loop of the step runs all layers but one, peeled off
+    # (fsdp_fetch), and XLA inlines a loop of one trip, so every collective runs once a step
+    assert {c["per_step"] for c in mxfp8["collectives"]} == {1}
     assert mxfp8["reduce_scatter_bytes"] > 0 and bf16["reduce_scatter_bytes"] > 0
 
 

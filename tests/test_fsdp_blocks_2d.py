@@ -210,6 +210,7 @@ def _tile_representable(fsdp, model):
     [
         ("scan", True, "mxfp8"),
         ("python", True, "mxfp8"),
+        ("scan", True, "dequantized"),
         ("scan", False, "dequantized"),
         ("python", False, "dequantized"),
     ],
@@ -249,19 +250,23 @@ def test_tensor_parallel_units_hold_whole_tiles(devices):
     np.testing.assert_allclose(at_states, got, rtol=test_tp.LOSS_RTOL)
 
 
-def test_a_stack_of_2048_layers_gathers_half_of_bf16_per_pass(mesh):
+@pytest.mark.parametrize("remat", [True, False])
+def test_a_stack_of_2048_layers_gathers_half_of_bf16_per_pass(mesh, remat):
     """A scanned stack of 2048x2048 layers (a pytree model: ``w [4, 2048, 2048]``) on the run's
     devices, from the compiled steps (abstract state, nothing runs): every weight gather of the
     step, counted with its loop's trips, 32x32 units against bf16 units of the same plan: a
-    layer's gather moves 0.5005x bf16's bytes."""
+    layer's gather moves 0.5005x bf16's bytes. With a rematerialised body the backward gathers
+    each layer's plane once, for its recomputed forward and its dgrad, as bf16 units their
+    weight; without, MXFP8 units gather one layer more (the backward's link)."""
     from jax import lax
 
     layers, d = 4, 2048
     model = {"w": jnp.zeros((layers, d, d), jnp.float32)}
     x = jax.ShapeDtypeStruct((8 * mesh.size, d), jnp.float32)
+    layer = lambda h, w: (jnp.tanh(h @ w), None)
 
     def loss(m, x):
-        h, _ = lax.scan(lambda h, w: (jnp.tanh(h @ w), None), x, m["w"])
+        h, _ = lax.scan(jax.checkpoint(layer) if remat else layer, x, m["w"])
         return jnp.mean(h * h)
 
     tx = optax.sgd(0.1)
@@ -273,10 +278,17 @@ def test_a_stack_of_2048_layers_gathers_half_of_bf16_per_pass(mesh):
         moved[name] = sum(c.bytes_per_step for c in gathers if c.bytes >= d * d // 1024)
         dtypes = {t for c in gathers if c.bytes >= d * d // 1024 for t in c.dtypes}
         assert dtypes == ({"u8"} if name == "32x32" else {"u16"}), (name, dtypes)  # bf16 bits as u16
-    # layer gathers: forward and dgrad of each layer, the forward loop's fetch of a next layer
-    # in its last trip, and for MXFP8 units the backward loop's too (the carried link's first
-    # trip: docs/fsdp.md, Overlap); each 0.5005x bf16's bytes
-    mx, bf = 2 * layers + 2, 2 * layers + 1
+    if remat:
+        # forward: each layer once (the next one's gathered an iteration ahead); backward: each
+        # layer but the last once more (the last's the forward kept), for both its recomputed
+        # forward and its dgrad (a 32x32 plane and a bf16 weight serve both: fsdp_fetch)
+        mx = bf = 2 * layers - 1
+    else:
+        # forward and dgrad of each layer, the forward loop's fetch of a next layer in its last
+        # trip, and for MXFP8 units the backward loop's too (the carried link's first trip:
+        # docs/fsdp.md, Overlap)
+        mx, bf = 2 * layers + 2, 2 * layers + 1
     assert moved["32x32"] == mx * d * d * (1 + 1 / 1024), moved
     assert moved["bf16"] == bf * d * d * 2, moved
     assert (moved["32x32"] / mx) / (moved["bf16"] / bf) <= 0.501
+    assert moved["32x32"] / moved["bf16"] <= 0.501 * mx / bf

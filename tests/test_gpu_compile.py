@@ -12,9 +12,11 @@ from the optimized HLO (``compiled.hlo_schedule``):
   dequantized operands); none multiplies fp32 operands. Their FLOPs are the units' from the
   shapes: 2 T I O for each forward, dgrad, wgrad and recomputed forward of an ``I x O``
   projection over T tokens (XLA may merge the last layer's recomputed forward, with its gather,
-  into the forward's once it peels the loops: one layer's worth less, never more);
+  into the forward's: one layer's worth less, never more);
 - the MXFP8 quantize kernel is in the program;
-- the 8-bit bytes all-gathered per step are the plan's figure (less that merged gather);
+- the 8-bit bytes all-gathered per step are the plan's figure (less that merged gather, and
+  less the q/k/v planes of the last layer a scan's backward recomputes on, kept from the
+  forward);
 - per-device temp memory within a bound read off the shapes (``temp_bound``), and growing per
   added layer by no more than a bf16 carry and an fp32 copy of it (``[T, hidden]``, 6 bytes a
   value): what a remat scan keeps per layer; a step that held every layer's gathered weights
@@ -122,7 +124,8 @@ def test_the_gpu_step_multiplies_every_unit_in_bf16(meshes, gpu, loop):
     assert_units_flops(flops(units), 4 * LAYERS * BLOCK_FLOPS + 3 * HEAD_FLOPS)
     assert "mxfp8_quantize" in {c.target for c in hlo.custom_calls(text)}
     # 8-bit gathers: the plan's figure, or one layer's recomputed gathers less; a scan's backward
-    # also gathers one layer's q/k/v planes it does not use (its last iteration's fetch)
+    # recomputes the last layer on the q/k/v planes the forward fetched for it, kept: one
+    # layer's q/k/v less (fsdp_fetch)
     n = fsdp.mesh.size
     plan = sum(fsdp_table.gathered_bytes(p, n) for p in fsdp.params if p.kind == "mxfp8")
     per_layer_read = plan // (3 * LAYERS)  # forward, recomputed forward, dgrad of each layer
@@ -131,7 +134,7 @@ def test_the_gpu_step_multiplies_every_unit_in_bf16(meshes, gpu, loop):
     ) // (3 * LAYERS)
     fetched = first if loop == "scan" else 0
     got = eight_bit_gathered(text)
-    assert got in (plan + fetched, plan - per_layer_read + fetched), (got, plan, fetched)
+    assert got in (plan - fetched, plan - per_layer_read - fetched), (got, plan, fetched)
     assert step.memory_analysis().temp_size_in_bytes <= temp_bound(LAYERS)
 
 
@@ -345,10 +348,10 @@ def test_the_replay_walks_the_schedule_on_two_streams(meshes, tmp_path):
 
 
 def test_the_replay_takes_out_the_loops_fixed_cost(meshes, tmp_path):
-    """The scanned step's loop bodies: XLA's estimate of each is at least the 5000 cycles its
-    estimator gives an asynchronous dynamic-update-slice (the scan's stacked outputs), while the
-    replay, which runs them at no cost, gives the forward body far less; the replayed step is
-    shorter than XLA's estimate, its GEMMs repriced; and in XLA:GPU's program too the scan's
+    """The scanned step's loop bodies: XLA's estimate of the backward's is at least the 5000
+    cycles its estimator gives an asynchronous copy (the slices of the stacks it reads and
+    writes), while the replay, which runs them at no cost, gives it far less; the replayed step
+    is shorter than XLA's estimate, its GEMMs repriced; and in XLA:GPU's program too the scan's
     loops gather nothing but the units' 8-bit planes (the norm scales before the loops)."""
     from mxfp8_jax._src.compiled import hlo_replay
 
@@ -361,10 +364,11 @@ def test_the_replay_takes_out_the_loops_fixed_cost(meshes, tmp_path):
     text = step.as_text()
     stats = hlo_schedule.schedule_stats(dump, text)
     bodies = [s for s in stats if (s.runs or 1) > 1]
-    assert bodies and all(s.total_cycles / s.cycles_per_us >= 5000 for s in bodies), bodies
+    fixed = [s for s in bodies if s.total_cycles / s.cycles_per_us >= 5000]
+    assert len(bodies) == 2 and fixed, bodies
     result, pricing = hlo_replay.replay_step(dump, text, meshes["h100"])
     per_run = {k: v["us"] / v["runs"] for k, v in result.per_computation.items()}
-    assert min(per_run[s.computation] for s in bodies) < 2500, per_run
+    assert max(per_run[s.computation] for s in fixed) < 2500, per_run
     assert result.step_us < hlo_schedule.step_estimate(stats)["total_us"]
     assert pricing.wide_out_us > 10 * pricing.wide_out_at_narrow_us, pricing
     loops = {s.computation for s in bodies}

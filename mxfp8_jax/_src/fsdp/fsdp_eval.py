@@ -212,6 +212,8 @@ class _Evaluator(Traversal):
         token = lambda act, act_spec: self.token(unit, act, act_spec)
         take = self.fetching is not None and unit.sliced and not unit.pick and not self.branches
         fetched = self.fetching.take(unit, op, var) if take else None
+        if fetched is not None and self.fetching.keep and unit.geometry.both_ways:
+            op = dataclasses.replace(op, reuses=True)  # its dgrad reads the bytes it takes
         args = (op, act, specs[1 - position], unit, eqn.invars[position].aval.ndim, given, token, fetched)
         out, spec, handing = gemm_island(self.islands, *args, *fsdp_fetch.handoff(self, op))
         self.handing = None if handing is None else (handing, unit, op)

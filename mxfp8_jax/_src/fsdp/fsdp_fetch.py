@@ -103,59 +103,102 @@ def fetching_scan(ev, step, flat_consts, carry, xs_in, parts, first):
     buffering, FSDP's prefetch of the next layer): forward, and for a rematerialised body in
     its own backward too, a reverse scan that recomputes each iteration's body (as the
     rematerialised region would) with the next iteration's (the layer before's) first weight
-    gathered meanwhile. A body without remat keeps jax's derivative, its unit GEMMs linked in
-    the handoff (``_chain``): the loop carries the link, and after it an identity on the carry
-    (``closing_island``) gathers, in the backward, what the last iteration's last op needs.
-    ``first``: ``first_read``'s. Values and gradients are those of ``lax.scan`` over the body:
-    the same operations, in the same order."""
+    gathered meanwhile (``_recomputing_scan``). A body without remat keeps jax's derivative,
+    its unit GEMMs linked in the handoff (``_saving_scan``). ``first``: ``first_read``'s.
+    Values and gradients are those of ``lax.scan`` over the body: the same operations, in the
+    same order."""
     fetch, layer_of, recompute = first
-    length, unroll = parts.length, parts.unroll
-    index = jnp.arange(length, dtype=jnp.int32)
-    inexact = lambda a: jnp.issubdtype(jnp.result_type(a), jnp.inexact)
 
-    def run(flat_consts, carry, xs_slices, fetched, linked=False, handing=None):
+    def run(flat_consts, carry, xs_slices, fetched, linked=False, handing=None, keep=False):
         """The body on the fetched weights, the output of its first GEMM that read them (what
         the next fetch waits for: XLA then cannot run it, or a gather it combines it with, ahead
         of that GEMM), and where ``linked``, its last linked GEMM's ``(handoff value, unit, op)``
-        (``handing``: what its first one takes)."""
-        with ev.fetched(Fetching(fetched, linked=linked, handing=handing)) as fetching:
+        (``handing``: what its first one takes). ``keep``: the body is recomputed for its
+        backward, so a GEMM taking bytes of both directions keeps them for its dgrad
+        (``UnitOp.reuses``)."""
+        with ev.fetched(Fetching(fetched, linked=linked, handing=handing, keep=keep)) as fetching:
             return step(flat_consts, carry, xs_slices), fetching.first, ev.handing
 
-    chain = None if recompute else _chain(ev, run, fetch, layer_of, flat_consts, carry, xs_in)
+    flat_consts, carry, xs_in = list(flat_consts), list(carry), list(xs_in)
+    if recompute:
+        return _recomputing_scan(run, fetch, flat_consts, carry, xs_in, parts.length, parts.unroll)
+    return _saving_scan(ev, run, fetch, layer_of, flat_consts, carry, xs_in, parts.length, parts.unroll)
+
+
+def _saving_scan(ev, run, fetch, layer_of, flat_consts, carry, xs_in, length, unroll):
+    """The fetching scan of a body without remat: jax's derivative, whose backward saves the
+    body's residuals. Its unit GEMMs are linked in the handoff (``_chain``): the loop carries
+    the link, and after it an identity on the carry (``closing_island``) gathers, in the
+    backward, what the last iteration's last op needs.
+
+    Both loops gather one layer too many: the forward's last iteration fetches a layer after
+    the last (the last again), and in a linked backward layer 0's iteration gathers a layer
+    before the first (layer 0's last op's weight again). Peeling those iterations off the loop,
+    as ``_recomputing_scan`` does, would read the stacks by index, and jax's derivative then
+    sums their gradients into a stack of its own (one more fp32 stack of the masters' shards
+    in temp memory), so they stay."""
+    index = jnp.arange(length, dtype=jnp.int32)
+    inexact = lambda a: jnp.issubdtype(jnp.result_type(a), jnp.inexact)
+    chain = _chain(ev, run, fetch, layer_of, flat_consts, carry, xs_in)
+
+    def body(state, inputs):
+        carry, fetched, link = state
+        i, xs_slices = inputs
+        handing = None if chain is None else (link, layer_of(chain[1], xs_in, jnp.maximum(i - 1, 0)), chain[2])
+        (new_carry, ys), read, handing = run(flat_consts, carry, xs_slices, fetched, chain is not None, handing)
+        upcoming = fetch(xs_in, jnp.minimum(i + 1, length - 1), read)
+        link = () if chain is None else handing[0]
+        return (new_carry, upcoming, link), ys
+
+    link = () if chain is None else zero_handoff_island(ev.islands, chain[0])
+    state = (carry, fetch(xs_in, 0), link)
+    (carry_out, _, link), ys = lax.scan(body, state, (index, xs_in), unroll=unroll)
+    if chain is not None:  # the last iteration's backward weight, gathered after the loop
+        k = next(k for k, c in enumerate(carry_out) if inexact(c))
+        last = layer_of(chain[1], xs_in, length - 1)
+        carry_out[k] = closing_island(ev.islands, chain[2], carry_out[k], link, last)
+    return carry_out, ys
+
+
+def _recomputing_scan(run, fetch, flat_consts, carry, xs_in, length, unroll):
+    """The fetching scan of a rematerialised body, differentiated here. Its loops run all
+    iterations but one, which is peeled: the forward's last (whose fetch would gather a layer
+    after the last) and the backward's last, layer 0's (whose fetch would gather a layer before
+    the first). So each layer's first weights are gathered once a pass, and the backward's
+    first iteration recomputes the last layer on the planes the forward's last used, kept.
+    Where those serve both GEMM directions (32x32 planes, bf16 weights), the recomputed GEMMs
+    keep them for their dgrads too: the backward gathers them once, for both.
+    The loops read their layer of the stacks by index (a slice before the loop would copy
+    them); what they stack (the carries, the outputs, the stacks' gradients) is written in
+    place, layer by layer."""
+    inexact = lambda a: jnp.issubdtype(jnp.result_type(a), jnp.inexact)
+    index = jnp.arange(length, dtype=jnp.int32)
+    at = lambda arrays, i: [lax.dynamic_index_in_dim(a, i, 0, keepdims=False) for a in arrays]
+    put = lambda stacks, values, i: [lax.dynamic_update_index_in_dim(s, v, i, 0) for s, v in zip(stacks, values)]
+    stacks = lambda values: [jnp.zeros((length, *jnp.shape(v)), jnp.result_type(v)) for v in values]
 
     def forward(flat_consts, carry, xs_in):
-        """The scan, and what its backward needs: each iteration's carry in, the last fetch;
-        for a linked body, the last iteration's handoff value."""
+        """The scan, and what its backward needs: each iteration's carry in, and the first
+        weights of the last layer (the forward's last fetch)."""
+        ys_shapes = jax.eval_shape(lambda c: run(flat_consts, c, at(xs_in, 0), fetch(xs_in, 0))[0][1], carry)
 
-        def body(state, inputs):
-            carry, fetched, link = state
-            i, xs_slices = inputs
-            handing = None if chain is None else (link, layer_of(chain[1], xs_in, jnp.maximum(i - 1, 0)), chain[2])
-            (new_carry, ys), read, handing = run(flat_consts, carry, xs_slices, fetched, chain is not None, handing)
-            upcoming = fetch(xs_in, jnp.minimum(i + 1, length - 1), read)
-            link = () if chain is None else handing[0]
-            return (new_carry, upcoming, link), (ys, carry if recompute else ())
+        def body(state, i):
+            carry, fetched, ys, carries = state
+            (new_carry, y), read, _ = run(flat_consts, carry, at(xs_in, i), fetched)
+            return (new_carry, fetch(xs_in, i + 1, read), put(ys, y, i), put(carries, carry, i)), None
 
-        link = () if chain is None else zero_handoff_island(ev.islands, chain[0])
-        state = (carry, fetch(xs_in, 0), link)
-        (carry_out, last, link), (ys, carries) = lax.scan(body, state, (index, xs_in), unroll=unroll)
-        return carry_out, ys, carries, last, link
-
-    if not recompute:  # jax's derivative: its backward saves the body's residuals
-        carry_out, ys, _, _, link = forward(list(flat_consts), list(carry), list(xs_in))
-        if chain is not None:  # the last iteration's backward weight, gathered after the loop
-            k = next(k for k, c in enumerate(carry_out) if inexact(c))
-            last = layer_of(chain[1], list(xs_in), length - 1)
-            carry_out[k] = closing_island(ev.islands, chain[2], carry_out[k], link, last)
-        return carry_out, ys
+        state = (carry, fetch(xs_in, 0), stacks(ys_shapes), stacks(carry))
+        (carry, last, ys, carries), _ = lax.scan(body, state, index[:-1], unroll=unroll)
+        (carry_out, y), _, _ = run(flat_consts, carry, at(xs_in, length - 1), dict(last))
+        return carry_out, put(ys, y, length - 1), put(carries, carry, length - 1), last
 
     @jax.custom_vjp
     def scanned(flat_consts, carry, xs_in):
-        carry_out, ys, _, _, _ = forward(flat_consts, carry, xs_in)
+        carry_out, ys, _, _ = forward(flat_consts, carry, xs_in)
         return carry_out, ys
 
     def scanned_fwd(flat_consts, carry, xs_in):
-        carry_out, ys, carries, last, _ = forward(flat_consts, carry, xs_in)
+        carry_out, ys, carries, last = forward(flat_consts, carry, xs_in)
         return (carry_out, ys), (flat_consts, xs_in, carries, last)
 
     def scanned_bwd(res, cts):
@@ -163,14 +206,18 @@ def fetching_scan(ev, step, flat_consts, carry, xs_in, parts, first):
         ct_carry, ct_ys = cts
         d_consts = [jnp.zeros_like(a) for a in flat_consts if inexact(a)]
         ct_carry = [c for c, a in zip(ct_carry, carries) if inexact(a)]
+        ct_ys = [c for c in ct_ys if inexact(c)]
+        d_xs = [jnp.zeros_like(a) for a in xs_in if inexact(a)]
 
-        def body(state, inputs):
-            ct_carry, d_consts, fetched = state
-            i, xs_slices, carry, ct_y = inputs
+        def back(i, ct_carry, d_consts, d_xs, fetched, ahead: bool):
+            """Iteration ``i`` recomputed on ``fetched`` and differentiated; with ``ahead``,
+            the layer before's first weights gathered meanwhile."""
+            carry, xs_slices = at(carries, i), at(xs_in, i)
 
             def f(dc, dk, dx):
                 consts = _merge(flat_consts, dc, inexact)
-                (new_carry, ys), _, _ = run(consts, _merge(carry, dk, inexact), _merge(xs_slices, dx, inexact), fetched)
+                carry_in, xs_at = _merge(carry, dk, inexact), _merge(xs_slices, dx, inexact)
+                (new_carry, ys), _, _ = run(consts, carry_in, xs_at, fetched, keep=True)
                 outs = [*new_carry, *ys]
                 return [o for o in outs if inexact(o)], [o for o in outs if not inexact(o)]
 
@@ -178,15 +225,16 @@ def fetching_scan(ev, step, flat_consts, carry, xs_in, parts, first):
             outs, vjp, _ = jax.vjp(f, *primals, has_aux=True)
             # waits for nothing: the backward's gathers have the iteration's dgrads and wgrads
             # to run beside whatever XLA combines it with
-            upcoming = fetch(xs_in, jnp.maximum(i - 1, 0))
-            dc, dk, dx = vjp([*ct_carry, *ct_y])
+            upcoming = fetch(xs_in, i - 1) if ahead else None
+            dc, dk, dx = vjp([*ct_carry, *at(ct_ys, i)])
             d_consts = [a + b for a, b in zip(d_consts, dc)]
-            return (dk, d_consts, upcoming), dx
+            return dk, d_consts, put(d_xs, dx, i), upcoming
 
-        ct_ys = [c for c in ct_ys if inexact(c)]
-        (d_carry, d_consts, _), d_xs = lax.scan(
-            body, (ct_carry, d_consts, last), (index, xs_in, carries, ct_ys), reverse=True, unroll=unroll
-        )
+        def body(state, i):
+            return back(i, *state, ahead=True), None
+
+        state, _ = lax.scan(body, (ct_carry, d_consts, d_xs, last), index[1:], reverse=True, unroll=unroll)
+        d_carry, d_consts, d_xs, _ = back(jnp.int32(0), *state[:3], dict(state[3]), ahead=False)
         return (
             _unmerge(flat_consts, d_consts, inexact),
             _unmerge(carries, d_carry, inexact),
@@ -194,7 +242,7 @@ def fetching_scan(ev, step, flat_consts, carry, xs_in, parts, first):
         )
 
     scanned.defvjp(scanned_fwd, scanned_bwd)
-    return scanned(list(flat_consts), list(carry), list(xs_in))
+    return scanned(flat_consts, carry, xs_in)
 
 
 def _chain(ev, run, fetch, layer_of, flat_consts, carry, xs_in):
@@ -283,8 +331,11 @@ class Fetching:
     GEMM of a stacked unit and the others of the same activation up to one of another (there
     evaluation stops): a layer's q, k and v projections, its MLP's gate and up."""
 
-    def __init__(self, fetched=None, *, discover: bool = False, linked: bool = False, handing=None) -> None:
+    def __init__(
+        self, fetched=None, *, discover: bool = False, linked: bool = False, handing=None, keep: bool = False
+    ) -> None:
         self.fetched, self.discover = dict(fetched or {}), discover
+        self.keep = keep  # a recomputed iteration: bytes of both directions serve the dgrad too
         self.linked, self.handing = linked, handing  # the body's GEMMs linked; what the first takes
         self.first: tuple | None = None  # the output of the first GEMM that took them, its spec
         self.found: list = []

@@ -144,6 +144,11 @@ class UnitGeometry:
         return self.blocks == "32x32"
 
     @property
+    def both_ways(self) -> bool:
+        """A gather serves both GEMM directions: one plane of 32x32 blocks, or the bf16 weight."""
+        return self.tiled or self.precision != "mxfp8"
+
+    @property
     def plane_bytes(self) -> float:
         """Bytes a weight of one MXFP8 plane, its codes and scales (what one gather moves)."""
         return 1 + 1 / BLOCK**2 if self.tiled else 1 + 1 / BLOCK

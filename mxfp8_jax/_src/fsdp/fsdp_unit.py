@@ -80,7 +80,10 @@ class UnitOp:
     of a stack: the op picks the layer from the stacked shards itself, so the backward keeps
     the stack, not a per-layer copy of its planes); ``early``: a layer a loop reads per
     iteration under ``prefetch``: its backward gathers wait for nothing, so that they too may
-    run beside the iteration's GEMMs or a pipeliner move them an iteration ahead.
+    run beside the iteration's GEMMs or a pipeliner move them an iteration ahead; ``reuses``:
+    its forward takes fetched bytes its dgrad reads too (a 32x32 plane, a bf16 weight) inside
+    an iteration its backward recomputes, so the backward keeps them instead of gathering them
+    again (kept from the recompute to the dgrad of one iteration, not across the step).
     """
 
     geometry: UnitGeometry
@@ -93,6 +96,7 @@ class UnitOp:
     gemm: Gemms = dataclasses.field(default_factory=Gemms)  # how its GEMMs multiply
     picked: tuple[int, ...] = ()  # sizes of the leading layer axes it reads one index of
     early: bool = False  # a loop's per-iteration layer: its backward gathers wait for nothing
+    reuses: bool = False  # the dgrad reads the fetched bytes the forward took
 
     def value(self, w: jax.Array) -> jax.Array:
         """``W [*batch, N, K]`` (gathered) -> the operand as the layer's op sees it."""
@@ -237,7 +241,7 @@ def _gemm(op: UnitOp, act, master, planes, pick, token, fetched):
 
 def _gemm_fwd(op: UnitOp, act, master, planes, pick, token, fetched):
     y = _gemm(op, act, master, planes, pick, token, fetched)
-    return y, (act, _local(op, master, planes, backward=True), pick)
+    return y, (act, _kept(op, master, planes, fetched), pick)
 
 
 def _gemm_bwd(op: UnitOp, residuals, dy):
@@ -245,8 +249,18 @@ def _gemm_bwd(op: UnitOp, residuals, dy):
     return *_gemm_grads(op, act, pick, dy, *_backward_bytes(op, local, pick, dy)), None, None, None, None
 
 
+def _kept(op: UnitOp, master, planes, fetched):
+    """What a unit GEMM's forward keeps for its backward weight: the local shards its backward
+    gathers (stacked where the op picks a layer: the stack itself, not a copy of the layer), or
+    with ``op.reuses`` the fetched plane itself."""
+    return fetched if op.reuses else _local(op, master, planes, backward=True)
+
+
 def _backward_bytes(op: UnitOp, local, pick, dy):
-    """The op's own gather for its backward: ``(gathered bytes, what widening them waits for)``."""
+    """The op's own gather for its backward: ``(gathered bytes, what widening them waits for)``;
+    with ``op.reuses``, ``local`` is the plane the forward took, not gathered again."""
+    if op.reuses:
+        return local, dy
     local = jax.tree.map(lambda p: pick_layer(p, pick), local)
     local = after(local, None if op.early else dy)  # the gather waits for the gradient that needs it
     return _gather(op.geometry, local), (dy if op.early else None)
@@ -275,7 +289,7 @@ def _handed_gemm_fwd(op: UnitOp, handoff: Handoff, *args):
         lambda a: a.value, args, is_leaf=lambda a: isinstance(a, CustomVJPPrimal)
     )
     out = _handed_gemm(op, handoff, act, master, planes, pick, token, fetched, handed, before)
-    return out, (act, _local(op, master, planes, backward=True), pick, before)
+    return out, (act, _kept(op, master, planes, fetched), pick, before)
 
 
 def _handed_gemm_bwd(op: UnitOp, handoff: Handoff, residuals, cts):
@@ -348,7 +362,7 @@ def _mx_gemm(op: UnitOp, canon: _Canonical, order, act, master, planes, given, p
 
 def _mx_gemm_fwd(op: UnitOp, canon: _Canonical, order, act, master, planes, given, pick, token, fetched):
     fetched, ready = _forward_bytes(op, act, master, planes, pick, token, fetched)
-    w = _weight(op.geometry, fetched, op.transposed, ready=ready)
+    w = _weight(op.geometry, fetched, ready, op.transposed)
     if given is None:
         y, x_col = mxfp8_gemm.forward(canon.act_to_x(act), w, op.gemm.mxfp8)
     else:  # x is MXFP8 already: its rowwise planes go into the GEMM as they are
@@ -361,16 +375,13 @@ def _mx_gemm_fwd(op: UnitOp, canon: _Canonical, order, act, master, planes, give
             x_col = mxfp8_gemm.Quantized(None, (rows(mxfp8_gemm.as_bytes(cq)), rows(cs)), canon.m)
         else:
             x_col = mxfp8_gemm.quantize_tokens(canon.act_to_x(normed), op.gemm.mxfp8.scale_rule, rowwise=False)
-    # saved: x's columnwise planes (8.25 bits a value) and the LOCAL planes of the dgrad
-    # (stacked when the op picks a layer: the stack itself, not a copy of the layer)
-    return canon.y_to_out(y), (x_col, _local(op, master, planes, backward=True), pick)
+    # saved: x's columnwise planes (8.25 bits a value) and what the dgrad's weight comes from
+    return canon.y_to_out(y), (x_col, _kept(op, master, planes, fetched), pick)
 
 
 def _mx_gemm_bwd(op: UnitOp, canon: _Canonical, order, residuals, dy):
     x_col, local, pick = residuals
-    local = jax.tree.map(lambda p: pick_layer(p, pick), local)
-    local = after(local, None if op.early else dy)  # the gather waits for the gradient that needs it
-    w_t = _weight(op.geometry, _gather(op.geometry, local), not op.transposed, ready=dy if op.early else None)
+    w_t = _weight(op.geometry, *_backward_bytes(op, local, pick, dy), not op.transposed)
     dx, dv = mxfp8_gemm.backward(canon.out_to_y(dy), x_col, w_t, op.gemm.mxfp8, order=order)
     grads = _unpick(op, _scatter_rows(op.geometry, canon.v_to_w(dv)), pick)
     return canon.x_to_act(dx), grads, None, None, None, None, None
@@ -379,7 +390,7 @@ def _mx_gemm_bwd(op: UnitOp, canon: _Canonical, order, residuals, dy):
 _mx_gemm.defvjp(_mx_gemm_fwd, _mx_gemm_bwd)
 
 
-def _weight(g: UnitGeometry, fetched, columnwise: bool, ready=None) -> tuple[jax.Array, jax.Array]:
+def _weight(g: UnitGeometry, fetched, ready, columnwise: bool) -> tuple[jax.Array, jax.Array]:
     """The gathered planes of one direction (``_gather``) as the block-scaled GEMM's weight
     operand: rowwise ``[B, N, K]`` blocked along K, columnwise ``[B, K, N]`` blocked along N (no
     dequantize). ``ready``: as for ``gathered``."""
