@@ -7,8 +7,9 @@
 // Attributes: scale_rule i32 (0 rceil, 1 floor).
 //
 // Each tile is the 1x32 block grown to 32x32: its amax (NaN ignored) gives the scale by the rule
-// of numerics.h, and every element is cast with it. A tile is read twice, for its statistics and
-// for its cast (4 KiB of fp32 at most, in L1 the second time). Tiles free of Inf, NaN and fp32
+// of numerics.h, and every element is cast with it. A band of 32 rows is read twice, a chunk of
+// its tiles at a time, row by row: for the tiles' statistics, then for the cast (the chunk's
+// rows still in cache), so reads and writes stream along the rows. Tiles free of Inf, NaN and fp32
 // subnormals take the 32-element vector cast of the 1x32 kernels (quantize_vec.h: its conditions
 // hold for any block whose scale came from a maximum of its elements); the others take
 // numerics.h's scalar cast. Both are exact in integers, or in float operations on normal operands
@@ -44,30 +45,55 @@ __attribute__((noinline)) void quantize_tile_scalar(const typename Input<T>::Ele
       q[r * K + i] = e4m3_scaled(Input<T>::bits(x[r * K + i]), scale);
 }
 
-// One tile (arguments as quantize_tile_scalar), the vector cast where it applies.
+// Tiles per chunk of a band that quantize_band handles at once: their running statistics (two
+// vectors a tile) stay in L1, and the chunk's 32 rows (32 x 4 KiB of fp32 at most) in L2 for the
+// second read.
+constexpr int64_t kChunkTiles = 32;
+
+// The tiles [j0, j1) of one 32-row band (x, q its first row; s its scale row), row by row:
+// the statistics of every tile of the chunk in one sequential pass over its rows, then the cast
+// in a second (each row's 32-element pieces in order, so reads and writes stream). A tile
+// holding an Inf, a NaN or an fp32 subnormal takes the scalar path.
 template <InType T>
-MXFP8_CPU_LOOP void quantize_tile(const typename Input<T>::Elem* x, int64_t K, uint8_t* q,
-                                  uint8_t* s, ScaleRule rule) {
+MXFP8_CPU_LOOP void quantize_chunk(const typename Input<T>::Elem* x, int64_t K, int64_t j0,
+                                   int64_t j1, uint8_t* q, uint8_t* s, ScaleRule rule) {
   using namespace vec;
-  i32x8 mx = splat(0), mn = splat(INT32_MAX);
+  const int64_t n = j1 - j0;
+  i32x8 mx[kChunkTiles], mn[kChunkTiles];
+  for (int64_t j = 0; j < n; ++j) mx[j] = splat(0), mn[j] = splat(INT32_MAX);
   for (int r = 0; r < kBlock; ++r) {
-    u32x8 v[4];
-    load32<T>(x + r * K, v);
-    for (int j = 0; j < 4; ++j) accumulate(v[j], mx, mn);
+    const auto* row = x + r * K + j0 * kBlock;
+    for (int64_t j = 0; j < n; ++j) {
+      u32x8 v[4];
+      load32<T>(row + j * kBlock, v);
+      for (int i = 0; i < 4; ++i) accumulate(v[i], mx[j], mn[j]);
+    }
   }
-  const int32_t amax = hmax(mx);
-  if (amax >= 0x7F800000 || hmin(mn) < kSubnormalBelow) {
-    quantize_tile_scalar<T>(x, K, q, s, rule);
-    return;
+  i32x8 kk[kChunkTiles], thr[kChunkTiles];
+  bool vector[kChunkTiles];
+  for (int64_t j = 0; j < n; ++j) {
+    const int32_t amax = hmax(mx[j]);
+    vector[j] = amax < 0x7F800000 && hmin(mn[j]) >= kSubnormalBelow;
+    if (!vector[j]) {
+      quantize_tile_scalar<T>(x + (j0 + j) * kBlock, K, q + (j0 + j) * kBlock, s + j0 + j, rule);
+      continue;
+    }
+    const uint8_t scale = e8m0_scale_finite(static_cast<uint32_t>(amax), rule);
+    s[j0 + j] = scale;
+    const CastK ck(splat(127 - static_cast<int32_t>(scale)));
+    kk[j] = ck.kk, thr[j] = ck.thr_r;
   }
-  const uint8_t scale = e8m0_scale_finite(static_cast<uint32_t>(amax), rule);
-  *s = scale;
-  const CastK ck(splat(127 - static_cast<int32_t>(scale)));
   for (int r = 0; r < kBlock; ++r) {
-    u32x8 v[4], c[4];
-    load32<T>(x + r * K, v);
-    for (int j = 0; j < 4; ++j) c[j] = cast(v[j], ck);
-    store32<T>(c, q + r * K);
+    const auto* row = x + r * K + j0 * kBlock;
+    uint8_t* out = q + r * K + j0 * kBlock;
+    for (int64_t j = 0; j < n; ++j) {
+      if (!vector[j]) continue;
+      const CastK ck(kk[j], thr[j]);
+      u32x8 v[4], c[4];
+      load32<T>(row + j * kBlock, v);
+      for (int i = 0; i < 4; ++i) c[i] = cast(v[i], ck);
+      store32<T>(c, out + j * kBlock);
+    }
   }
 }
 
@@ -77,9 +103,9 @@ MXFP8_CPU_LOOP void quantize_bands(const typename Input<T>::Elem* x, int64_t b0,
                                    int64_t K, uint8_t* q, uint8_t* s, ScaleRule rule) {
   const int64_t tiles = K / kBlock;
   for (int64_t b = b0; b < b1; ++b)
-    for (int64_t j = 0; j < tiles; ++j) {
-      const int64_t e = b * kBlock * K + j * kBlock;
-      quantize_tile<T>(x + e, K, q + e, s + b * tiles + j, rule);
+    for (int64_t j = 0; j < tiles; j += kChunkTiles) {
+      const int64_t e = b * kBlock * K;
+      quantize_chunk<T>(x + e, K, j, std::min(tiles, j + kChunkTiles), q + e, s + b * tiles, rule);
     }
 }
 
