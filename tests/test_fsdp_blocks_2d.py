@@ -290,5 +290,5 @@ def test_a_stack_of_2048_layers_gathers_half_of_bf16_per_pass(mesh, remat):
         mx, bf = 2 * layers + 2, 2 * layers + 1
     assert moved["32x32"] == mx * d * d * (1 + 1 / 1024), moved
     assert moved["bf16"] == bf * d * d * 2, moved
-    assert (moved["32x32"] / mx) / (moved["bf16"] / bf) <= 0.501
-    assert moved["32x32"] / moved["bf16"] <= 0.501 * mx / bf
+    # all of the step's gathers counted: within 0.501x bf16's bytes with remat, not without
+    assert (moved["32x32"] <= 0.501 * moved["bf16"]) == remat, moved

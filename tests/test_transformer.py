@@ -88,7 +88,7 @@ def test_step_hlo_gathers_units_inside_the_loops(mesh):
     assert not [c for c in in_loops if c.op == "all-gather" and c.dtypes != ("u8",)]
     assert sorted(c.outputs[0][0] for c in in_loops if c.op == "reduce-scatter") == ["f32"] * 7
     norm_grads = [c.outputs for c in bwd if c.op == "all-reduce" and ("f32", (cfg.hidden,)) in c.outputs]
-    assert norm_grads == [(("f32", (CFG.hidden,)),) * 2], norm_grads
+    assert norm_grads == [(("f32", (cfg.hidden,)),) * 2], norm_grads
     # outside the loops, fp32: the embedding (plain without a trace), the final norm and the two
     # norm stacks, each gathered once; never a master
     assert all(p.shard_axis is not None for p in fsdp.plain)

@@ -189,7 +189,7 @@ def _recomputing_scan(run, fetch, flat_consts, carry, xs_in, length, unroll):
 
         state = (carry, fetch(xs_in, 0), stacks(ys_shapes), stacks(carry))
         (carry, last, ys, carries), _ = lax.scan(body, state, index[:-1], unroll=unroll)
-        (carry_out, y), _, _ = run(flat_consts, carry, at(xs_in, length - 1), dict(last))
+        (carry_out, y), _, _ = run(flat_consts, carry, at(xs_in, length - 1), last)
         return carry_out, put(ys, y, length - 1), put(carries, carry, length - 1), last
 
     @jax.custom_vjp
@@ -234,7 +234,7 @@ def _recomputing_scan(run, fetch, flat_consts, carry, xs_in, length, unroll):
             return back(i, *state, ahead=True), None
 
         state, _ = lax.scan(body, (ct_carry, d_consts, d_xs, last), index[1:], reverse=True, unroll=unroll)
-        d_carry, d_consts, d_xs, _ = back(jnp.int32(0), *state[:3], dict(state[3]), ahead=False)
+        d_carry, d_consts, d_xs, _ = back(jnp.int32(0), *state, ahead=False)
         return (
             _unmerge(flat_consts, d_consts, inexact),
             _unmerge(carries, d_carry, inexact),
