@@ -203,11 +203,12 @@ def parse_xla_flags(flags: list[str]) -> dict[str, Any]:
 
 
 def compile_variant(
-    work: Workload, mesh, variant: str, options: dict, tx, costs: str = "corrected"
+    work: Workload, mesh, variant: str, options: dict, tx, costs: str = "corrected", keep_layers: int = 1
 ) -> tuple[Any, Any, list[str], pathlib.Path, Any]:
     """``(compiled, fsdp or None, XLA's log lines, dump folder, xla_costs.Corrections or None)``
     of one variant's step; ``costs``: ``"corrected"`` (``xla_costs.compile``, as the FSDP steps
-    compile for GPUs; GSPMD's step alike) or ``"xla"`` (XLA's own prices)."""
+    compile for GPUs; GSPMD's step alike) or ``"xla"`` (XLA's own prices); ``keep_layers``:
+    the FSDP variants' ``FSDP(keep_layers=)``."""
     import jax
     from flax import nnx
 
@@ -225,7 +226,7 @@ def compile_variant(
     else:
         from mxfp8_jax.flax import FSDP
 
-        kwargs: dict = {"xla_costs": costs}
+        kwargs: dict = {"xla_costs": costs, "keep_layers": keep_layers}
         if variant == "bf16":
             kwargs["precision"] = "bf16"
         if variant.startswith("mxfp8-gemm"):
@@ -617,7 +618,7 @@ def run(args) -> list[dict]:
                 t0 = time.perf_counter()
                 try:
                     compiled, fsdp, log, dump, corrections = compile_variant(
-                        work, mesh, variant, options, tx, args.xla_costs
+                        work, mesh, variant, options, tx, args.xla_costs, args.keep_layers
                     )
                 except xla_costs.NeedsDevice as e:  # the other variants still compile
                     skipped.append({"gpu": gpu, "variant": variant, "reason": str(e)})
@@ -634,6 +635,7 @@ def run(args) -> list[dict]:
                     variant=variant,
                     devices=args.devices,
                     hosts=args.hosts,
+                    keep_layers=None if variant == "gspmd" else args.keep_layers,
                     compile_s=seconds,
                     kernels_run_on_target=runs,
                     dump=str(dump) if args.keep_dumps else None,
@@ -643,7 +645,8 @@ def run(args) -> list[dict]:
                 results.append(row)
                 bar.advance(task)
     header = (
-        f"{work.description}\n{args.devices} GPUs ({args.hosts} host(s)), adamw; jax {jax.__version__}; "
+        f"{work.description}\n{args.devices} GPUs ({args.hosts} host(s)), adamw; FSDP keep_layers={args.keep_layers}; "
+        f"jax {jax.__version__}; "
         f"mxfp8 kernels built: {kernels}; extra XLA options: {options or 'none'}"
     )
     own = next((r["step_options"] for r in results if r.get("step_options")), None)
@@ -704,6 +707,13 @@ def parser() -> argparse.ArgumentParser:
         default="corrected",
         help="the scheduler's prices: corrected (default: as FSDP's GPU steps compile, GSPMD's alike; "
         "see xla_costs) or xla (XLA's cost model as it is)",
+    )
+    p.add_argument(
+        "--keep-layers",
+        type=int,
+        default=1,
+        help="the FSDP variants' keep_layers: a remat scan's last layers whose forward-gathered weights "
+        "serve their backward (default 1, as FSDP's)",
     )
     p.add_argument("--json", help="write the results as JSON")
     p.add_argument("--keep-dumps", action="store_true", help="keep XLA's dump folders (the schedule, the HLO)")

@@ -292,3 +292,47 @@ def test_a_stack_of_2048_layers_gathers_half_of_bf16_per_pass(mesh, remat):
     assert moved["bf16"] == bf * d * d * 2, moved
     # all of the step's gathers counted: within 0.501x bf16's bytes with remat, not without
     assert (moved["32x32"] <= 0.501 * moved["bf16"]) == remat, moved
+
+
+def test_the_last_layers_kept_from_the_forward_gather_nothing_in_the_backward(mesh):
+    """``keep_layers``: the forward's last ``k`` layers of a remat scan return every plane they
+    gathered, and the backward recomputes those layers on them and takes them for the dgrads
+    too (32x32 planes serve both directions). From the compiled steps' HLO: with ``k = 0``
+    the backward's first layer gathers all but its first GEMMs' planes (o, gate, up, down;
+    q, k and v are the forward's last fetch); each kept layer gathers none, so ``k = 1``
+    saves those four units' planes and ``k = 2`` a whole layer more, with the same gradients
+    bit for bit; keeping one layer costs at most that layer's planes in temp memory."""
+    from test_fsdp_overlap import compiled, same_bits
+
+    from mxfp8_jax import models
+
+    cfg = models.TransformerConfig(layers=4)
+    model = models.init_transformer(cfg)
+    tokens = np.random.default_rng(0).integers(0, cfg.vocab, (2 * mesh.size, 33)).astype(np.int32)
+    moved, temp, grads = {}, {}, {}
+    for k in (0, 1, 2):
+        fsdp, step, grads[k] = compiled(
+            model, mesh, models.next_token_loss, tokens, prefetch=1, weight_blocks="32x32", keep_layers=k
+        )
+        assert fsdp.keep_layers == k
+        gathers = [c for c in hlo.collectives(step.as_text()) if c.op == "all-gather" and c.dtypes == ("u8",)]
+        moved[k] = sum(c.bytes_per_step for c in gathers)
+        temp[k] = step.memory_analysis().temp_size_in_bytes
+    planes = {  # one layer's 32x32 plane of each stacked unit: codes and a scale per tile
+        p.name.split("/")[-2]: int(np.prod(p.unit.padded_shape()[1:])) * 1025 // 1024
+        for p in fsdp.units
+        if p.unit.level
+    }
+    assert moved[0] - moved[1] == sum(planes[u] for u in ("o", "gate", "up", "down")), (moved, planes)
+    assert moved[1] - moved[2] == sum(planes.values()), (moved, planes)
+    assert temp[1] <= temp[0] + sum(planes.values()), temp
+    assert same_bits(grads[0], grads[1]) and same_bits(grads[1], grads[2])
+
+
+def test_keep_layers_must_be_a_count_of_layers(mesh):
+    x = jax.ShapeDtypeStruct((8 * mesh.size, 64), jnp.float32)
+    model = {"w": jnp.zeros((2, 64, 64), jnp.float32)}
+    loss = lambda m, x: jnp.mean(x @ m["w"][0])
+    for bad in (-1, 1.5, True):
+        with pytest.raises(ValueError, match=r"keep_layers=.* must be an int >= 0"):
+            FSDP(model, mesh, loss_fn=loss, example_batch=x, keep_layers=bad)

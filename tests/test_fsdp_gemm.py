@@ -127,10 +127,11 @@ def test_cuda_step_runs_every_unit_gemm_as_one_block_scaled_gemm(mesh, remat):
     assert units == 2
     # forward, dgrad, wgrad per unit; under remat the recomputed forward of `a` (its output is
     # b's input, quantized again for b's saved planes) - b's recomputed product is unused and
-    # jax drops it before lowering - and each GEMM lowered twice: the loops run all layers but
-    # one, peeled off (the forward's last, the backward's layer 0, whose dgrad of `a` is the
-    # batch's gradient, unused: fsdp_fetch)
-    expected = 2 * (3 * units + 1) - 1 if remat else 3 * units
+    # jax drops it before lowering. Each forward GEMM lowered twice (the loop, its last layer
+    # peeled off), each backward one three times (the loop, the last layer peeled off as the
+    # one the forward kept, layer 0 peeled off, whose dgrad of `a` is the batch's gradient,
+    # unused: fsdp_fetch)
+    expected = 2 * units + 3 * (2 * units + 1) - 1 if remat else 3 * units
     assert _reachable(text, r"custom_call @__op\$block_scaled_dot\(") == expected
     for line in _calls_of(text, "__op$block_scaled_dot"):
         operands = line.rsplit(" : ", 1)[1].split(" -> ")[0]

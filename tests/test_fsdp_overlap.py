@@ -170,7 +170,7 @@ def test_a_scanned_transformer_gathers_without_waiting_for_the_carried_activatio
     from mxfp8_jax._src.compiled import hlo_schedule
     from mxfp8_jax._src.fsdp import fsdp_eval
 
-    cfg = models.TransformerConfig(layers=3)  # loops of 2 trips: XLA inlines a loop of one
+    cfg = models.TransformerConfig(layers=4)  # loops of 3 and 2 trips: XLA inlines a loop of one
     model = models.init_transformer(cfg)
     tokens = np.random.default_rng(0).integers(0, cfg.vocab, (2 * mesh.size, 33)).astype(np.int32)
     f0, step0, grads0 = compiled(model, mesh, models.next_token_loss, tokens, prefetch=0)
@@ -228,16 +228,17 @@ def test_a_scanned_transformer_gathers_without_waiting_for_the_carried_activatio
 
 def test_a_fori_loop_picking_stacked_blocks_by_its_counter_is_the_scanned_step(mesh):
     """``layer_loop="fori"``: a ``lax.fori_loop`` picks each stacked block's state by its counter
-    (``blocks[i]``). The step is the scanned form's: two loops of one trip per layer but one
-    (each loop's last layer is peeled off it), q, k and v gathered an iteration ahead in each,
-    and the same gradients bit for bit."""
-    cfg = models.TransformerConfig(layers=3, layer_loop="fori")
+    (``blocks[i]``). The step is the scanned form's: two loops, one trip per layer but the peeled ones
+    (the forward loop's last layer is peeled off it; the backward's last, kept from the forward,
+    and layer 0), q, k and v gathered an iteration ahead in each, and the same gradients bit
+    for bit."""
+    cfg = models.TransformerConfig(layers=4, layer_loop="fori")
     model = models.init_transformer(cfg)
     tokens = np.random.default_rng(0).integers(0, cfg.vocab, (2 * mesh.size, 33)).astype(np.int32)
     _, step, grads = compiled(model, mesh, models.next_token_loss, tokens, prefetch=1)
     text = step.as_text()
     loops = hlo.while_loops(text)
-    assert [trips for _, trips in loops] == [cfg.layers - 1] * 2, loops
+    assert [trips for _, trips in loops] == [cfg.layers - 1, cfg.layers - 2], loops
     ahead = collections.Counter(g.computation for g in hlo.gather_overlaps(text) if g.ahead and "u8" in g.dtypes)
     assert ahead == dict.fromkeys((body for body, _ in loops), 6), ahead
     scanned = models.init_transformer(dataclasses.replace(cfg, layer_loop="scan"))

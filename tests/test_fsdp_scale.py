@@ -161,10 +161,11 @@ def test_scanned_step_gathers_one_layer_per_iteration(mesh, mode):
         fsdp = FSDP(abstract(d, depth, mode=mode), mesh)
         texts[depth] = compile_step(fsdp, mse_loss, d).as_text()
     # The loop is kept: two loops (forward, backward) of `depth` iterations, the same program
-    # text; under remat of `depth - 1`: one layer of each is peeled off (fsdp_fetch)
+    # text; under remat of `depth - 1` and `depth - 2`: the forward's last layer is peeled off,
+    # and the backward's last (kept from the forward) and layer 0 (fsdp_fetch)
     for depth, text in texts.items():
-        trips = depth - (mode == "remat")
-        assert [trip for _, trip in hlo.while_loops(text)] == [trips, trips]
+        trips = [depth - 1, depth - 2] if mode == "remat" else [depth, depth]
+        assert [trip for _, trip in hlo.while_loops(text)] == trips
     assert [(c.op, c.outputs) for c in hlo.collectives(texts[4])] == [
         (c.op, c.outputs) for c in hlo.collectives(texts[8])
     ]
@@ -185,12 +186,14 @@ def test_scanned_step_gathers_one_layer_per_iteration(mesh, mode):
     # outside the loops: the scalar loss mean and the first layer's rowwise planes (each forward
     # iteration gathers the next layer's, double buffered, with or without remat); without
     # remat the last layer's columnwise ones too (each backward iteration gathers the layer
-    # before's for the next: the handoff); under remat the reduce-scatter of layer 0, whose
-    # backward is peeled off the loop (its recomputed forward takes the planes the loop's last
-    # iteration gathered, and its dgrad, the batch's gradient, is not needed); no fp32 gather of
+    # before's for the next: the handoff); under remat the backward's peeled layers: the last
+    # (its recomputed forward takes the rowwise planes the forward kept; it gathers the
+    # columnwise ones for its dgrad, and the layer before's rowwise ones for the loop) and
+    # layer 0 (its recomputed forward takes the planes the loop's last iteration gathered, and
+    # its dgrad, the batch's gradient, is not needed), a reduce-scatter each; no fp32 gather of
     # master weights
-    planes = row + (col if mode == "scan" else [])
-    peeled = [("reduce-scatter", (("f32", (rows, d)),))] if mode == "remat" else []
+    planes = row + (col if mode == "scan" else col + row)
+    peeled = [("reduce-scatter", (("f32", (rows, d)),))] * 2 if mode == "remat" else []
     assert sorted((c.op, c.outputs) for c in outside) == sorted(
         [("all-reduce", (("f32", ()),))] + [("all-gather", ((t, s),)) for t, s in planes] + peeled
     )

@@ -167,19 +167,20 @@ def test_gradients_match_one_device(model, tp_plan, devices, task_batches):
 
 
 def test_hlo_fused_call_in_the_loop_and_no_weight_gathered_whole(devices):
-    # three layers: the loops run all but one (each loop's last layer is peeled off them), and
-    # XLA inlines a loop of one trip
-    cfg = dataclasses.replace(CFG, layers=3)
+    # four layers: the forward loop runs all but its last, the backward's all but the last (kept
+    # from the forward) and layer 0, and XLA inlines a loop of one trip
+    cfg = dataclasses.replace(CFG, layers=4)
     _, fsdp = plan(models.init_transformer(cfg, seed=0), devices, "fsdp+tp")
     batch = (jax.ShapeDtypeStruct((BATCH, SEQ), np.int32),) * 2
     text = fsdp.lower_train_step(models.next_token_loss, TX, fsdp.abstract_state(TX), batch).compile().as_text()
     loops = hlo.while_loops(text)
-    assert [trip for _, trip in loops] == [cfg.layers - 1] * 2
+    assert [trip for _, trip in loops] == [cfg.layers - 1, cfg.layers - 2]
     fused = [c for c in hlo.custom_calls(text) if c.target == "mxfp8_allgather_rmsnorm_quantize"]
     # per layer its two norms in the forward loop, and again in the backward loop (remat
     # recomputes the block; the op's own VJP is a reduce-scatter, not another fused call), and
-    # as often in the two peeled layers
-    assert sorted(c.loop_depth for c in fused) == [0] * 4 + [1] * 4
+    # as often in the three layers peeled off them (the forward's last, the backward's last
+    # and layer 0)
+    assert sorted(c.loop_depth for c in fused) == [0] * 6 + [1] * 4
     found = hlo.collectives(text)
     # the row-parallel outputs: each device's part of the batch summed over tp by an all-to-all
     # (o and down, forward and remat), not a reduce-scatter of the whole batch

@@ -62,15 +62,16 @@ def test_every_projection_is_a_unit(mesh, model):
 
 
 def test_step_hlo_gathers_units_inside_the_loops(mesh):
-    # three layers: the loops run all but one (each loop's last layer is peeled off them:
-    # fsdp_fetch), and XLA inlines a loop of one trip
-    cfg = dataclasses.replace(CFG, layers=3)
+    # four layers: the forward loop runs all but its last, the backward's all but the last (kept
+    # from the forward) and layer 0 (each loop's ends are peeled off them: fsdp_fetch), and XLA
+    # inlines a loop of one trip
+    cfg = dataclasses.replace(CFG, layers=4)
     fsdp = FSDP(nnx.eval_shape(lambda: models.init_transformer(cfg, seed=1)), mesh)
     tx = optax.adam(1e-3)
     batch = jax.ShapeDtypeStruct((BATCH, SEQ), jnp.int32)
     text = fsdp.lower_train_step(models.next_token_loss, tx, fsdp.abstract_state(tx), batch).compile().as_text()
     found = hlo.collectives(text)
-    assert [trip for _, trip in hlo.while_loops(text)] == [cfg.layers - 1] * 2
+    assert [trip for _, trip in hlo.while_loops(text)] == [cfg.layers - 1, cfg.layers - 2]
     in_loops = [c for c in found if c.loop_depth == 1]
     fwd = [c for c in in_loops if c.computation == hlo.while_loops(text)[0][0]]
     bwd = [c for c in in_loops if c.computation == hlo.while_loops(text)[1][0]]

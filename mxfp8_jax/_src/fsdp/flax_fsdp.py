@@ -150,6 +150,14 @@ class FSDP:
         GEMMs; XLA:GPU's collective pipeliner can move it one iteration ahead). ``0``: each
         gather waits for the input of the op that reads it. Values and gradients are the same
         either way (docs/fsdp.md, "Overlap").
+      keep_layers: in a scan over rematerialised layers (with ``prefetch``), how many of the
+        last layers keep every weight their forward gathered for their backward, which then
+        gathers none of them again for its recomputed forward, nor (32x32 planes, bf16
+        weights: bytes of both directions) for its dgrads. Each kept layer holds its gathered
+        8-bit planes (bf16 weights) from its forward to its backward: ``1`` (default) keeps the
+        step within two layers' planes of ``prefetch=0``'s memory; ``0`` keeps only the first
+        weights the forward's last iteration prefetched. Values and gradients are the same for
+        every value.
       gemm: how MXFP8 units multiply: ``"dequantized"`` (default: the gathered planes are
         dequantized exactly and the layer's own GEMM runs in its dtype) or ``"mxfp8"``
         (Transformer Engine's MXFP8BlockScaling recipe: the forward, dgrad and wgrad GEMMs take
@@ -215,6 +223,7 @@ class FSDP:
         gemm_path: str = "auto",
         trainable: Any = nnx.Param,
         prefetch: int = 1,
+        keep_layers: int = 1,
         backward_gemm: str = "auto",
         model_constraints: str = "keep",
         xla_costs: str = "corrected",
@@ -239,6 +248,7 @@ class FSDP:
     weight_blocks = _field("weight_blocks", "The MXFP8 units' weight blocks rule, as given.")
     trainable = _field("trainable", "The nnx filter naming the trained variables, as given.")
     prefetch = _field("prefetch", "How many layers ahead each unit's forward gather starts.")
+    keep_layers = _field("keep_layers", "How many of a remat scan's last layers keep their forward's gathered weights.")
     model_constraints = _field("model_constraints", "Whether the step keeps or drops the model's own constraints.")
     xla_costs = _field("xla_costs", "How XLA:GPU's scheduler prices the steps compiled for GPUs.")
     constraints = _field("constraints", "The model's sharding constraints that replicate the batch split.")

@@ -207,6 +207,7 @@ def make_plan(
     gemm_path: str = "auto",
     trainable: Any = nnx.Param,
     prefetch: int = 1,
+    keep_layers: int = 1,
     backward_gemm: str = "auto",
     model_constraints: str = "keep",
     xla_costs: str = "corrected",
@@ -224,6 +225,11 @@ def make_plan(
         raise TypeError(f"model must be a flax.nnx.Module or a pytree of arrays, got {type(model).__name__}")
     topology = Topology.of(mesh, tp_axis)
     _check_options(precision, loss_fn, example_batch, precision_by_path, prefetch, model_constraints, xla_costs)
+    if isinstance(keep_layers, bool) or not isinstance(keep_layers, int) or keep_layers < 0:
+        raise ValueError(
+            f"keep_layers={keep_layers!r} must be an int >= 0 (a remat scan's last layers whose forward-gathered "
+            "weights serve their backward; 0: only the first weights the forward prefetched)"
+        )
     check_blocks(weight_blocks)
     jaxprs.warn_if_untested()
     scale = ScaleRule.parse(scale_rule).value
@@ -272,6 +278,7 @@ def make_plan(
         rest_names,
         example_tree=None if loss_fn is None else jax.tree.structure(example_batch),
         prefetch=prefetch,
+        keep_layers=keep_layers,
         traced=loss_fn is not None,
         trainable=trainable,
         precision_by_path=precision_by_path,

@@ -214,11 +214,14 @@ class _Evaluator(Traversal):
         fetched = self.fetching.take(unit, op, var) if take else None
         if fetched is not None and self.fetching.keep and unit.geometry.both_ways:
             op = dataclasses.replace(op, reuses=True)  # its dgrad reads the bytes it takes
+        record = take and fetched is None and self.fetching.records(unit)
         args = (op, act, specs[1 - position], unit, eqn.invars[position].aval.ndim, given, token, fetched)
-        out, spec, handing = gemm_island(self.islands, *args, *fsdp_fetch.handoff(self, op))
+        out, spec, handing, gathered = gemm_island(self.islands, *args, *fsdp_fetch.handoff(self, op), record=record)
         self.handing = None if handing is None else (handing, unit, op)
         if fetched is not None:
             self.fetching.read(out, spec)
+        if take:
+            self.fetching.gathered(unit, fetched if gathered is None else gathered)
         return [(out, spec)]
 
     def _unit_lookup(self, eqn, unit: UnitValue, values, specs, *, follow: bool = False) -> list | None:

@@ -109,19 +109,22 @@ def fetching_scan(ev, step, flat_consts, carry, xs_in, parts, first):
     same order."""
     fetch, layer_of, recompute = first
 
-    def run(flat_consts, carry, xs_slices, fetched, linked=False, handing=None, keep=False):
+    def run(flat_consts, carry, xs_slices, fetched, linked=False, handing=None, keep=False, record=False):
         """The body on the fetched weights, the output of its first GEMM that read them (what
         the next fetch waits for: XLA then cannot run it, or a gather it combines it with, ahead
-        of that GEMM), and where ``linked``, its last linked GEMM's ``(handoff value, unit, op)``
-        (``handing``: what its first one takes). ``keep``: the body is recomputed for its
-        backward, so a GEMM taking bytes of both directions keeps them for its dgrad
-        (``UnitOp.reuses``)."""
-        with ev.fetched(Fetching(fetched, linked=linked, handing=handing, keep=keep)) as fetching:
-            return step(flat_consts, carry, xs_slices), fetching.first, ev.handing
+        of that GEMM), where ``linked`` its last linked GEMM's ``(handoff value, unit, op)``
+        (``handing``: what its first one takes), and with ``record`` every weight of a stacked
+        unit the body took or gathered (``Fetching.recorded``). ``keep``: the body is
+        recomputed for its backward, so a GEMM taking bytes of both directions keeps them for
+        its dgrad (``UnitOp.reuses``)."""
+        fetching = Fetching(fetched, linked=linked, handing=handing, keep=keep, record=record)
+        with ev.fetched(fetching):
+            return step(flat_consts, carry, xs_slices), fetching.first, ev.handing, fetching.recorded
 
     flat_consts, carry, xs_in = list(flat_consts), list(carry), list(xs_in)
     if recompute:
-        return _recomputing_scan(run, fetch, flat_consts, carry, xs_in, parts.length, parts.unroll)
+        kept = min(ev.islands.keep_layers, parts.length)
+        return _recomputing_scan(run, fetch, flat_consts, carry, xs_in, parts.length, parts.unroll, kept)
     return _saving_scan(ev, run, fetch, layer_of, flat_consts, carry, xs_in, parts.length, parts.unroll)
 
 
@@ -145,7 +148,7 @@ def _saving_scan(ev, run, fetch, layer_of, flat_consts, carry, xs_in, length, un
         carry, fetched, link = state
         i, xs_slices = inputs
         handing = None if chain is None else (link, layer_of(chain[1], xs_in, jnp.maximum(i - 1, 0)), chain[2])
-        (new_carry, ys), read, handing = run(flat_consts, carry, xs_slices, fetched, chain is not None, handing)
+        (new_carry, ys), read, handing, _ = run(flat_consts, carry, xs_slices, fetched, chain is not None, handing)
         upcoming = fetch(xs_in, jnp.minimum(i + 1, length - 1), read)
         link = () if chain is None else handing[0]
         return (new_carry, upcoming, link), ys
@@ -160,37 +163,49 @@ def _saving_scan(ev, run, fetch, layer_of, flat_consts, carry, xs_in, length, un
     return carry_out, ys
 
 
-def _recomputing_scan(run, fetch, flat_consts, carry, xs_in, length, unroll):
-    """The fetching scan of a rematerialised body, differentiated here. Its loops run all
-    iterations but one, which is peeled: the forward's last (whose fetch would gather a layer
-    after the last) and the backward's last, layer 0's (whose fetch would gather a layer before
-    the first). So each layer's first weights are gathered once a pass, and the backward's
-    first iteration recomputes the last layer on the planes the forward's last used, kept.
-    Where those serve both GEMM directions (32x32 planes, bf16 weights), the recomputed GEMMs
-    keep them for their dgrads too: the backward gathers them once, for both.
-    The loops read their layer of the stacks by index (a slice before the loop would copy
-    them); what they stack (the carries, the outputs, the stacks' gradients) is written in
-    place, layer by layer."""
+def _recomputing_scan(run, fetch, flat_consts, carry, xs_in, length, unroll, kept):
+    """The fetching scan of a rematerialised body, differentiated here. Each loop runs the
+    layers between its peeled ends: the forward's last ``max(kept, 1)`` layers and the
+    backward's first ``kept`` and its last, layer 0, run outside them, so no loop gathers a
+    layer after the last or before the first, and each layer's first weights are gathered once
+    a pass. The forward's last ``kept`` layers return every weight they gathered, and the
+    backward recomputes those layers on them, kept: it gathers none of their weights for the
+    recomputed forward, and where they serve both GEMM directions (32x32 planes, bf16 weights)
+    none for the dgrads either. With ``kept`` 0 the backward's first iteration takes only the
+    first weights the forward's last fetched. The loops read their layer of the stacks by
+    index (a slice before the loop would copy them); what they stack (the carries, the
+    outputs, the stacks' gradients) is written in place, layer by layer."""
     inexact = lambda a: jnp.issubdtype(jnp.result_type(a), jnp.inexact)
     index = jnp.arange(length, dtype=jnp.int32)
     at = lambda arrays, i: [lax.dynamic_index_in_dim(a, i, 0, keepdims=False) for a in arrays]
     put = lambda stacks, values, i: [lax.dynamic_update_index_in_dim(s, v, i, 0) for s, v in zip(stacks, values)]
     stacks = lambda values: [jnp.zeros((length, *jnp.shape(v)), jnp.result_type(v)) for v in values]
+    top = length - kept  # the backward's first layer not kept: its loop's first
 
     def forward(flat_consts, carry, xs_in):
-        """The scan, and what its backward needs: each iteration's carry in, and the first
-        weights of the last layer (the forward's last fetch)."""
+        """The scan, and what its backward needs: each iteration's carry in, and by layer the
+        weights the backward takes (``kept`` layers' every weight; with none, the last layer's
+        first weights)."""
         ys_shapes = jax.eval_shape(lambda c: run(flat_consts, c, at(xs_in, 0), fetch(xs_in, 0))[0][1], carry)
+        looped = length - max(kept, 1)
 
         def body(state, i):
             carry, fetched, ys, carries = state
-            (new_carry, y), read, _ = run(flat_consts, carry, at(xs_in, i), fetched)
+            (new_carry, y), read, _, _ = run(flat_consts, carry, at(xs_in, i), fetched)
             return (new_carry, fetch(xs_in, i + 1, read), put(ys, y, i), put(carries, carry, i)), None
 
         state = (carry, fetch(xs_in, 0), stacks(ys_shapes), stacks(carry))
-        (carry, last, ys, carries), _ = lax.scan(body, state, index[:-1], unroll=unroll)
-        (carry_out, y), _, _ = run(flat_consts, carry, at(xs_in, length - 1), last)
-        return carry_out, put(ys, y, length - 1), put(carries, carry, length - 1), last
+        if looped:
+            state, _ = lax.scan(body, state, index[:looped], unroll=unroll)
+        carry, fetched, ys, carries = state
+        taken = {}
+        for j in range(looped, length):
+            (new_carry, y), read, _, recorded = run(flat_consts, carry, at(xs_in, j), fetched, record=j >= top)
+            taken[j] = recorded if j >= top else fetched
+            ys, carries, carry = put(ys, y, j), put(carries, carry, j), new_carry
+            if j + 1 < length:
+                fetched = fetch(xs_in, j + 1, read)
+        return carry, ys, carries, taken
 
     @jax.custom_vjp
     def scanned(flat_consts, carry, xs_in):
@@ -198,11 +213,11 @@ def _recomputing_scan(run, fetch, flat_consts, carry, xs_in, length, unroll):
         return carry_out, ys
 
     def scanned_fwd(flat_consts, carry, xs_in):
-        carry_out, ys, carries, last = forward(flat_consts, carry, xs_in)
-        return (carry_out, ys), (flat_consts, xs_in, carries, last)
+        carry_out, ys, carries, taken = forward(flat_consts, carry, xs_in)
+        return (carry_out, ys), (flat_consts, xs_in, carries, taken)
 
     def scanned_bwd(res, cts):
-        flat_consts, xs_in, carries, last = res
+        flat_consts, xs_in, carries, taken = res
         ct_carry, ct_ys = cts
         d_consts = [jnp.zeros_like(a) for a in flat_consts if inexact(a)]
         ct_carry = [c for c, a in zip(ct_carry, carries) if inexact(a)]
@@ -211,13 +226,19 @@ def _recomputing_scan(run, fetch, flat_consts, carry, xs_in, length, unroll):
 
         def back(i, ct_carry, d_consts, d_xs, fetched, ahead: bool):
             """Iteration ``i`` recomputed on ``fetched`` and differentiated; with ``ahead``,
-            the layer before's first weights gathered meanwhile."""
+            the layer before's first weights gathered meanwhile. Outside a loop (a Python int
+            ``i``) the recomputation waits for the cotangent: it is the forward's computation
+            on the same carry and, for a kept layer, the same weights, which XLA would
+            otherwise compute once and keep its activations from the forward to the backward
+            (undoing the remat)."""
             carry, xs_slices = at(carries, i), at(xs_in, i)
+            if isinstance(i, int):
+                carry = _merge(carry, map(_after_each, _pick(carry, inexact), ct_carry), inexact)
 
             def f(dc, dk, dx):
                 consts = _merge(flat_consts, dc, inexact)
                 carry_in, xs_at = _merge(carry, dk, inexact), _merge(xs_slices, dx, inexact)
-                (new_carry, ys), _, _ = run(consts, carry_in, xs_at, fetched, keep=True)
+                (new_carry, ys), _, _, _ = run(consts, carry_in, xs_at, fetched, keep=True)
                 outs = [*new_carry, *ys]
                 return [o for o in outs if inexact(o)], [o for o in outs if not inexact(o)]
 
@@ -230,11 +251,16 @@ def _recomputing_scan(run, fetch, flat_consts, carry, xs_in, length, unroll):
             d_consts = [a + b for a, b in zip(d_consts, dc)]
             return dk, d_consts, put(d_xs, dx, i), upcoming
 
-        def body(state, i):
-            return back(i, *state, ahead=True), None
-
-        state, _ = lax.scan(body, (ct_carry, d_consts, d_xs, last), index[1:], reverse=True, unroll=unroll)
-        d_carry, d_consts, d_xs, _ = back(jnp.int32(0), *state, ahead=False)
+        state = (ct_carry, d_consts, d_xs, taken.get(length - 1))
+        for j in range(length - 1, top - 1, -1):  # the kept layers, on what their forward gathered
+            *state, upcoming = back(j, *state[:3], taken[j], ahead=0 < j == top)
+            state = (*state, upcoming)
+        if top > 1:
+            body = lambda state, i: (back(i, *state, ahead=True), None)
+            state, _ = lax.scan(body, tuple(state), index[1:top], reverse=True, unroll=unroll)
+        if top > 0:
+            state = back(0, *state, ahead=False)
+        d_carry, d_consts, d_xs, _ = state
         return (
             _unmerge(flat_consts, d_consts, inexact),
             _unmerge(carries, d_carry, inexact),
@@ -259,7 +285,7 @@ def _chain(ev, run, fetch, layer_of, flat_consts, carry, xs_in):
     found = []
 
     def probe(flat_consts, carry, xs_in):
-        _, _, handing = run(flat_consts, carry, [a[0] for a in xs_in], fetch(xs_in, 0), True)
+        _, _, handing, _ = run(flat_consts, carry, [a[0] for a in xs_in], fetch(xs_in, 0), True)
         if handing is None:
             return None
         value, unit, op = handing
@@ -329,13 +355,24 @@ class Fetching:
     their own: ``fetched``, unit name -> what the iteration before gathered for it. With
     ``discover``, which GEMMs those are (``found``: ``(unit, op)`` of each): the body's first
     GEMM of a stacked unit and the others of the same activation up to one of another (there
-    evaluation stops): a layer's q, k and v projections, its MLP's gate and up."""
+    evaluation stops): a layer's q, k and v projections, its MLP's gate and up. With
+    ``record``, every stacked unit's first GEMM returns the weight it took or gathered
+    (``recorded``, unit name -> those bytes): a layer kept for its backward, which takes them
+    all as its ``fetched``."""
 
     def __init__(
-        self, fetched=None, *, discover: bool = False, linked: bool = False, handing=None, keep: bool = False
+        self,
+        fetched=None,
+        *,
+        discover: bool = False,
+        linked: bool = False,
+        handing=None,
+        keep: bool = False,
+        record: bool = False,
     ) -> None:
         self.fetched, self.discover = dict(fetched or {}), discover
         self.keep = keep  # a recomputed iteration: bytes of both directions serve the dgrad too
+        self.record, self.recorded = record, {}
         self.linked, self.handing = linked, handing  # the body's GEMMs linked; what the first takes
         self.first: tuple | None = None  # the output of the first GEMM that took them, its spec
         self.found: list = []
@@ -345,6 +382,15 @@ class Fetching:
     def read(self, out, spec) -> None:
         if self.first is None:
             self.first = (out, spec)
+
+    def records(self, unit: UnitValue) -> bool:
+        """Whether the GEMM reading ``unit`` returns the weight it gathers (``record``)."""
+        return self.record and unit.name not in self.recorded
+
+    def gathered(self, unit: UnitValue, weight) -> None:
+        """``weight``: what the GEMM reading ``unit`` took or gathered (None: not returned)."""
+        if self.record and weight is not None:
+            self.recorded.setdefault(unit.name, weight)
 
     def produced(self, eqn) -> None:
         if self.discover:
@@ -372,6 +418,18 @@ class Fetching:
 def _inexact(v) -> bool:
     """Whether a jaxpr operand is a floating value (what a derivative flows through)."""
     return jnp.issubdtype(v.aval.dtype, jnp.inexact)
+
+
+def _pick(values, keep) -> list:
+    """The ``values`` that ``keep`` marks, in order."""
+    return [v for v in values if keep(v)]
+
+
+def _after_each(value, token):
+    """``value`` unchanged, but computed from ``token`` (of its shape and split, such as its
+    cotangent): element by element, so nothing moves between devices (``fsdp_unit.after``
+    reads one element of its token, which a split array would broadcast with a collective)."""
+    return jnp.where(token < -jnp.inf, jnp.zeros_like(value), value)
 
 
 def _merge(values, chosen, keep) -> list:

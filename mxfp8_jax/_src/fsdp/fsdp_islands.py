@@ -61,6 +61,7 @@ def gemm_island(
     handoff: Handoff = NO_HANDOFF,
     handed=None,
     before: UnitValue | None = None,
+    record: bool = False,
 ):
     """The unit GEMM on each device's part of ``act``: the activation split along the free
     axes the batch split reaches (else along its first free axis the islands' devices
@@ -68,8 +69,11 @@ def gemm_island(
     where it is a ``gemm_operand`` (else None); ``token``: what the unit's gathers wait for;
     ``fetched``: the weight ``fetch_island`` gathered for it earlier (it then gathers none).
     ``handoff``: its part in the backward's handoff (``fsdp_unit.Handoff``), ``handed`` the
-    handoff value of the op before and ``before`` that op's unit. Returns the result and its
-    spec, and with ``handoff.gives`` the op's handoff value (each device's own) too."""
+    handoff value of the op before and ``before`` that op's unit. ``record``: the op gathers
+    its own weight (``fetch``, as it would have) and returns it too, whole on every device, for
+    a later evaluation of the same op to take as ``fetched``. Returns the result, its spec, with
+    ``handoff.gives`` the op's handoff value (each device's own, else None), and with
+    ``record`` the weight gathered (else None)."""
     (lc, rc), (lb, rb) = op.params["dimension_numbers"]
     contract, batch = (rc, rb) if op.position == 0 else (lc, lb)
     free = [d for d in range(act.ndim) if d not in contract and d not in batch]
@@ -95,7 +99,11 @@ def gemm_island(
         g = None if given_meta is None else given_meta(given_arrays)
         before = None if before is None else (before[0], tuple(before[1]))
         wait_for = {"own": OWN, "none": None}.get(wait, token)
-        return unit_gemm(op, a, shards, g, pick, wait_for, _fetched(fetched), handoff, _fetched(handed), before)
+        fetched = _fetched(fetched)
+        if record:
+            fetched = fetch(op, shards, pick, a if wait_for is OWN else wait_for)
+        out = unit_gemm(op, a, shards, g, pick, wait_for, fetched, handoff, _fetched(handed), before)
+        return (*(out if handoff.gives else (out,)), fetched) if record else out
 
     pick_specs = (PartitionSpec(),) * len(unit.pick)
     fetched = () if fetched is None else fetched
@@ -109,11 +117,13 @@ def gemm_island(
     before_specs = None if before is None else (before.shard_specs(), (PartitionSpec(),) * len(before.pick))
     specs = (act_spec, unit.shard_specs(), given_specs, pick_specs, token_spec, fetched_specs)
     specs = (*specs, handed_specs, before_specs)
-    result_spec = (out_spec, each) if handoff.gives else out_spec
-    fn = islands.island(body, specs, result_spec)
+    result_spec = (out_spec, *((each,) if handoff.gives else ()), *((PartitionSpec(),) if record else ()))
+    fn = islands.island(body, specs, result_spec if len(result_spec) > 1 else out_spec)
     result = fn(act, unit.shards, arrays, unit.pick, token, fetched, handed, before_args)
+    result = result if len(result_spec) > 1 else (result,)
     spec = fsdp_specs.nonempty(tuple(out))
-    return (result[0], spec, result[1]) if handoff.gives else (result, spec, None)
+    handing = result[1] if handoff.gives else None
+    return result[0], spec, handing, (result[-1] if record else None)
 
 
 def _fetched(fetched):

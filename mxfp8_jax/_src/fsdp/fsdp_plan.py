@@ -146,10 +146,12 @@ class Plan:
     ``precision``, ``scale_rule`` (an ``int``, ``format.ScaleRule``'s value) and
     ``precision_by_path``: the units' precisions as asked; ``gemms``: how the units' GEMMs
     multiply (``fsdp_unit.Gemms``), resolved for the topology's platform; ``prefetch``: how many
-    layers ahead a unit's forward gather starts; ``traced``: the units were found by tracing the
-    loss on an example (False: by layer class); ``trainable``: the filter that names the trained
-    parameters (shown by the table). The model's structure: ``partition`` (how its variables
-    split into the parameters and its other state: ``fsdp_discover.Partition``),
+    layers ahead a unit's forward gather starts; ``keep_layers``: how many of a rematerialised
+    scan's last layers keep the weights their forward gathered for their backward; ``traced``:
+    the units were found by tracing the loss on an example (False: by layer class);
+    ``trainable``: the filter that names the trained parameters (shown by the table). The
+    model's structure: ``partition`` (how its variables split into the parameters and its
+    other state: ``fsdp_discover.Partition``),
     ``rest_avals`` and ``rest_names`` (the other state's shapes and paths) and ``example_tree``
     (the structure of the batch the loss was traced on; None without one). ``constraints``: the
     model's own sharding constraints that replicate activations the batch split reaches
@@ -168,6 +170,7 @@ class Plan:
     rest_names: tuple[str, ...] = ()
     example_tree: Any = None
     prefetch: int = 1
+    keep_layers: int = 1
     traced: bool = False
     trainable: Any = None
     precision_by_path: Any = None

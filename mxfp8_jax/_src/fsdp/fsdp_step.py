@@ -144,7 +144,7 @@ class Steps:
         are averaged over tp."""
         plan, layout, topology = self.plan, self.layout, self.topology
         fn = traceable(loss_fn, plan.partition)
-        islands = Islands(topology, plan.prefetch)
+        islands = Islands(topology, plan.prefetch, plan.keep_layers)
         tp = topology.tp_axis
 
         def loss_and_grads(master, planes, frozen, rest, batch):

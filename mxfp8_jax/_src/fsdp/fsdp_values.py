@@ -128,10 +128,13 @@ Symbolic = (UnitValue, PlainValue)
 class Islands:
     """Where the islands run: over the FSDP axes of ``topology`` (inside a ``shard_map`` manual
     over its tensor-parallel axis, against the context's abstract mesh). ``prefetch``: how many
-    layers ahead a unit's forward gather starts (``fsdp_eval``'s ``token``)."""
+    layers ahead a unit's forward gather starts (``fsdp_eval``'s ``token``); ``keep_layers``:
+    how many of a rematerialised scan's last layers keep every weight their forward gathered
+    for their backward (``fsdp_fetch``)."""
 
     topology: Topology
     prefetch: int = 0
+    keep_layers: int = 0
 
     @property
     def mesh(self):
