@@ -124,17 +124,18 @@ def test_the_gpu_step_multiplies_every_unit_in_bf16(meshes, gpu, loop):
     assert_units_flops(flops(units), 4 * LAYERS * BLOCK_FLOPS + 3 * HEAD_FLOPS)
     assert "mxfp8_quantize" in {c.target for c in hlo.custom_calls(text)}
     # 8-bit gathers: the plan's figure, or one layer's recomputed gathers less; a scan's backward
-    # recomputes the last layer on the q/k/v planes the forward fetched for it, kept: one
-    # layer's q/k/v less (fsdp_fetch)
+    # recomputes the last layer on the planes the forward gathered for it, kept (keep_layers=1):
+    # that layer's recomputed forward gathers none of the planes it reads (every projection's
+    # but down's, whose output no gradient needs: fsdp_fetch)
     n = fsdp.mesh.size
     plan = sum(fsdp_table.gathered_bytes(p, n) for p in fsdp.params if p.kind == "mxfp8")
     per_layer_read = plan // (3 * LAYERS)  # forward, recomputed forward, dgrad of each layer
-    first = sum(
-        fsdp_table.gathered_bytes(p, n) for p in fsdp.params if p.kind == "mxfp8" and re.search(r"attn/[qkv]/", p.name)
+    recomputed = sum(
+        fsdp_table.gathered_bytes(p, n) for p in fsdp.params if p.kind == "mxfp8" and "mlp/down/" not in p.name
     ) // (3 * LAYERS)
-    fetched = first if loop == "scan" else 0
+    kept = recomputed if loop == "scan" else 0
     got = eight_bit_gathered(text)
-    assert got in (plan - fetched, plan - per_layer_read - fetched), (got, plan, fetched)
+    assert got in (plan - kept, plan - per_layer_read - kept), (got, plan, kept)
     assert step.memory_analysis().temp_size_in_bytes <= temp_bound(LAYERS)
 
 
