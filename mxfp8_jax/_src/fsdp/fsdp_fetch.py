@@ -139,27 +139,38 @@ def _saving_scan(ev, run, fetch, layer_of, flat_consts, carry, xs_in, length, un
     before the first (layer 0's last op's weight again). Peeling those iterations off the loop,
     as ``_recomputing_scan`` does, would read the stacks by index, and jax's derivative then
     sums their gradients into a stack of its own (one more fp32 stack of the masters' shards
-    in temp memory), so they stay."""
+    in temp memory), so they stay. Where the last linked op's bytes serve both GEMM directions
+    (a 32x32 plane), the forward carries the plane it gathered out of the loop, and the
+    backward's first handoff takes it instead of gathering it again (``keep_layers``): the
+    linked backward then gathers as many planes as a layer-by-layer one."""
     index = jnp.arange(length, dtype=jnp.int32)
     inexact = lambda a: jnp.issubdtype(jnp.result_type(a), jnp.inexact)
     chain = _chain(ev, run, fetch, layer_of, flat_consts, carry, xs_in)
+    keeps = chain is not None and ev.islands.keep_layers > 0 and chain[2].geometry.both_ways
+    record = frozenset({chain[1]}) if keeps else False
 
     def body(state, inputs):
-        carry, fetched, link = state
+        carry, fetched, link, kept = state
         i, xs_slices = inputs
         handing = None if chain is None else (link, layer_of(chain[1], xs_in, jnp.maximum(i - 1, 0)), chain[2])
-        (new_carry, ys), read, handing, _ = run(flat_consts, carry, xs_slices, fetched, chain is not None, handing)
+        (new_carry, ys), read, handing, recorded = run(
+            flat_consts, carry, xs_slices, fetched, chain is not None, handing, record=record
+        )
         upcoming = fetch(xs_in, jnp.minimum(i + 1, length - 1), read)
         link = () if chain is None else handing[0]
-        return (new_carry, upcoming, link), ys
+        return (new_carry, upcoming, link, recorded[chain[1]] if keeps else ()), ys
 
     link = () if chain is None else zero_handoff_island(ev.islands, chain[0])
-    state = (carry, fetch(xs_in, 0), link)
-    (carry_out, _, link), ys = lax.scan(body, state, (index, xs_in), unroll=unroll)
-    if chain is not None:  # the last iteration's backward weight, gathered after the loop
+    kept = ()
+    if keeps:  # what the last linked op gathers, as the loop carries it
+        shapes = jax.eval_shape(lambda: fetch_island(ev.islands, chain[2], layer_of(chain[1], xs_in, 0), 0))
+        kept = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+    state = (carry, fetch(xs_in, 0), link, kept)
+    (carry_out, _, link, kept), ys = lax.scan(body, state, (index, xs_in), unroll=unroll)
+    if chain is not None:  # the last iteration's backward weight, gathered after the loop (or kept)
         k = next(k for k, c in enumerate(carry_out) if inexact(c))
         last = layer_of(chain[1], xs_in, length - 1)
-        carry_out[k] = closing_island(ev.islands, chain[2], carry_out[k], link, last)
+        carry_out[k] = closing_island(ev.islands, chain[2], carry_out[k], link, last, kept if keeps else None)
     return carry_out, ys
 
 
@@ -368,11 +379,11 @@ class Fetching:
         linked: bool = False,
         handing=None,
         keep: bool = False,
-        record: bool = False,
+        record: bool | frozenset = False,
     ) -> None:
         self.fetched, self.discover = dict(fetched or {}), discover
         self.keep = keep  # a recomputed iteration: bytes of both directions serve the dgrad too
-        self.record, self.recorded = record, {}
+        self.record, self.recorded = record or frozenset(), {}
         self.linked, self.handing = linked, handing  # the body's GEMMs linked; what the first takes
         self.first: tuple | None = None  # the output of the first GEMM that took them, its spec
         self.found: list = []
@@ -384,12 +395,13 @@ class Fetching:
             self.first = (out, spec)
 
     def records(self, unit: UnitValue) -> bool:
-        """Whether the GEMM reading ``unit`` returns the weight it gathers (``record``)."""
-        return self.record and unit.name not in self.recorded
+        """Whether the GEMM reading ``unit`` returns the weight it gathers (``record``: True for
+        every stacked unit, or a set of unit names)."""
+        return (self.record is True or unit.name in self.record) and unit.name not in self.recorded
 
     def gathered(self, unit: UnitValue, weight) -> None:
         """``weight``: what the GEMM reading ``unit`` took or gathered (None: not returned)."""
-        if self.record and weight is not None:
+        if weight is not None and (self.record is True or unit.name in self.record):
             self.recorded.setdefault(unit.name, weight)
 
     def produced(self, eqn) -> None:

@@ -35,6 +35,7 @@ from mxfp8_jax._src.fsdp.fsdp_unit import (
     Handoff,
     UnitOp,
     after,
+    encoded,
     fetch,
     handed_weight,
     unit_gemm,
@@ -152,15 +153,27 @@ def zero_handoff_island(islands: Islands, shapes):
     return islands.island(make, (), jax.tree.map(lambda _: each, shapes))()
 
 
-def closing_island(islands: Islands, op: UnitOp, value, link, unit: UnitValue):
+def closing_island(islands: Islands, op: UnitOp, value, link, unit: UnitValue, kept=None):
     """``value`` unchanged; in the backward, the cotangent of the handoff value ``link`` is the
     backward weight of ``op`` on the layer ``unit.pick`` names of the stacked ``unit``: what a
     linked loop's last iteration receives in the backward, gathered while the ops after the
-    loop compute (it waits for nothing)."""
+    loop compute (it waits for nothing). ``kept``: those bytes as the forward gathered them
+    (whole on every device; bytes that serve both directions), handed over instead of gathered
+    again."""
+    each = jax.tree.map(lambda _: PartitionSpec(islands.entry), link)
+    if kept is not None:
+        hand = islands.island(encoded, (PartitionSpec(),), each)
+
+        @jax.custom_vjp
+        def hand_over(value, link, kept):
+            return value
+
+        hand_over.defvjp(lambda value, link, kept: (value, kept), lambda kept, ct: (ct, hand(kept), None))
+        return hand_over(value, link, kept)
     gather = islands.island(
         lambda shards, pick: handed_weight(op, shards.master, shards.planes, pick),
         (unit.shard_specs(), (PartitionSpec(),) * len(unit.pick)),
-        jax.tree.map(lambda _: PartitionSpec(islands.entry), link),
+        each,
     )
 
     @jax.custom_vjp

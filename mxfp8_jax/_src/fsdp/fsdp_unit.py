@@ -331,8 +331,8 @@ def _zero_handoff(op: UnitOp, master, planes, pick):
 
 def handed_weight(op: UnitOp, master, planes, pick, token=None):
     """The backward weight of ``op`` (of the layer ``pick`` names of stacked shards) gathered
-    whole once ``token`` exists, as a handoff's cotangent carries it (``_encoded``)."""
-    return _encoded(_gather(op.geometry, after(_local(op, master, planes, backward=True, pick=pick), token)))
+    whole once ``token`` exists, as a handoff's cotangent carries it (``encoded``)."""
+    return encoded(_gather(op.geometry, after(_local(op, master, planes, backward=True, pick=pick), token)))
 
 
 def _carrier(dtype):
@@ -342,7 +342,7 @@ def _carrier(dtype):
     return jnp.dtype(jnp.float8_e4m3fn) if dtype == jnp.uint8 else dtype
 
 
-def _encoded(gathered):
+def encoded(gathered):
     """Gathered planes (or bf16 weight) as the handoff's cotangent: the same bits, floats (the
     receiving op bitcasts them back to its ``_gathered_shapes``)."""
     return jax.tree.map(
