@@ -114,7 +114,7 @@ def fetching_scan(ev, step, flat_consts, carry, xs_in, parts, first):
         the next fetch waits for: XLA then cannot run it, or a gather it combines it with, ahead
         of that GEMM), where ``linked`` its last linked GEMM's ``(handoff value, unit, op)``
         (``handing``: what its first one takes), and with ``record`` every weight of a stacked
-        unit the body took or gathered (``Fetching.recorded``). ``keep``: the body is
+        unit (True) or of the units it names the body took or gathered (``Fetching.recorded``). ``keep``: the body is
         recomputed for its backward, so a GEMM taking bytes of both directions keeps them for
         its dgrad (``UnitOp.reuses``)."""
         fetching = Fetching(fetched, linked=linked, handing=handing, keep=keep, record=record)
