@@ -113,10 +113,10 @@ def fetching_scan(ev, step, flat_consts, carry, xs_in, parts, first):
         """The body on the fetched weights, the output of its first GEMM that read them (what
         the next fetch waits for: XLA then cannot run it, or a gather it combines it with, ahead
         of that GEMM), where ``linked`` its last linked GEMM's ``(handoff value, unit, op)``
-        (``handing``: what its first one takes), and with ``record`` every weight of a stacked
-        unit (True) or of the units it names the body took or gathered (``Fetching.recorded``). ``keep``: the body is
-        recomputed for its backward, so a GEMM taking bytes of both directions keeps them for
-        its dgrad (``UnitOp.reuses``)."""
+        (``handing``: what its first one takes), and with ``record`` the weights the body took
+        or gathered of every stacked unit (True) or of the units it names
+        (``Fetching.recorded``). ``keep``: the body is recomputed for its backward, so a GEMM
+        taking bytes of both directions keeps them for its dgrad (``UnitOp.reuses``)."""
         fetching = Fetching(fetched, linked=linked, handing=handing, keep=keep, record=record)
         with ev.fetched(fetching):
             return step(flat_consts, carry, xs_slices), fetching.first, ev.handing, fetching.recorded
