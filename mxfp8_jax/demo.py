@@ -163,7 +163,9 @@ def print_report(report: dict, console=None) -> None:
     console.print(table)
     console.print(
         f"MXFP8 gathers {report['weight_gather_ratio']:.3f}x the weight bytes of bf16 FSDP (its embedding "
-        f"and head are bf16 units in both runs; MXFP8 units are padded to whole 32-row blocks per device); "
+        f"and head are bf16 units in both runs; MXFP8 units are padded to whole 32-row blocks per device; "
+        f"a bf16 weight serves both GEMM directions, while a 1x32 MXFP8 layer's backward gathers its "
+        f'columnwise plane too: FSDP(weight_blocks="32x32") gathers one plane for both); '
         f"final loss differs by {report['final_loss_difference']:+.4f} from the bf16 baseline"
         + (
             f", validation loss by {report['validation_loss_difference']:+.4f}."
