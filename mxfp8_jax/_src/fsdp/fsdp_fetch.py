@@ -244,7 +244,7 @@ def _recomputing_scan(run, fetch, flat_consts, carry, xs_in, length, unroll, kep
             (undoing the remat)."""
             carry, xs_slices = at(carries, i), at(xs_in, i)
             if isinstance(i, int):
-                carry = _merge(carry, map(_after_each, _pick(carry, inexact), ct_carry), inexact)
+                carry = _merge(carry, map(_after_each, [c for c in carry if inexact(c)], ct_carry), inexact)
 
             def f(dc, dk, dx):
                 consts = _merge(flat_consts, dc, inexact)
@@ -395,14 +395,14 @@ class Fetching:
             self.first = (out, spec)
 
     def records(self, unit: UnitValue) -> bool:
-        """Whether the GEMM reading ``unit`` returns the weight it gathers (``record``: True for
-        every stacked unit, or a set of unit names)."""
+        """Whether the weight the GEMM reading ``unit`` takes or gathers is recorded (``record``:
+        True for every stacked unit, or a set of unit names; the first GEMM of each only)."""
         return (self.record is True or unit.name in self.record) and unit.name not in self.recorded
 
     def gathered(self, unit: UnitValue, weight) -> None:
         """``weight``: what the GEMM reading ``unit`` took or gathered (None: not returned)."""
-        if weight is not None and (self.record is True or unit.name in self.record):
-            self.recorded.setdefault(unit.name, weight)
+        if weight is not None and self.records(unit):
+            self.recorded[unit.name] = weight
 
     def produced(self, eqn) -> None:
         if self.discover:
@@ -430,11 +430,6 @@ class Fetching:
 def _inexact(v) -> bool:
     """Whether a jaxpr operand is a floating value (what a derivative flows through)."""
     return jnp.issubdtype(v.aval.dtype, jnp.inexact)
-
-
-def _pick(values, keep) -> list:
-    """The ``values`` that ``keep`` marks, in order."""
-    return [v for v in values if keep(v)]
 
 
 def _after_each(value, token):

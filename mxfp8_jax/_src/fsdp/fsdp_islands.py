@@ -104,7 +104,7 @@ def gemm_island(
         if record:
             fetched = fetch(op, shards, pick, a if wait_for is OWN else wait_for)
         out = unit_gemm(op, a, shards, g, pick, wait_for, fetched, handoff, _fetched(handed), before)
-        return (*(out if handoff.gives else (out,)), fetched) if record else out
+        return (*(out if handoff.gives else (out,)), *((fetched,) if record else ()))
 
     pick_specs = (PartitionSpec(),) * len(unit.pick)
     fetched = () if fetched is None else fetched
@@ -119,12 +119,10 @@ def gemm_island(
     specs = (act_spec, unit.shard_specs(), given_specs, pick_specs, token_spec, fetched_specs)
     specs = (*specs, handed_specs, before_specs)
     result_spec = (out_spec, *((each,) if handoff.gives else ()), *((PartitionSpec(),) if record else ()))
-    fn = islands.island(body, specs, result_spec if len(result_spec) > 1 else out_spec)
+    fn = islands.island(body, specs, result_spec)
     result = fn(act, unit.shards, arrays, unit.pick, token, fetched, handed, before_args)
-    result = result if len(result_spec) > 1 else (result,)
     spec = fsdp_specs.nonempty(tuple(out))
-    handing = result[1] if handoff.gives else None
-    return result[0], spec, handing, (result[-1] if record else None)
+    return result[0], spec, (result[1] if handoff.gives else None), (result[-1] if record else None)
 
 
 def _fetched(fetched):
