@@ -443,6 +443,42 @@ def test_the_realistic_step_hides_its_gathers_behind_gemms(meshes, tmp_path):
     assert grown <= bound, (grown / 2**20, bound / 2**20)
 
 
+def test_on_a_b200_every_gather_of_the_forward_loop_runs_beside_its_latency_of_gemms(meshes, tmp_path):
+    """The realistic scanned step on 8 B200s, whose GEMMs are shorter than an H100's: every
+    all-gather of the forward loop's body has GEMMs at least as long as its latency between its
+    start and its done (the replay), including the o projection's and the MLP's planes that XLA
+    combines. The fetch of the next layer's q/k/v waits for the iteration's first GEMM; it
+    slices the stacks at an index carried apart from the loop's counter, so that XLA cannot fuse
+    those slices with the iteration's own (at the counter) and make the iteration's gathers
+    wait for that GEMM too, as it did (the o projection's gather then ran beside the attention
+    alone: 30 µs of GEMMs for a 78 µs gather, every iteration)."""
+    from mxfp8_jax._src.compiled import hlo_replay
+
+    work = gpu_compile.builtin_workload(
+        "transformer", hidden=2048, layers=8, heads=None, mlp=8192, vocab=VOCAB, seq=2048,
+        tokens_per_device=4096, devices=DEVICES,
+    )  # fmt: skip
+    model = nnx.eval_shape(work.make)
+    tx = optax.adamw(1e-4)
+    fsdp = FSDP(model, meshes["b200"], loss_fn=work.loss_fn, example_batch=work.batch)
+    low = fsdp.lower_train_step(work.loss_fn, tx, fsdp.abstract_state(tx), work.batch)
+    step, _ = xla_costs.compile(low, {"xla_dump_to": str(tmp_path), "xla_dump_latency_hiding_schedule": True})
+    text = step.as_text()
+    # the forward loop: the while whose op name is the forward's (the backward's is transposed)
+    forward = {
+        m.group(1)
+        for line in text.splitlines()
+        if " while(" in line and "transpose(" not in line
+        for m in [re.search(r"body=%?([\w.\-]+)", line)]
+        if m
+    }
+    result, _ = hlo_replay.replay_step(next(tmp_path.glob("*.schedule.txt")).read_text(), text, meshes["b200"])
+    looped = [g for g in result.gathers() if g.computation in forward]
+    assert len({g.name for g in looped}) >= 3, forward
+    missed = {(g.name, round(g.gemm_between), round(g.latency)) for g in looped if not g.hidden}
+    assert not missed, missed
+
+
 def test_a_python_loops_step_hides_its_gathers(meshes, tmp_path):
     """The transformer's blocks run by a Python loop without remat, at the realistic shape on 8
     H100s, compiled as ``train_step`` compiles it: every forward gather of a layer (its 8-bit

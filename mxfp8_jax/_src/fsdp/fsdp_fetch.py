@@ -201,14 +201,20 @@ def _recomputing_scan(run, fetch, flat_consts, carry, xs_in, length, unroll, kep
         looped = length - max(kept, 1)
 
         def body(state, i):
-            carry, fetched, ys, carries = state
+            carry, fetched, upcoming, ys, carries = state
             (new_carry, y), read, _, _ = run(flat_consts, carry, at(xs_in, i), fetched)
-            return (new_carry, fetch(xs_in, i + 1, read), put(ys, y, i), put(carries, carry, i)), None
+            fetched = fetch(xs_in, upcoming, read)
+            return (new_carry, fetched, upcoming + 1, put(ys, y, i), put(carries, carry, i)), None
 
-        state = (carry, fetch(xs_in, 0), stacks(ys_shapes), stacks(carry))
+        # the layer to fetch is carried apart from the loop's counter: slices of the stacks at
+        # the counter and at this index then share no operand, and XLA cannot fuse them into one
+        # kernel, which would make the iteration's own gathers wait for the fetch's token (the
+        # first GEMM): on a B200 the o projection's gather then had only the attention to run
+        # beside
+        state = (carry, fetch(xs_in, 0), jnp.int32(1), stacks(ys_shapes), stacks(carry))
         if looped:
             state, _ = lax.scan(body, state, index[:looped], unroll=unroll)
-        carry, fetched, ys, carries = state
+        carry, fetched, _, ys, carries = state
         taken = {}
         for j in range(looped, length):
             (new_carry, y), read, _, recorded = run(flat_consts, carry, at(xs_in, j), fetched, record=j >= top)
