@@ -332,7 +332,10 @@ def analyse(compiled, fsdp, dump: pathlib.Path, options: dict, log: list[str], m
 def replay_summary(r) -> dict:
     """The JSON of a replay (``hlo_replay.Result``): the step, exposed time per collective, and
     for the all-gathers how many runs had GEMMs at least as long as their latency between start
-    and done, each start's runs listed."""
+    and done, each start's runs listed, and those figures for the weight gathers by pass
+    (``hlo_replay.weight_gathers``)."""
+    from mxfp8_jax._src.compiled import hlo_replay
+
     gathers = r.gathers()
     starts: dict[tuple[str, str], dict] = {}
     for g in gathers:
@@ -341,6 +344,7 @@ def replay_summary(r) -> dict:
             {
                 "computation": g.computation,
                 "name": g.name,
+                "op_name": g.op_name,
                 "bytes": g.nbytes,
                 "dtypes": list(g.dtypes),
                 "latency_us": g.latency,
@@ -360,6 +364,7 @@ def replay_summary(r) -> dict:
         "gemm_us": r.gemm_us,
         "all_gathers": len(gathers),
         "all_gathers_hidden": sum(g.hidden for g in gathers),
+        "weight_gathers": hlo_replay.weight_gathers(gathers),
         "per_computation": r.per_computation,
         "gathers": list(starts.values()),
     }
@@ -387,7 +392,7 @@ def fsdp_row(r: dict) -> bool:
 
 def _replay_cells(r: dict | None) -> list[str]:
     if not r:
-        return ["-"] * 4
+        return ["-"] * 5
     ag = r["exposed_us"].get("all-gather", 0.0)
     share = f" ({100 * ag / r['step_us']:.1f}%)" if r["step_us"] else ""
     return [
@@ -395,7 +400,14 @@ def _replay_cells(r: dict | None) -> list[str]:
         _us(ag) + share,
         _us(r["exposed_us"].get("reduce-scatter", 0.0)),
         f"{r['all_gathers_hidden']}/{r['all_gathers']}",
+        _by_pass(r.get("weight_gathers") or {}),
     ]
+
+
+def _by_pass(w: dict) -> str:
+    """Weight gather runs hidden by GEMMs, forward / backward, each pass's first left out."""
+    cell = lambda p: "-" if p not in w else f"{w[p]['later_hidden']}/{w[p]['later']}"
+    return f"{cell('forward')} / {cell('backward')}"
 
 
 def print_tables(results: list[dict], header: str) -> None:
@@ -442,6 +454,7 @@ def print_tables(results: list[dict], header: str) -> None:
             "replayed AG exposed µs (% of step)",
             "replayed RS exposed µs",
             "AG hidden by GEMMs",
+            "weight AG hidden, fwd / bwd, but each pass's first",
         ],
         rows,
         console,
@@ -549,7 +562,9 @@ def print_tables(results: list[dict], header: str) -> None:
         "asynchronous copies at no cost (the estimator gives each a fixed 5000 cycles, which makes every loop "
         "body at least that long), and "
         "collective latencies probed alone on the same mesh; AG hidden by GEMMs: gather runs with at least their "
-        "latency of GEMM time between start and done, of all gather runs."
+        "latency of GEMM time between start and done, of all gather runs; weight AG: the runs of gathers of 8- or "
+        "16-bit values (units' planes, bf16 weights) so hidden, of those runs, forward and backward (a recomputed "
+        "forward runs in the backward), each pass's first run (nothing of its pass before it) left out."
     )
 
 

@@ -64,6 +64,7 @@ class ScheduledInstr:
     parameter: int
     trips: int | None
     leaves: tuple[tuple[str, int], ...]  # (element type, bytes) of each array of its shape
+    op_name: str = ""  # its metadata's (jax's name stack: ``transpose(`` in the backward)
 
     @property
     def results(self) -> tuple[tuple[str, int], ...]:
@@ -130,6 +131,7 @@ def _instr(chunk: str) -> ScheduledInstr:
     backend = field("backend_config")
     trips = _TRIP.search(backend.group(1)) if backend else None
     index, param = field("tuple_index"), field("parameter_number")
+    op_name = re.search(r'\n        op_name: "([^"]*)"', "\n" + chunk)
     return ScheduledInstr(
         name=field("name").group(1).strip('"'),
         opcode=field("opcode").group(1).strip('"'),
@@ -140,6 +142,7 @@ def _instr(chunk: str) -> ScheduledInstr:
         parameter=int(param.group(1)) if param else 0,
         trips=int(trips.group(1)) if trips else None,
         leaves=tuple(leaves),
+        op_name=op_name.group(1) if op_name else "",
     )
 
 
@@ -173,6 +176,7 @@ class Gather:
     latency: float
     gemm_between: float = 0.0
     stall: float = 0.0
+    op_name: str = ""
     _end: float = 0.0
     _gemm_at_start: float = 0.0
 
@@ -240,6 +244,7 @@ def replay(dump, table: dict[tuple[str, int], float], gemm_us: dict[str, float] 
                     nbytes,
                     dtypes,
                     lat,
+                    op_name=i.op_name,
                     _end=begin + lat,
                     _gemm_at_start=state["gemm"],
                 )
@@ -269,6 +274,26 @@ def replay(dump, table: dict[tuple[str, int], float], gemm_us: dict[str, float] 
     for g in runs:
         exposed[g.kind] += g.stall
     return Result(state["t"], dict(exposed), state["gemm"], runs, {k: dict(v) for k, v in per.items()})
+
+
+def weight_gathers(gathers: list[Gather]) -> dict[str, dict[str, int]]:
+    """The weight gathers of a replayed step by pass: those carrying 8- or 16-bit values (units'
+    planes, bf16 weights; a plain parameter's fp32 gather alone is not one), forward or
+    backward by their op name (jax names the backward's ops ``transpose(...)``; a recomputed
+    forward runs in the backward). Per pass: ``runs``, ``hidden`` (runs with at least their
+    latency of GEMMs between start and done), and both again without the pass's first run
+    (``later``, ``later_hidden``), which nothing of its pass can run beside."""
+    out: dict[str, dict[str, int]] = {}
+    for g in gathers:
+        if not {"U8", "U16"} & set(g.dtypes):
+            continue
+        d = out.setdefault("backward" if "transpose(" in g.op_name else "forward", collections.Counter())
+        if d["runs"]:
+            d["later"] += 1
+            d["later_hidden"] += int(g.hidden)
+        d["runs"] += 1
+        d["hidden"] += int(g.hidden)
+    return {p: {k: d[k] for k in ("runs", "hidden", "later", "later_hidden")} for p, d in out.items()}
 
 
 def _is_body(comp: Computation) -> bool:
