@@ -562,9 +562,10 @@ def print_tables(results: list[dict], header: str) -> None:
         "asynchronous copies at no cost (the estimator gives each a fixed 5000 cycles, which makes every loop "
         "body at least that long), and "
         "collective latencies probed alone on the same mesh; AG hidden by GEMMs: gather runs with at least their "
-        "latency of GEMM time between start and done, of all gather runs; weight AG: the runs of gathers of 8- or "
-        "16-bit values (units' planes, bf16 weights) so hidden, of those runs, forward and backward (a recomputed "
-        "forward runs in the backward), each pass's first run (nothing of its pass before it) left out."
+        "latency of GEMM time between start and done, of all gather runs; weight AG: the runs of gathers of at least "
+        "1 MiB (weights: units' planes, bf16 or fp32 weights; not a norm's scale) so hidden, of those runs, "
+        "forward and backward (a recomputed forward runs in the backward), each pass's first run (nothing of its "
+        "pass before it) left out."
     )
 
 

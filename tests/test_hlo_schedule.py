@@ -181,20 +181,19 @@ def test_schedule_statistics_sum_loop_bodies_by_their_trip_count():
 
 
 def test_weight_gathers_are_counted_by_pass_without_each_passs_first():
-    """``hlo_replay.weight_gathers``: gathers of 8- or 16-bit values by pass (the backward's op
-    names are transposed), a plain parameter's fp32 gather left out, and each pass's first run
-    counted apart."""
+    """``hlo_replay.weight_gathers``: gathers of weights by pass (the backward's op names are
+    transposed), a norm scale's few KiB left out, and each pass's first run counted apart."""
     from mxfp8_jax._src.compiled.hlo_replay import Gather, weight_gathers
 
-    def g(name, dtypes, op, gemm, latency=10.0):
-        return Gather("main", name, "all-gather", 1024, dtypes, latency, gemm_between=gemm, op_name=op)
+    def g(name, dtypes, op, gemm, latency=10.0, nbytes=2**24):
+        return Gather("main", name, "all-gather", nbytes, dtypes, latency, gemm_between=gemm, op_name=op)
 
     fwd, bwd = "jit(step)/jvp()/shard_map/all_gather", "jit(step)/transpose(jvp())/shard_map/all_gather"
     gathers = [
         g("a", ("U16",), fwd, 0.0),  # the forward's first: nothing before it
-        g("s", ("F32",), fwd, 0.0),  # a norm's scale: not a weight gather
+        g("s", ("F32",), fwd, 0.0, nbytes=8 << 10),  # a norm's scale: not a weight gather
         g("b", ("F32", "U8"), fwd, 12.0),
-        g("c", ("U8",), fwd, 4.0),
+        g("c", ("F32",), fwd, 4.0),  # an fp32 weight (GSPMD's)
         g("d", ("U16",), bwd, 30.0),  # the backward's first, hidden all the same
         g("e", ("U8",), bwd, 10.0),
         g("f", ("U8",), bwd, 9.0),

@@ -276,16 +276,20 @@ def replay(dump, table: dict[tuple[str, int], float], gemm_us: dict[str, float] 
     return Result(state["t"], dict(exposed), state["gemm"], runs, {k: dict(v) for k, v in per.items()})
 
 
+WEIGHT_BYTES = 2**20
+
+
 def weight_gathers(gathers: list[Gather]) -> dict[str, dict[str, int]]:
-    """The weight gathers of a replayed step by pass: those carrying 8- or 16-bit values (units'
-    planes, bf16 weights; a plain parameter's fp32 gather alone is not one), forward or
-    backward by their op name (jax names the backward's ops ``transpose(...)``; a recomputed
-    forward runs in the backward). Per pass: ``runs``, ``hidden`` (runs with at least their
-    latency of GEMMs between start and done), and both again without the pass's first run
-    (``later``, ``later_hidden``), which nothing of its pass can run beside."""
+    """The weight gathers of a replayed step by pass: those of at least ``WEIGHT_BYTES`` (units'
+    planes, bf16 or fp32 weights; a norm's scale is a few KiB, and XLA combines it with a
+    weight's at times), forward or backward by their op name (jax names the backward's ops
+    ``transpose(...)``; a recomputed forward runs in the backward). Per pass: ``runs``,
+    ``hidden`` (runs with at least their latency of GEMMs between start and done), and both
+    again without the pass's first run (``later``, ``later_hidden``), which nothing of its pass
+    can run beside."""
     out: dict[str, dict[str, int]] = {}
     for g in gathers:
-        if not {"U8", "U16"} & set(g.dtypes):
+        if g.nbytes < WEIGHT_BYTES:
             continue
         d = out.setdefault("backward" if "transpose(" in g.op_name else "forward", collections.Counter())
         if d["runs"]:
